@@ -1,0 +1,69 @@
+"""prefixkv: prefix caching for LLM inference.
+
+The cache core (``prefixkv.cache``) is pure Python and imported eagerly. The engine layer
+(``LLM``, ``SamplingParams``, ...) imports torch, so it is loaded lazily on first use: importing
+``prefixkv`` or ``prefixkv.cache`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from prefixkv.cache import (
+    BlockPool,
+    CacheStats,
+    EvictionPolicy,
+    FIFOPolicy,
+    HashPrefixCache,
+    LFUPolicy,
+    LRUPolicy,
+    PinError,
+    PinnedPrefix,
+    PrefixCache,
+    PrefixMatch,
+    PrefixNode,
+    RadixPrefixCache,
+    make_cache,
+    make_policy,
+)
+
+__version__ = "0.1.0"
+
+# name -> module for the torch-dependent public API (resolved on first attribute access)
+_LAZY = {
+    "LLM": "prefixkv.engine",
+    "SamplingParams": "prefixkv.engine",
+    "RequestOutput": "prefixkv.engine",
+    "CompletionOutput": "prefixkv.engine",
+    "AsyncEngine": "prefixkv.engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefixkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "BlockPool",
+    "CacheStats",
+    "EvictionPolicy",
+    "FIFOPolicy",
+    "HashPrefixCache",
+    "LFUPolicy",
+    "LRUPolicy",
+    "PinError",
+    "PinnedPrefix",
+    "PrefixCache",
+    "PrefixMatch",
+    "PrefixNode",
+    "RadixPrefixCache",
+    "make_cache",
+    "make_policy",
+    *_LAZY,
+]

@@ -1,0 +1,78 @@
+"""EvictableHeap: the evictable leaves of an index, ordered by the eviction policy's key.
+
+Entries are pushed when they become evictable leaves (or are touched while they are one) and
+invalidated lazily: each entry carries a version, bumped on every push/discard, and stale heap
+items are skipped on pop. Each operation is O(log n); the heap is compacted when stale items
+outnumber live ones, so memory stays O(live entries).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Protocol
+
+from prefixkv.cache.policies import EvictionPolicy
+
+
+class HeapEntry(Protocol):
+    """What the heap needs from an entry: a version slot and a membership flag."""
+
+    heap_ver: int
+    in_heap: bool
+
+
+class EvictableHeap:
+    """A lazy-deletion min-heap keyed by ``policy.key(entry)``."""
+
+    __slots__ = ("policy", "_heap", "_seq", "_live")
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self._heap: list[tuple[Any, int, int, Any]] = []
+        self._seq = 0
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, entry: Any) -> None:
+        """Insert ``entry`` or refresh its key."""
+        if entry.in_heap:
+            self._live -= 1
+        entry.heap_ver += 1
+        entry.in_heap = True
+        self._live += 1
+        self._seq += 1
+        heapq.heappush(self._heap, (self.policy.key(entry), self._seq, entry.heap_ver, entry))
+        if len(self._heap) > 2 * self._live + 64:
+            self._compact()
+
+    def discard(self, entry: Any) -> None:
+        """Remove ``entry`` if present (lazily)."""
+        if entry.in_heap:
+            entry.in_heap = False
+            entry.heap_ver += 1
+            self._live -= 1
+
+    def pop(self) -> Any | None:
+        """Remove and return the entry with the smallest key, or ``None`` if empty."""
+        heap = self._heap
+        while heap:
+            _, _, ver, entry = heapq.heappop(heap)
+            if entry.in_heap and ver == entry.heap_ver:
+                entry.in_heap = False
+                entry.heap_ver += 1
+                self._live -= 1
+                return entry
+        return None
+
+    def clear(self) -> None:
+        """Forget every entry (their flags are reset by the caller's teardown)."""
+        for _, _, _, entry in self._heap:
+            entry.in_heap = False
+        self._heap.clear()
+        self._live = 0
+
+    def _compact(self) -> None:
+        self._heap = [it for it in self._heap if it[3].in_heap and it[2] == it[3].heap_ver]
+        heapq.heapify(self._heap)

@@ -1,0 +1,468 @@
+"""What the radix and the hashed index share: entries, locks, pins, eviction, statistics.
+
+An *entry* is a radix node (many blocks) or a hashed block (one block). Entries form a forest:
+each has a ``parent`` (``None`` or a root sentinel at the top). Locks and pins are path-wide:
+locking an entry increments ``lock_ref`` on it and on every ancestor, so an entry with
+``lock_ref == 0`` has no locked descendant on its own path and eviction (leaves only) can never
+strand a locked block. The same holds for ``pin_ref``.
+
+Counters kept incrementally (no scans): cached, locked, pinned and *protected* (locked or
+pinned) blocks. ``num_evictable_blocks = cached - protected`` because every unprotected block
+becomes a leaf once its unprotected descendants are gone.
+
+Thread safety: every public method takes ``self._lock`` (one re-entrant lock per index).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixkv.cache._checks import (
+    as_token_list,
+    check_block_ids,
+    check_count,
+    check_positive_int,
+    check_tokens,
+)
+from prefixkv.cache.evictable import EvictableHeap
+from prefixkv.cache.policies import EvictionPolicy, make_policy
+from prefixkv.cache.protocol import (
+    CacheStats,
+    LockHandle,
+    Namespace,
+    PinError,
+    PinnedPrefix,
+    PrefixMatch,
+    PrefixNode,
+)
+from prefixkv.cache.stats import Counters
+
+
+@dataclass(slots=True)
+class Walk:
+    """A read-only walk of the index along a query (what ``match_prefix`` found).
+
+    ``path`` holds the entries the match went through, the last one possibly only for its
+    first ``last_used`` blocks. ``partial_entry``/``partial_index`` locate the block whose
+    leading ``partial`` tokens equal the query's next tokens.
+    """
+
+    ids: list[int]
+    path: list[Any]
+    last_used: int
+    partial: int = 0
+    partial_entry: Any = None
+    partial_index: int = 0
+
+
+class PrefixIndexBase:
+    """Shared machinery; subclasses implement ``_walk``, ``_cut``, ``_drop_tail``, ``insert``."""
+
+    index_name = "base"
+
+    def __init__(
+        self,
+        max_blocks: int,
+        block_size: int,
+        *,
+        eviction_policy: str | EvictionPolicy = "lru",
+        max_pinned_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._max_blocks = check_positive_int(max_blocks, "max_blocks")
+        self._bs = check_positive_int(block_size, "block_size")
+        if max_pinned_blocks is None:
+            max_pinned_blocks = max_blocks // 5
+        self.max_pinned_blocks = check_count(max_pinned_blocks, "max_pinned_blocks")
+        if not callable(clock):
+            raise ValueError("clock must be a callable returning a float")
+        self._policy = make_policy(eviction_policy)
+        hooks = type(self._policy)
+        self._has_access_hook = hooks.on_access is not EvictionPolicy.on_access
+        self._has_evict_hook = hooks.on_evict is not EvictionPolicy.on_evict
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._heap = EvictableHeap(self._policy)
+        self._counters = Counters()
+        self._pins: dict[tuple[Namespace, tuple[int, ...]], tuple[PinnedPrefix, Any]] = {}
+        self._flags = bytearray(max_blocks)  # 1 where the index holds that block id
+        self._num_cached = 0
+        self._locked_blocks = 0
+        self._pinned_blocks = 0
+        self._protected_blocks = 0
+        self._num_entries = 0
+        self._tick = 0
+        self.last_pin_error: str | None = None
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._bs
+
+    @property
+    def max_blocks(self) -> int:
+        """Size of the block-id space ``[0, max_blocks)``."""
+        return self._max_blocks
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy in use."""
+        return self._policy
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the index holds."""
+        return self._num_cached
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks that ``evict`` could free now (cached, unlocked, unpinned)."""
+        return self._num_cached - self._protected_blocks
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the index holds ``block_id``."""
+        return 0 <= block_id < self._max_blocks and bool(self._flags[block_id])
+
+    def _mark(self, ids: Sequence[int], value: int) -> None:
+        flags = self._flags
+        for b in ids:
+            flags[b] = value
+        self._num_cached += len(ids) if value else -len(ids)
+
+    def _cached_id_set(self) -> set[int]:
+        return {b for b, f in enumerate(self._flags) if f}
+
+    # ------------------------------------------------------------ subclass hooks
+    def _walk(self, tokens: Sequence[int], n: int, namespace: Namespace, extra: Any) -> Walk:
+        raise TypeError("subclass must implement _walk")
+
+    def _cut(self, entry: Any, k: int) -> Any:
+        """Return an entry on ``entry``'s path that ends exactly after its ``k``-th block."""
+        raise TypeError("subclass must implement _cut")
+
+    def _drop_tail(self, entry: Any, k: int) -> list[int]:
+        """Remove the last ``k`` blocks of an evictable leaf; detach it when empty."""
+        raise TypeError("subclass must implement _drop_tail")
+
+    def _memory_bytes(self) -> int:
+        raise TypeError("subclass must implement _memory_bytes")
+
+    # ------------------------------------------------------------- entry helpers
+    @staticmethod
+    def _is_evictable_leaf(e: Any) -> bool:
+        return e.lock_ref == 0 and e.pin_ref == 0 and e.num_children == 0 and not e.is_root
+
+    def _refresh(self, e: Any) -> None:
+        """Re-file ``e`` in the evictable heap after anything about it changed."""
+        if e is None or e.is_root:
+            return
+        if self._is_evictable_leaf(e) and e.num_blocks:
+            self._heap.push(e)
+        else:
+            self._heap.discard(e)
+
+    def _touch(self, entries: Sequence[Any], now: float) -> None:
+        self._tick += 1
+        tick = self._tick
+        for e in entries:
+            e.last_access_time = now
+            e.access_count += 1
+            e.tick = tick
+        if self._has_access_hook:
+            for e in entries:
+                self._policy.on_access(e)
+        if entries:
+            last = entries[-1]
+            if last.in_heap or self._is_evictable_leaf(last):
+                self._refresh(last)
+
+    def _path_up(self, e: Any) -> list[Any]:
+        out = []
+        while e is not None and not e.is_root:
+            out.append(e)
+            e = e.parent
+        return out
+
+    def _add_lock(self, target: Any, delta: int) -> None:
+        for e in self._path_up(target):
+            before = e.lock_ref
+            e.lock_ref = before + delta
+            if (before == 0) != (e.lock_ref == 0):
+                sign = 1 if delta > 0 else -1
+                self._locked_blocks += sign * e.num_blocks
+                if e.pin_ref == 0:
+                    self._protected_blocks += sign * e.num_blocks
+                self._refresh(e)
+
+    def _add_pin(self, target: Any, delta: int) -> None:
+        for e in self._path_up(target):
+            before = e.pin_ref
+            e.pin_ref = before + delta
+            if (before == 0) != (e.pin_ref == 0):
+                sign = 1 if delta > 0 else -1
+                self._pinned_blocks += sign * e.num_blocks
+                if e.lock_ref == 0:
+                    self._protected_blocks += sign * e.num_blocks
+                self._refresh(e)
+
+    def _new_pinned_blocks(self, target: Any) -> int:
+        return sum(e.num_blocks for e in self._path_up(target) if e.pin_ref == 0)
+
+    def _take_lock(self, target: Any, num_blocks: int) -> LockHandle:
+        if target is not None:
+            self._add_lock(target, +1)
+        return LockHandle(target=target, num_blocks=num_blocks)
+
+    # ------------------------------------------------------------------ protocol
+    def match_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        namespace: Namespace = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
+        lock: bool = False,
+    ) -> PrefixMatch:
+        """Longest cached block-aligned prefix of ``token_ids`` (see :class:`PrefixCache`)."""
+        tokens = as_token_list(token_ids)
+        with self._lock:
+            w = self._walk(tokens, len(tokens), namespace, extra_keys)
+            match_length = len(w.ids) * self._bs
+            # matched tokens equal cached (validated) keys; check the rest before any change
+            check_tokens(tokens[match_length:])
+            self._counters.record_query(len(tokens), match_length, w.partial)
+            if w.path:
+                self._touch(w.path, self._clock())
+            partial_bid = None
+            if w.partial:  # read before any split below moves blocks between nodes
+                partial_bid = w.partial_entry.blocks[w.partial_index]
+            handle = None
+            if lock:
+                if w.partial:
+                    target = self._cut(w.partial_entry, w.partial_index + 1)
+                elif w.path:
+                    target = self._cut(w.path[-1], w.last_used)
+                else:
+                    target = None
+                handle = self._take_lock(target, len(w.ids) + (1 if w.partial else 0))
+            return PrefixMatch(
+                token_ids=tokens,
+                match_length=match_length,
+                matched_kv_blocks=w.ids,
+                partial_tokens=w.partial,
+                partial_block_id=partial_bid,
+                namespace=namespace,
+                lock=handle,
+            )
+
+    def unlock(self, ref: PrefixMatch | PrefixNode) -> None:
+        """Release a lock taken with ``lock=True``; ``ValueError`` if none or already released."""
+        handle = getattr(ref, "lock", None)
+        if not isinstance(handle, LockHandle):
+            raise ValueError("ref holds no lock (pass lock=True to match_prefix/insert_prefix)")
+        with self._lock:
+            if handle.released:
+                raise ValueError("lock already released")
+            handle.released = True
+            if handle.target is not None:
+                self._add_lock(handle.target, -1)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids."""
+        check_count(num_blocks, "num_blocks")
+        with self._lock:
+            out: list[int] = []
+            while len(out) < num_blocks:
+                e = self._heap.pop()
+                if e is None:
+                    break
+                k = min(num_blocks - len(out), e.num_blocks)
+                out.extend(self._drop_tail(e, k))
+                if e.num_blocks:
+                    self._heap.push(e)
+                else:
+                    self._counters.evictions += 1
+                    if self._has_evict_hook:
+                        self._policy.on_evict(e)
+                    parent = e.parent
+                    if parent is not None and not parent.is_root:
+                        self._refresh(parent)
+            self._counters.evicted_blocks += len(out)
+            self._mark(out, 0)
+            return out
+
+    def evict_lru(self, num_blocks: int) -> list[int]:
+        """Seed 004's name for :meth:`evict`."""
+        return self.evict(num_blocks)
+
+    def _aligned(self, token_ids: Sequence[int]) -> tuple[Sequence[int], int]:
+        tokens = as_token_list(token_ids)
+        nb = len(tokens) // self._bs
+        return tokens, nb
+
+    def pin(
+        self,
+        token_ids: Sequence[int],
+        *,
+        namespace: Namespace = None,
+        description: str | None = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
+    ) -> PinnedPrefix:
+        """Pin the full blocks of a cached prefix; raises :class:`PinError` with the reason."""
+        tokens, nb = self._aligned(token_ids)
+        if nb == 0:
+            raise PinError(f"prefix of {len(tokens)} tokens is shorter than one block ({self._bs})")
+        with self._lock:
+            key = (namespace, tuple(tokens[: nb * self._bs]))
+            if key in self._pins:
+                return self._pins[key][0]
+            w = self._walk(tokens, nb * self._bs, namespace, extra_keys)
+            if len(w.ids) < nb:
+                raise PinError(f"prefix not cached: {len(w.ids)} of its {nb} blocks are cached")
+            target = self._cut(w.path[-1], w.last_used)
+            new = self._new_pinned_blocks(target)
+            if self._pinned_blocks + new > self.max_pinned_blocks:
+                raise PinError(
+                    f"pinning {new} more blocks would exceed max_pinned_blocks="
+                    f"{self.max_pinned_blocks} ({self._pinned_blocks} pinned)"
+                )
+            self._add_pin(target, +1)
+            info = PinnedPrefix(
+                token_ids=list(key[1]),
+                num_blocks=nb,
+                namespace=namespace,
+                description=description,
+                pinned_at=self._clock(),
+            )
+            self._pins[key] = (info, target)
+            return info
+
+    def pin_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        namespace: Namespace = None,
+        description: str | None = None,
+    ) -> bool:
+        """Seed 004's pin: ``True`` on success, else ``False`` with ``last_pin_error`` set."""
+        try:
+            self.pin(token_ids, namespace=namespace, description=description)
+        except PinError as exc:
+            self.last_pin_error = str(exc)
+            return False
+        self.last_pin_error = None
+        return True
+
+    def unpin_prefix(self, token_ids: Sequence[int], *, namespace: Namespace = None) -> bool:
+        """Unpin a pinned prefix; ``False`` if that prefix was not pinned."""
+        tokens, nb = self._aligned(token_ids)
+        with self._lock:
+            entry = self._pins.pop((namespace, tuple(tokens[: nb * self._bs])), None)
+            if entry is None:
+                return False
+            self._add_pin(entry[1], -1)
+            return True
+
+    def list_pinned(self) -> list[PinnedPrefix]:
+        """Pinned prefixes, oldest first."""
+        with self._lock:
+            return [info for info, _ in self._pins.values()]
+
+    def reset(self) -> list[int]:
+        """Unpin all and evict every unlocked block; returns the freed ids (caller owns them)."""
+        with self._lock:
+            for _, target in self._pins.values():
+                self._add_pin(target, -1)
+            self._pins.clear()
+            return self.evict(self.num_evictable_blocks)
+
+    def get_hit_rate(self) -> float:
+        """Queries with a non-empty match over all queries (seed 004)."""
+        with self._lock:
+            c = self._counters
+            return c.hits / c.queries if c.queries else 0.0
+
+    def reset_stats(self) -> None:
+        """Zero the query/insert/eviction counters (cached contents are unchanged)."""
+        with self._lock:
+            self._counters = Counters()
+
+    def get_stats(self) -> CacheStats:
+        """Snapshot of counters and sizes."""
+        with self._lock:
+            return self._counters.snapshot(
+                index=self.index_name,
+                block_size=self._bs,
+                max_blocks=self._max_blocks,
+                cached_blocks=self._num_cached,
+                pinned_blocks=self._pinned_blocks,
+                locked_blocks=self._locked_blocks,
+                evictable_blocks=self.num_evictable_blocks,
+                num_nodes=self._num_entries,
+                memory_bytes=self._memory_bytes(),
+                policy=self._policy.name,
+            )
+
+    # --------------------------------------------------------------- insert help
+    def _check_ids_against_cache(
+        self, ids: Sequence[int], cached: list[int]
+    ) -> list[int]:
+        """Validate the caller's ids against the cached prefix; return the ids not taken.
+
+        ``cached`` are the ids already cached for the first ``len(cached)`` positions. A caller
+        id that differs from the cached one must not be cached anywhere (it is returned); ids
+        past the cached prefix must not be cached anywhere (they will be taken). Only ids that
+        are not simply re-confirmed are range/type checked, so re-inserting a long cached
+        prefix costs one list comparison.
+        """
+        m = len(cached)
+        returned: list[int] = []
+        if ids[:m] != cached:
+            returned = [mine for mine, theirs in zip(ids[:m], cached) if mine != theirs]
+        new = ids[m:]
+        fresh = returned + list(new) if returned else new
+        check_block_ids(fresh, self._max_blocks)
+        flags = self._flags
+        if fresh and any(map(flags.__getitem__, fresh)):
+            dup = next(b for b in fresh if flags[b])
+            raise ValueError(f"kv_block_ids: block id {dup} is already cached at another position")
+        return returned
+
+    def _finish_insert(
+        self,
+        tokens: Sequence[int],
+        nb: int,
+        path: list[Any],
+        all_ids: list[int],
+        returned: list[int],
+        target: Any,
+        pin: bool,
+        lock: bool,
+        namespace: Namespace,
+        now: float,
+        description: str | None = None,
+    ) -> PrefixNode:
+        self._counters.inserts += 1
+        if path:
+            self._touch(path, now)
+        handle = self._take_lock(target, nb) if lock else None
+        is_pinned = False
+        if pin and nb:
+            is_pinned = self.pin_prefix(tokens[: nb * self._bs], namespace=namespace,
+                                        description=description)
+        elif target is not None:
+            is_pinned = target.pin_ref > 0
+        return PrefixNode(
+            token_ids=list(tokens[: nb * self._bs]),
+            kv_block_ids=all_ids,
+            returned_block_ids=returned,
+            is_pinned=is_pinned,
+            ref_count=target.lock_ref if target is not None else 0,
+            last_access_time=now,
+            namespace=namespace,
+            lock=handle,
+        )

@@ -1,0 +1,104 @@
+"""Eviction policies: each one is a sort key over a cache entry, plus optional hooks.
+
+An index keeps its *evictable leaves* (cached, unlocked, unpinned, no cached child) in a heap
+ordered by ``policy.key(entry)``; the smallest key is evicted first. A key is computed when an
+entry becomes an evictable leaf and again whenever it is accessed while it is one, so a key
+must depend only on the entry's fields (and on state the policy keeps through its hooks), not
+on the current time.
+
+The entry passed in is a radix node or a hashed block; both expose:
+
+* ``last_access_time`` (float, the index clock at the last match or insert that reached it)
+* ``access_count`` (int, matches and inserts that reached it)
+* ``depth`` (int, blocks from the root through the entry's deepest block)
+* ``num_blocks`` (int, blocks the entry holds: 1 for a hashed block)
+* ``created_time`` (float)
+* ``tick`` (int, a global counter value at the last access: a total order on accesses)
+
+Hooks (all optional no-ops here): ``on_access(entry)`` after each match/insert that reaches
+an entry, ``on_evict(entry)`` when an entry leaves the index.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class CacheEntry(Protocol):
+    """The fields a policy may read (see the module docstring)."""
+
+    last_access_time: float
+    access_count: int
+    depth: int
+    created_time: float
+    tick: int
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the entry holds."""
+        ...
+
+
+class EvictionPolicy:
+    """Base of the shipped policies: a name, a key, and no-op hooks.
+
+    Subclasses override :meth:`key`; policies with side state also override the hooks.
+    """
+
+    name = "base"
+
+    def key(self, entry: CacheEntry) -> Any:
+        """Sort key; the entry with the smallest key is evicted first."""
+        raise TypeError(f"{type(self).__name__} must define key()")
+
+    def on_access(self, entry: CacheEntry) -> None:
+        """Called after a match or insert reached ``entry`` (its fields are already updated)."""
+
+    def on_evict(self, entry: CacheEntry) -> None:
+        """Called when ``entry`` leaves the index."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first; ties go to the deeper entry (vLLM's tail-first rule)."""
+
+    name = "lru"
+
+    def key(self, entry: CacheEntry) -> Any:
+        return (entry.last_access_time, -entry.depth, entry.tick)
+
+
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used first, then least recent, then deepest."""
+
+    name = "lfu"
+
+    def key(self, entry: CacheEntry) -> Any:
+        return (entry.access_count, entry.last_access_time, -entry.depth, entry.tick)
+
+
+class FIFOPolicy(EvictionPolicy):
+    """Oldest insertion first, then deepest."""
+
+    name = "fifo"
+
+    def key(self, entry: CacheEntry) -> Any:
+        return (entry.created_time, -entry.depth, entry.tick)
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "fifo": FIFOPolicy,
+}
+
+
+def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """Resolve a policy name (``lru``, ``lfu``, ``fifo``, ...) or pass an instance through."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    if isinstance(policy, str) and policy.lower() in POLICIES:
+        return POLICIES[policy.lower()]()
+    raise ValueError(
+        f"eviction_policy must be one of {sorted(POLICIES)} or an EvictionPolicy, got {policy!r}"
+    )

@@ -1,0 +1,277 @@
+"""The prefix-cache contract: result records and the protocol every index obeys.
+
+Seed 004's protocol is the public face (``match_prefix``, ``insert_prefix``, ``evict_lru``,
+``pin_prefix``, ``get_hit_rate``); the rest is what an engine needs to use it safely.
+
+Terms
+-----
+* A *block* holds ``block_size`` consecutive tokens. ``kv_block_ids[i]`` holds tokens
+  ``[i * block_size, (i + 1) * block_size)`` of a sequence. Only full blocks are cached.
+* Block ids are ints in ``[0, max_blocks)``; the index never invents ids, it only records
+  the ids callers hand it.
+* A *namespace* (LoRA id, tenant ``cache_salt``, ...) is any hashable value or ``None``.
+  Entries in different namespaces never match each other.
+
+Who owns a block id (the ownership table)
+----------------------------------------
+Every id is in exactly one of three places:
+
+===================  ==========================================================
+free                 in the caller's :class:`~prefixkv.cache.block_pool.BlockPool`
+caller-private       allocated by a caller and not (or no longer) in the index
+cached               recorded by the index; it may also be *locked* (in use by a
+                     running request: ref count > 0) and/or *pinned*
+===================  ==========================================================
+
+After each call:
+
+* ``match_prefix``: nothing changes hands. With ``lock=True`` the matched blocks (and the
+  partial-reuse source block, if any) are locked until ``unlock(match)``.
+* ``insert_prefix``: ids at positions that were not cached become *cached* (the index holds
+  them). Ids at positions already cached under another id are *not* taken: they are listed in
+  ``PrefixNode.returned_block_ids`` and stay caller-private (the caller frees them when it is
+  done with them). Ids equal to the cached id at their position are simply re-confirmed.
+* ``evict`` / ``evict_lru`` / ``reset``: the returned ids leave the index and become
+  caller-private; the caller returns them to its pool.
+
+Eviction never touches a locked or pinned block, and only removes *leaves* (a block no other
+cached block depends on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+Namespace = Hashable | None
+"""Cache partition key (LoRA id, tenant salt, ...). ``None`` is the default namespace."""
+
+
+class PinError(ValueError):
+    """A prefix could not be pinned (not cached, or over the pinned-block budget)."""
+
+
+@dataclass(slots=True)
+class LockHandle:
+    """Opaque token for a lock taken by ``match_prefix(lock=True)`` / ``insert_prefix(lock=True)``.
+
+    ``unlock`` consumes it; a handle can be released once.
+    """
+
+    target: object
+    num_blocks: int
+    released: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Result of ``match_prefix``: the longest cached block-aligned prefix of a query.
+
+    Attributes:
+        token_ids: the query (as passed in; not copied).
+        match_length: number of leading tokens whose KV is cached; a multiple of ``block_size``.
+        matched_kv_blocks: block ids holding those tokens, ``match_length // block_size`` of them.
+        partial_tokens: how many leading tokens of the *next* block equal the leading tokens of a
+            cached block (``0 <= partial_tokens < block_size``). An engine may copy those KV rows
+            from ``partial_block_id`` instead of recomputing them.
+        partial_block_id: the cached block to copy partial rows from, or ``None``.
+        namespace: the namespace that was searched.
+        lock: the lock taken when ``lock=True`` was passed, else ``None``.
+    """
+
+    token_ids: Sequence[int]
+    match_length: int
+    matched_kv_blocks: list[int]
+    partial_tokens: int = 0
+    partial_block_id: int | None = None
+    namespace: Namespace = None
+    lock: LockHandle | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def matched_tokens(self) -> list[int]:
+        """The cached leading tokens (seed 004's field)."""
+        return list(self.token_ids[: self.match_length])
+
+    @property
+    def remaining_tokens(self) -> list[int]:
+        """The tokens that still need prefill (seed 004's field)."""
+        return list(self.token_ids[self.match_length :])
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose KV can be reused: full blocks plus partial rows."""
+        return self.match_length + self.partial_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixNode:
+    """Result of ``insert_prefix``: the cached state of the inserted prefix after the call.
+
+    Attributes:
+        token_ids: the block-aligned prefix that is now cached (a trailing partial block of the
+            input is never cached).
+        kv_block_ids: the cached block ids for that prefix, one per block. Where the caller's id
+            duplicated a block already cached, this holds the cached id, not the caller's.
+        returned_block_ids: caller ids the index did not take (their blocks were already cached
+            under other ids). They stay owned by the caller, who frees them.
+        is_pinned: whether the whole prefix is pinned after the call.
+        ref_count: lock count on the deepest block after the call.
+        last_access_time: clock value of this insert.
+        namespace: the namespace inserted into.
+        lock: the lock taken when ``lock=True`` was passed, else ``None``.
+    """
+
+    token_ids: list[int]
+    kv_block_ids: list[int]
+    returned_block_ids: list[int]
+    is_pinned: bool
+    ref_count: int
+    last_access_time: float
+    namespace: Namespace = None
+    lock: LockHandle | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedPrefix:
+    """One pinned prefix, as listed by ``list_pinned``."""
+
+    token_ids: list[int]
+    num_blocks: int
+    namespace: Namespace
+    description: str | None
+    pinned_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of an index's counters (``get_stats``).
+
+    ``query_hit_rate`` is seed 004's hit rate: queries with ``match_length > 0`` over queries.
+    ``token_hit_rate`` is matched tokens over queried tokens. ``free_blocks`` counts ids the
+    index does not hold (free in a pool or private to callers): ``max_blocks - cached_blocks``.
+    """
+
+    index: str
+    block_size: int
+    max_blocks: int
+    queries: int
+    hits: int
+    query_hit_rate: float
+    queried_tokens: int
+    matched_tokens: int
+    partial_tokens: int
+    token_hit_rate: float
+    avg_match_length: float
+    inserts: int
+    cached_blocks: int
+    pinned_blocks: int
+    locked_blocks: int
+    evictable_blocks: int
+    free_blocks: int
+    evictions: int
+    evicted_blocks: int
+    num_nodes: int
+    memory_bytes: int
+    policy: str
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """What every prefix index (radix and hashed) provides. Thread safe: one lock per index.
+
+    Bad arguments raise ``ValueError`` naming the argument and leave the index unchanged.
+    """
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        ...
+
+    @property
+    def max_blocks(self) -> int:
+        """Size of the block-id space; the index holds at most this many blocks."""
+        ...
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the index holds now."""
+        ...
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks ``evict`` could free now (cached, not locked, not pinned)."""
+        ...
+
+    def match_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        namespace: Namespace = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
+        lock: bool = False,
+    ) -> PrefixMatch:
+        """Find the longest cached block-aligned prefix of ``token_ids``.
+
+        Counts as a use of the matched blocks for recency and frequency, and as one query in
+        the statistics. With ``lock=True`` the matched blocks (and the partial-reuse source)
+        are locked atomically with the match; release them with ``unlock``.
+        """
+        ...
+
+    def insert_prefix(
+        self,
+        token_ids: Sequence[int],
+        kv_block_ids: Sequence[int],
+        pin: bool = False,
+        *,
+        namespace: Namespace = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
+        lock: bool = False,
+    ) -> PrefixNode:
+        """Cache the full blocks of ``token_ids``; ``len(kv_block_ids)`` must equal
+        ``len(token_ids) // block_size``. See the module docstring for who owns which id after.
+        """
+        ...
+
+    def unlock(self, ref: PrefixMatch | PrefixNode) -> None:
+        """Release the lock taken by ``match_prefix(lock=True)`` or ``insert_prefix(lock=True)``."""
+        ...
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Evict up to ``num_blocks`` blocks (leaves first, by the eviction policy).
+
+        Returns the freed ids; the caller owns them. Fewer are returned when fewer are evictable.
+        """
+        ...
+
+    def evict_lru(self, num_blocks: int) -> list[int]:
+        """Seed 004's name for :meth:`evict` (the policy decides the order; LRU by default)."""
+        ...
+
+    def pin_prefix(
+        self, token_ids: Sequence[int], *, namespace: Namespace = None, description: str | None = None
+    ) -> bool:
+        """Pin the cached full blocks of a prefix; ``False`` (reason in ``last_pin_error``) when
+        the prefix is not cached or the pinned-block budget would be exceeded."""
+        ...
+
+    def unpin_prefix(self, token_ids: Sequence[int], *, namespace: Namespace = None) -> bool:
+        """Unpin a prefix pinned before; ``False`` if it was not pinned."""
+        ...
+
+    def list_pinned(self) -> list[PinnedPrefix]:
+        """The pinned prefixes, oldest first."""
+        ...
+
+    def reset(self) -> list[int]:
+        """Unpin everything and drop every block that is not locked; returns the freed ids."""
+        ...
+
+    def get_hit_rate(self) -> float:
+        """Seed 004's hit rate: queries with a non-empty match over all queries."""
+        ...
+
+    def get_stats(self) -> CacheStats:
+        """A snapshot of the counters."""
+        ...

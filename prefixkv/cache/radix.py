@@ -1,0 +1,326 @@
+"""RadixPrefixCache: a path-compressed radix tree over token ids (SGLang's RadixAttention).
+
+At ``block_size=1`` reuse is token exact (SGLang); above 1 the tree is page aligned: every
+node holds a whole number of blocks, and a query is matched in whole blocks, plus the
+``partial_tokens`` of the next block that equal a cached block (for row copying).
+
+Nodes are split when a query or an insert diverges inside them. A split keeps the *lower*
+part in the original node object (so a lock handle, which names the deepest locked node,
+stays valid) and creates a new parent for the upper part, inheriting lock and pin counts.
+
+Cost: a match compares whole node keys with list-slice equality (C speed), so it is
+O(matched tokens) with a small constant plus O(nodes on the path) Python steps. Eviction pops
+the policy's smallest evictable leaf from a heap and trims blocks off its tail: O(log n) per
+evicted node, never a scan.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from prefixkv.cache._checks import check_tokens
+from prefixkv.cache.index_base import PrefixIndexBase, Walk
+from prefixkv.cache.policies import EvictionPolicy
+from prefixkv.cache.protocol import Namespace, PrefixNode
+
+
+class RadixNode:
+    """One edge of the tree: ``key`` tokens stored in ``blocks`` (``len(key) == len(blocks) * bs``).
+
+    ``children`` maps a child's first token to the children starting with it (one child per
+    token at block size 1; several may share a first token above 1, differing later in their
+    first block).
+    """
+
+    __slots__ = (
+        "key", "blocks", "parent", "children", "num_children", "lock_ref", "pin_ref",
+        "last_access_time", "access_count", "created_time", "tick", "start_depth",
+        "heap_ver", "in_heap", "is_root", "__weakref__",
+    )
+
+    def __init__(self, key: list[int], blocks: list[int], parent: RadixNode | None, now: float,
+                 start_depth: int = 0, is_root: bool = False) -> None:
+        self.key = key
+        self.blocks = blocks
+        self.parent = parent
+        self.children: dict[int, list[RadixNode]] = {}
+        self.num_children = 0
+        self.lock_ref = 0
+        self.pin_ref = 0
+        self.last_access_time = now
+        self.access_count = 0
+        self.created_time = now
+        self.tick = 0
+        self.start_depth = start_depth
+        self.heap_ver = 0
+        self.in_heap = False
+        self.is_root = is_root
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held by this node."""
+        return len(self.blocks)
+
+    @property
+    def depth(self) -> int:
+        """Blocks from the root through this node's last block."""
+        return self.start_depth + len(self.blocks)
+
+    def __repr__(self) -> str:
+        return f"RadixNode(depth={self.depth}, blocks={len(self.blocks)}, lock={self.lock_ref})"
+
+
+class RadixPrefixCache(PrefixIndexBase):
+    """Radix-tree prefix index. See :class:`prefixkv.cache.protocol.PrefixCache` for contracts.
+
+    Args:
+        max_blocks: size of the block-id space ``[0, max_blocks)`` (the KV pool size).
+        block_size: tokens per block (1 = token-exact reuse).
+        eviction_policy: ``"lru"`` (default), ``"lfu"``, ``"fifo"`` or an ``EvictionPolicy``.
+        max_pinned_blocks: pinned-block budget (default 20% of ``max_blocks``).
+        clock: time source for recency (injectable for tests).
+
+    ``extra_keys`` is not supported here (use ``namespace``); passing it is a ``ValueError``.
+    """
+
+    index_name = "radix"
+
+    def __init__(
+        self,
+        max_blocks: int,
+        block_size: int = 1,
+        *,
+        eviction_policy: str | EvictionPolicy = "lru",
+        max_pinned_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(max_blocks, block_size, eviction_policy=eviction_policy,
+                         max_pinned_blocks=max_pinned_blocks, clock=clock)
+        self._roots: dict[Namespace, RadixNode] = {}
+        self._cached_tokens = 0
+
+    # ------------------------------------------------------------------ walking
+    def _walk(self, tokens: Sequence[int], n: int, namespace: Namespace, extra: Any) -> Walk:
+        if extra is not None:
+            raise ValueError("extra_keys is supported by HashPrefixCache only; use namespace")
+        walk = Walk(ids=[], path=[], last_used=0)
+        node = self._roots.get(namespace)
+        if node is None:
+            return walk
+        bs = self._bs
+        ids = walk.ids
+        path = walk.path
+        i = 0
+        while i < n:
+            lst = node.children.get(tokens[i])
+            if lst is None:
+                break
+            child = None
+            if n - i >= bs:
+                if bs == 1:
+                    child = lst[0]
+                else:
+                    head = tokens[i : i + bs]
+                    for c in lst:
+                        if c.key[:bs] == head:
+                            child = c
+                            break
+            if child is None:  # no full first block: look for partial rows
+                if bs > 1:
+                    best, best_c = 0, None
+                    for c in lst:
+                        p = _lcp(c.key, 0, tokens, i, min(bs, n - i))
+                        if p > best:
+                            best, best_c = p, c
+                    if best_c is not None:
+                        walk.partial, walk.partial_entry, walk.partial_index = best, best_c, 0
+                break
+            key = child.key
+            klen = len(key)
+            if i + klen <= n and tokens[i : i + klen] == key:
+                path.append(child)
+                ids.extend(child.blocks)
+                walk.last_used = len(child.blocks)
+                i += klen
+                node = child
+                continue
+            k = _common_blocks(key, tokens, i, n, bs)
+            path.append(child)
+            ids.extend(child.blocks[:k])
+            walk.last_used = k
+            i += k * bs
+            if bs > 1 and i < n and k < len(child.blocks):
+                p = _lcp(key, k * bs, tokens, i, min(bs, n - i))
+                if p:
+                    walk.partial, walk.partial_entry, walk.partial_index = p, child, k
+            break
+        return walk
+
+    def _cut(self, entry: RadixNode, k: int) -> RadixNode:
+        if k < len(entry.blocks):
+            return self._split(entry, k)
+        return entry
+
+    def _split(self, node: RadixNode, k: int) -> RadixNode:
+        """Split ``node`` after its ``k``-th block; returns the new upper node (its parent)."""
+        bs = self._bs
+        parent = node.parent
+        assert parent is not None
+        upper = RadixNode(node.key[: k * bs], node.blocks[:k], parent, node.last_access_time,
+                          node.start_depth)
+        upper.lock_ref = node.lock_ref
+        upper.pin_ref = node.pin_ref
+        upper.access_count = node.access_count
+        upper.created_time = node.created_time
+        upper.tick = node.tick
+        siblings = parent.children[node.key[0]]
+        siblings[siblings.index(node)] = upper
+        node.key = node.key[k * bs :]
+        node.blocks = node.blocks[k:]
+        node.start_depth += k
+        node.parent = upper
+        upper.children[node.key[0]] = [node]
+        upper.num_children = 1
+        self._num_entries += 1
+        # pinned prefixes that ended at `node`'s old end still end there; the registry names
+        # the deepest node, so nothing to update. `node` keeps its heap membership and key.
+        if node.in_heap:
+            self._heap.push(node)
+        return upper
+
+    def _drop_tail(self, entry: RadixNode, k: int) -> list[int]:
+        first_token = entry.key[0]
+        ids = entry.blocks[-k:]
+        del entry.blocks[-k:]
+        del entry.key[len(entry.key) - k * self._bs :]
+        self._cached_tokens -= k * self._bs
+        if not entry.blocks:
+            parent = entry.parent
+            assert parent is not None
+            siblings = parent.children[first_token]
+            siblings.remove(entry)
+            if not siblings:
+                del parent.children[first_token]
+            parent.num_children -= 1
+            self._num_entries -= 1
+        ids.reverse()  # deepest block first
+        return ids
+
+    # ------------------------------------------------------------------- insert
+    def insert_prefix(
+        self,
+        token_ids: Sequence[int],
+        kv_block_ids: Sequence[int],
+        pin: bool = False,
+        *,
+        namespace: Namespace = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
+        lock: bool = False,
+        description: str | None = None,
+    ) -> PrefixNode:
+        """Cache the full blocks of ``token_ids`` (see :class:`PrefixCache` for ownership)."""
+        tokens, nb = self._aligned(token_ids)
+        ids = kv_block_ids if isinstance(kv_block_ids, list) else list(kv_block_ids)
+        if len(ids) != nb:
+            raise ValueError(
+                f"kv_block_ids has {len(ids)} ids but token_ids has {len(tokens)} tokens = "
+                f"{nb} full blocks of {self._bs}"
+            )
+        with self._lock:
+            w = self._walk(tokens, nb * self._bs, namespace, extra_keys)
+            m = len(w.ids)
+            check_tokens(tokens[m * self._bs :])
+            returned = self._check_ids_against_cache(ids, w.ids)
+            now = self._clock()
+            # --- validated: mutate from here on
+            root = self._roots.get(namespace)
+            if root is None:
+                root = self._roots[namespace] = RadixNode([], [], None, now, is_root=True)
+            if w.path:
+                last = w.path[-1]
+                if w.last_used < len(last.blocks):
+                    last = self._split(last, w.last_used)
+                    w.path[-1] = last
+                attach = last
+            else:
+                attach = root
+            target = attach if w.path else None
+            if m < nb:
+                new_ids = ids[m:]
+                node = RadixNode(list(tokens[m * self._bs : nb * self._bs]), list(new_ids),
+                                 attach, now, start_depth=m)
+                attach.children.setdefault(node.key[0], []).append(node)
+                attach.num_children += 1
+                self._num_entries += 1
+                self._refresh(attach)
+                self._mark(new_ids, 1)
+                self._cached_tokens += len(node.key)
+                w.path.append(node)
+                target = node
+            return self._finish_insert(tokens, nb, w.path, w.ids + ids[m:], returned, target,
+                                       pin, lock, namespace, now, description)
+
+    def _memory_bytes(self) -> int:
+        node_size = sys.getsizeof(RadixNode([], [], None, 0.0)) + 2 * 56 + 64 + 232
+        return self._num_entries * node_size + self._cached_tokens * 8 + self._num_cached * 8 + self._max_blocks
+
+    def check_invariants(self) -> None:
+        """Walk the whole tree and assert every structural invariant (tests and debugging)."""
+        with self._lock:
+            seen: set[int] = set()
+            locked = pinned = protected = entries = 0
+            for root in self._roots.values():
+                stack = [root]
+                while stack:
+                    node = stack.pop()
+                    n_children = sum(len(v) for v in node.children.values())
+                    assert n_children == node.num_children, "num_children out of sync"
+                    for t, lst in node.children.items():
+                        for c in lst:
+                            assert c.parent is node and c.key[0] == t and c.blocks
+                            assert len(c.key) == len(c.blocks) * self._bs
+                            assert c.start_depth == node.depth if not node.is_root else c.start_depth == 0
+                            assert c.lock_ref <= node.lock_ref or node.is_root
+                            assert c.pin_ref <= node.pin_ref or node.is_root
+                            stack.append(c)
+                    if node.is_root:
+                        continue
+                    entries += 1
+                    for b in node.blocks:
+                        assert b not in seen, f"block {b} cached twice"
+                        seen.add(b)
+                    if node.lock_ref:
+                        locked += len(node.blocks)
+                    if node.pin_ref:
+                        pinned += len(node.blocks)
+                    if node.lock_ref or node.pin_ref:
+                        protected += len(node.blocks)
+                    assert node.in_heap == (self._is_evictable_leaf(node)), "heap out of sync"
+            assert seen == self._cached_id_set(), "cached id flags out of sync"
+            assert (locked, pinned, protected) == (
+                self._locked_blocks, self._pinned_blocks, self._protected_blocks)
+            assert entries == self._num_entries
+
+
+def _lcp(key: list[int], start: int, tokens: Sequence[int], i: int, limit: int) -> int:
+    """Length of the common prefix of ``key[start:]`` and ``tokens[i:]``, at most ``limit``."""
+    p = 0
+    stop = min(limit, len(key) - start)
+    while p < stop and key[start + p] == tokens[i + p]:
+        p += 1
+    return p
+
+
+def _common_blocks(key: list[int], tokens: Sequence[int], i: int, n: int, bs: int) -> int:
+    """Largest k with ``tokens[i:i+k*bs] == key[:k*bs]`` (binary search over slice equality)."""
+    lo, hi = 0, min(len(key), n - i) // bs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tokens[i : i + mid * bs] == key[: mid * bs]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,157 @@
+"""Property-based tests: random operation sequences against a brute-force oracle.
+
+The oracle knows which block-aligned prefixes are cached (and under which id), which are locked
+or pinned. After every operation we check: match length equals the oracle's longest cached
+prefix; every evicted block was an unlocked, unpinned leaf; every block id is owned exactly once
+(pool free + cached + caller-private = the whole pool); the index's own invariants hold.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixkv.cache import BlockPool, HashPrefixCache, RadixPrefixCache
+
+NUM_BLOCKS = 24
+
+op = st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.integers(0, 2), max_size=14), st.sampled_from([None, "t"])),
+    st.tuples(st.just("match"), st.lists(st.integers(0, 2), max_size=14), st.booleans()),
+    st.tuples(st.just("unlock"), st.integers(0, 20)),
+    st.tuples(st.just("pin"), st.lists(st.integers(0, 2), max_size=10)),
+    st.tuples(st.just("unpin"), st.integers(0, 20)),
+    st.tuples(st.just("evict"), st.integers(0, 6)),
+)
+
+
+class Oracle:
+    def __init__(self, bs: int) -> None:
+        self.bs = bs
+        self.cached: dict[tuple, int] = {}  # (ns, prefix tokens of k full blocks) -> id
+        self.locks: list[tuple] = []  # locked prefix keys (ns, tokens)
+        self.pins: list[tuple] = []
+
+    def keys(self, ns, tokens):
+        bs = self.bs
+        return [(ns, tuple(tokens[: (j + 1) * bs])) for j in range(len(tokens) // bs)]
+
+    def longest(self, ns, tokens) -> int:
+        k = 0
+        for key in self.keys(ns, tokens):
+            if key not in self.cached:
+                break
+            k += 1
+        return k
+
+    def covered(self, key, prefixes) -> bool:
+        ns, toks = key
+        return any(p[0] == ns and p[1][: len(toks)] == toks for p in prefixes)
+
+    def is_leaf(self, key) -> bool:
+        ns, toks = key
+        return not any(k[0] == ns and len(k[1]) > len(toks) and k[1][: len(toks)] == toks
+                       for k in self.cached)
+
+
+def run(cache, bs, ops):
+    pool = BlockPool(NUM_BLOCKS)
+    oracle = Oracle(bs)
+    handles = []
+    pins = []
+    for o in ops:
+        kind = o[0]
+        if kind == "insert":
+            _, toks, ns = o
+            nb = len(toks) // bs
+            m = cache.match_prefix(toks, namespace=ns)
+            reuse = m.matched_kv_blocks
+            need = nb - len(reuse)
+            new = pool.allocate(need, evict_from=cache)
+            if new is None:
+                continue
+            for key in oracle.keys(ns, toks):
+                pass
+            # oracle: drop whatever the pool's eviction took
+            for key, bid in list(oracle.cached.items()):
+                if not cache.is_cached(bid):
+                    assert not oracle.covered(key, oracle.locks) and not oracle.covered(key, oracle.pins)
+                    del oracle.cached[key]
+            node = cache.insert_prefix(toks, reuse + new, namespace=ns)
+            pool.free(node.returned_block_ids)
+            for key, bid in zip(oracle.keys(ns, toks), node.kv_block_ids):
+                assert oracle.cached.setdefault(key, bid) == bid
+        elif kind == "match":
+            _, toks, lock = o
+            ns = None
+            m = cache.match_prefix(toks, lock=lock)
+            k = oracle.longest(ns, toks)
+            assert m.match_length == k * bs
+            assert m.matched_kv_blocks == [oracle.cached[key] for key in oracle.keys(ns, toks)[:k]]
+            if lock:
+                covered = toks[: k * bs + (bs if m.partial_tokens else 0)]
+                if m.partial_tokens:
+                    # the source block's own tokens: the cached prefix that owns partial_block_id
+                    covered = next(key[1] for key, b in oracle.cached.items()
+                                   if b == m.partial_block_id)
+                handles.append((m, (ns, tuple(covered))))
+                oracle.locks.append((ns, tuple(covered)))
+        elif kind == "unlock" and handles:
+            m, key = handles.pop(o[1] % len(handles))
+            cache.unlock(m)
+            oracle.locks.remove(key)
+        elif kind == "pin":
+            toks = o[1]
+            nb = len(toks) // bs
+            ok = cache.pin_prefix(toks)
+            fully = nb > 0 and oracle.longest(None, toks) == nb
+            if ok:
+                assert fully
+                key = (None, tuple(toks[: nb * bs]))
+                if key not in pins:
+                    pins.append(key)
+                    oracle.pins.append(key)
+            elif fully:
+                assert "max_pinned_blocks" in cache.last_pin_error
+        elif kind == "unpin" and pins:
+            key = pins.pop(o[1] % len(pins))
+            assert cache.unpin_prefix(list(key[1]), namespace=key[0])
+            oracle.pins.remove(key)
+        elif kind == "evict":
+            freed = cache.evict(o[1])
+            by_id = {b: k for k, b in oracle.cached.items()}
+            for b in freed:
+                key = by_id[b]
+                assert not oracle.covered(key, oracle.locks), "evicted a locked block"
+                assert not oracle.covered(key, oracle.pins), "evicted a pinned block"
+                assert oracle.is_leaf(key), "evicted a block another cached block depends on"
+                del oracle.cached[key]
+            pool.free(freed)
+        # ---- invariants after every step
+        cache.check_invariants()
+        assert set(oracle.cached.values()) == {b for b in range(NUM_BLOCKS) if cache.is_cached(b)}
+        free = {b for b in range(NUM_BLOCKS) if pool.is_free(b)}
+        cached = set(oracle.cached.values())
+        assert not free & cached
+        assert len(free) + len(cached) == NUM_BLOCKS  # no caller-private ids between steps
+        # the cached set is prefix-closed
+        for ns, toks in oracle.cached:
+            for j in range(bs, len(toks), bs):
+                assert (ns, toks[:j]) in oracle.cached
+
+
+SETTINGS = settings(max_examples=int(os.environ.get("PREFIXKV_HYPOTHESIS_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(st.lists(op, max_size=40), st.sampled_from([1, 2, 3]))
+def test_radix_against_oracle(ops, bs):
+    run(RadixPrefixCache(NUM_BLOCKS, bs, max_pinned_blocks=6), bs, ops)
+
+
+@SETTINGS
+@given(st.lists(op, max_size=40), st.sampled_from([1, 2, 3]), st.sampled_from(["sha256", "builtin"]))
+def test_hash_against_oracle(ops, bs, algo):
+    run(HashPrefixCache(NUM_BLOCKS, bs, hash_algo=algo, max_pinned_blocks=6), bs, ops)
