@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+from array import array
 import random
 import statistics
 import time
@@ -68,14 +69,29 @@ def _workload(seed: int, n_prompts: int) -> dict[str, Any]:
     }
 
 
-def _make(kind: str, capacity: int) -> Any:
+def _parse(kind: str) -> tuple[str, int, bool]:
+    """``radix-bs16+array`` -> (``radix``, 16, True): the index, block size, array input."""
     if kind == "seed-reference":
+        return kind, 1, False
+    body, plus, mode = kind.partition("+")
+    if plus and mode != "array":
+        raise ValueError(f"unknown input mode in {kind!r} (only +array)")
+    name, sep, bs = body.rpartition("-bs")
+    if not sep or not bs.isdigit():
+        raise ValueError(f"bad kind {kind!r}: expected INDEX-bsN[+array], e.g. radix-bs16")
+    return name, int(bs), bool(plus)
+
+
+def _make(kind: str, capacity: int) -> Any:
+    name, bs, _ = _parse(kind)
+    if name == "seed-reference":
         return SeedReferenceRadix()
-    name, _, bs = kind.partition("-bs")
     if name.startswith("hash"):
         algo = name.split(":")[1] if ":" in name else "sha256"
-        return HashPrefixCache(capacity, int(bs), hash_algo=algo)
-    return RadixPrefixCache(capacity, int(bs))
+        return HashPrefixCache(capacity, bs, hash_algo=algo)
+    if name != "radix":
+        raise ValueError(f"unknown index in kind {kind!r}")
+    return RadixPrefixCache(capacity, bs)
 
 
 def _insert(cache: Any, pool: BlockPool | None, tokens: list[int], bs: int) -> None:
@@ -91,7 +107,8 @@ def _insert(cache: Any, pool: BlockPool | None, tokens: list[int], bs: int) -> N
 
 def bench_index(kind: str, w: dict[str, Any], iters: int) -> OpsRow:
     """Measure one index kind on the shared workload."""
-    bs = 1 if kind == "seed-reference" else int(kind.rpartition("-bs")[2])
+    _, bs, as_array = _parse(kind)
+    conv: Callable[[list[int]], Any] = (lambda t: array("I", t)) if as_array else (lambda t: t)
     total = (2000 + 1024 * len(w["prompts"]) + 512 * len(w["suffixes"])) // bs + 64
     cache = _make(kind, total)
     pool = None if kind == "seed-reference" else BlockPool(total)
@@ -99,11 +116,11 @@ def bench_index(kind: str, w: dict[str, Any], iters: int) -> OpsRow:
     _insert(cache, pool, system, bs)
     for p in w["prompts"]:
         _insert(cache, pool, p, bs)
-    query = _copy(system + w["query_tail"])
+    query = conv(_copy(system + w["query_tail"]))
     match_us = _median_us(lambda i: cache.match_prefix(query), iters)
 
     base = [_copy(p[:512]) for p in w["prompts"]]
-    seqs = [base[i % len(base)] + w["suffixes"][i] for i in range(len(w["suffixes"]))]
+    seqs = [conv(base[i % len(base)] + w["suffixes"][i]) for i in range(len(w["suffixes"]))]
     if pool is None:
         insert_us = _median_us(lambda i: cache.insert_prefix(seqs[i], list(range(1024))), len(seqs))
     else:
@@ -116,11 +133,12 @@ def bench_index(kind: str, w: dict[str, Any], iters: int) -> OpsRow:
         insert_us = _median_us(ins, len(seqs))
 
     evict_us = _median_us(lambda i: cache.evict_lru(10), min(iters, 200))
-    return OpsRow(kind, match_us, insert_us, evict_us, _memory(kind, w["mem_prefixes"]))
+    return OpsRow(kind, match_us, insert_us, evict_us,
+                  _memory(kind, [conv(p) for p in w["mem_prefixes"]]))
 
 
-def _memory(kind: str, prefixes: list[list[int]]) -> float:
-    bs = 1 if kind == "seed-reference" else int(kind.rpartition("-bs")[2])
+def _memory(kind: str, prefixes: list[Any]) -> float:
+    _, bs, _ = _parse(kind)
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -136,8 +154,8 @@ def _memory(kind: str, prefixes: list[list[int]]) -> float:
     return used / len(prefixes)
 
 
-DEFAULT_KINDS = ("seed-reference", "radix-bs1", "radix-bs16", "hash:sha256-bs16",
-                 "hash:xxhash-bs16", "hash:builtin-bs16")
+DEFAULT_KINDS = ("seed-reference", "radix-bs1", "radix-bs1+array", "radix-bs16",
+                 "radix-bs16+array", "hash:sha256-bs16", "hash:xxhash-bs16", "hash:builtin-bs16")
 
 
 def run_ops(kinds: tuple[str, ...] = DEFAULT_KINDS, *, prompts: int = 1000, iters: int = 2000,

@@ -123,6 +123,8 @@ class HashPrefixCache(PrefixIndexBase):
     # ------------------------------------------------------------------ walking
     def _walk(self, tokens: Sequence[int], n: int, namespace: Namespace, extra: Any) -> Walk:
         extra_keys = self._check_extra(extra, n if extra is None else len(tokens))
+        if not isinstance(tokens, list):
+            tokens = list(tokens)
         check_tokens(tokens)  # hashing reads every token anyway
         walk = Walk(ids=[], path=[], last_used=1)
         parent_hash = self._root(namespace)
@@ -192,6 +194,8 @@ class HashPrefixCache(PrefixIndexBase):
     ) -> PrefixNode:
         """Cache the full blocks of ``token_ids`` (see :class:`PrefixCache` for ownership)."""
         tokens, nb = self._aligned(token_ids)
+        if not isinstance(tokens, list):
+            tokens = list(tokens)
         ids = kv_block_ids if isinstance(kv_block_ids, list) else list(kv_block_ids)
         if len(ids) != nb:
             raise ValueError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from array import array
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ from prefixkv.cache.protocol import Namespace, PrefixNode
 class RadixNode:
     """One edge of the tree: ``key`` tokens stored in ``blocks`` (``len(key) == len(blocks) * bs``).
 
+    ``key`` is an ``array('I')`` (4 bytes a token, compared with memcmp), ``blocks`` a list.
+
     ``children`` maps a child's first token to the children starting with it (one child per
     token at block size 1; several may share a first token above 1, differing later in their
     first block).
@@ -41,7 +44,7 @@ class RadixNode:
         "heap_ver", "in_heap", "is_root", "__weakref__",
     )
 
-    def __init__(self, key: list[int], blocks: list[int], parent: RadixNode | None, now: float,
+    def __init__(self, key: array[int], blocks: list[int], parent: RadixNode | None, now: float,
                  start_depth: int = 0, is_root: bool = False) -> None:
         self.key = key
         self.blocks = blocks
@@ -123,7 +126,7 @@ class RadixPrefixCache(PrefixIndexBase):
                 if bs == 1:
                     child = lst[0]
                 else:
-                    head = tokens[i : i + bs]
+                    head = _seg(tokens, i, i + bs)
                     for c in lst:
                         if c.key[:bs] == head:
                             child = c
@@ -140,7 +143,7 @@ class RadixPrefixCache(PrefixIndexBase):
                 break
             key = child.key
             klen = len(key)
-            if i + klen <= n and tokens[i : i + klen] == key:
+            if i + klen <= n and _seg(tokens, i, i + klen) == key:
                 path.append(child)
                 ids.extend(child.blocks)
                 walk.last_used = len(child.blocks)
@@ -232,13 +235,14 @@ class RadixPrefixCache(PrefixIndexBase):
         with self._lock:
             w = self._walk(tokens, nb * self._bs, namespace, extra_keys)
             m = len(w.ids)
-            check_tokens(tokens[m * self._bs :])
+            new_key = _seg(tokens, m * self._bs, nb * self._bs)  # validates the new tokens
+            check_tokens(tokens[nb * self._bs :])  # the trailing partial block, not stored
             returned = self._check_ids_against_cache(ids, w.ids)
             now = self._clock()
             # --- validated: mutate from here on
             root = self._roots.get(namespace)
             if root is None:
-                root = self._roots[namespace] = RadixNode([], [], None, now, is_root=True)
+                root = self._roots[namespace] = RadixNode(array("I"), [], None, now, is_root=True)
             if w.path:
                 last = w.path[-1]
                 if w.last_used < len(last.blocks):
@@ -250,7 +254,7 @@ class RadixPrefixCache(PrefixIndexBase):
             target = attach if w.path else None
             if m < nb:
                 new_ids = ids[m:]
-                node = RadixNode(list(tokens[m * self._bs : nb * self._bs]), list(new_ids),
+                node = RadixNode(new_key, list(new_ids),
                                  attach, now, start_depth=m)
                 attach.children.setdefault(node.key[0], []).append(node)
                 attach.num_children += 1
@@ -264,8 +268,9 @@ class RadixPrefixCache(PrefixIndexBase):
                                        pin, lock, namespace, now, description)
 
     def _memory_bytes(self) -> int:
-        node_size = sys.getsizeof(RadixNode([], [], None, 0.0)) + 2 * 56 + 64 + 232
-        return self._num_entries * node_size + self._cached_tokens * 8 + self._num_cached * 8 + self._max_blocks
+        node_size = sys.getsizeof(RadixNode(array("I"), [], None, 0.0)) + 64 + 56 + 64 + 232
+        return (self._num_entries * node_size + self._cached_tokens * 4 + self._num_cached * 8
+                + self._max_blocks)
 
     def check_invariants(self) -> None:
         """Walk the whole tree and assert every structural invariant (tests and debugging)."""
@@ -305,7 +310,23 @@ class RadixPrefixCache(PrefixIndexBase):
             assert entries == self._num_entries
 
 
-def _lcp(key: list[int], start: int, tokens: Sequence[int], i: int, limit: int) -> int:
+def _seg(tokens: Sequence[int], start: int, stop: int) -> array[int]:
+    """``tokens[start:stop]`` as an ``array('I')`` (a slice if ``tokens`` already is one).
+
+    Converting also validates: a non-int raises ``ValueError``, and so does a negative or
+    too large (>= 2**32) token id.
+    """
+    if type(tokens) is array and tokens.typecode == "I":
+        return tokens[start:stop]
+    seg = tokens[start:stop]
+    try:
+        return array("I", seg)
+    except (TypeError, OverflowError):
+        check_tokens(seg)  # raises the precise ValueError
+        raise
+
+
+def _lcp(key: array[int], start: int, tokens: Sequence[int], i: int, limit: int) -> int:
     """Length of the common prefix of ``key[start:]`` and ``tokens[i:]``, at most ``limit``."""
     p = 0
     stop = min(limit, len(key) - start)
@@ -314,12 +335,16 @@ def _lcp(key: list[int], start: int, tokens: Sequence[int], i: int, limit: int) 
     return p
 
 
-def _common_blocks(key: list[int], tokens: Sequence[int], i: int, n: int, bs: int) -> int:
-    """Largest k with ``tokens[i:i+k*bs] == key[:k*bs]`` (binary search over slice equality)."""
+def _common_blocks(key: array[int], tokens: Sequence[int], i: int, n: int, bs: int) -> int:
+    """Largest k with ``tokens[i:i+k*bs] == key[:k*bs]``.
+
+    Binary search in which each probe compares only the not-yet-verified segment
+    ``[lo, mid)``, so the total work is about one pass over the common prefix (at C speed).
+    """
     lo, hi = 0, min(len(key), n - i) // bs
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if tokens[i : i + mid * bs] == key[: mid * bs]:
+        if _seg(tokens, i + lo * bs, i + mid * bs) == key[lo * bs : mid * bs]:
             lo = mid
         else:
             hi = mid - 1

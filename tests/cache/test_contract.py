@@ -313,3 +313,25 @@ def test_block_pool_with_eviction_owns_every_id_once(make):
     pool.free(got)
     with pytest.raises(ValueError, match="double free"):
         pool.free(got[:1])
+
+
+def test_array_and_tuple_inputs_behave_like_lists(make):
+    from array import array
+
+    bs = make.bs
+    cache = make()
+    toks = seq(0, 3 * bs)
+    cache.insert_prefix(array("I", toks), [1, 2, 3])
+    for query in (toks, tuple(toks), array("I", toks), array("q", toks)):
+        m = cache.match_prefix(query)
+        assert m.match_length == 3 * bs and m.matched_kv_blocks == [1, 2, 3]
+        assert m.matched_tokens == toks
+
+
+def test_token_ids_too_large_or_negative_in_query_are_rejected(make):
+    cache = make()
+    with pytest.raises(ValueError):
+        cache.match_prefix([1, 2, -7, 3] * make.bs)
+    with pytest.raises(ValueError):
+        cache.insert_prefix([2**40] * make.bs, [0])
+    assert cache.num_cached_blocks == 0
