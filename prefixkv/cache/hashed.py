@@ -208,7 +208,6 @@ class HashPrefixCache(PrefixIndexBase):
             w = self._walk(tokens, nb * bs, namespace, ek)
             m = len(w.ids)
             check_tokens(tokens[m * bs :])
-            returned = self._check_ids_against_cache(ids, w.ids)
             # hashes of the new blocks; stop at a collision with a different cached block
             parent_hash = w.path[-1].hash if w.path else self._root(namespace)
             new_hashes = []
@@ -219,7 +218,7 @@ class HashPrefixCache(PrefixIndexBase):
                     break
                 new_hashes.append(parent_hash)
             stop = m + len(new_hashes)
-            returned.extend(ids[stop:])
+            returned = self._claim_ids(ids, w.ids, stop)  # last check: marks ids[m:stop] cached
             now = self._clock()
             # --- validated: mutate from here on
             prev = w.path[-1] if w.path else None
@@ -238,7 +237,6 @@ class HashPrefixCache(PrefixIndexBase):
                     self._refresh(prev)
                 children.setdefault(blk.tokens[0], []).append(blk)
                 self._table[h] = blk
-                self._mark(ids[j : j + 1], 1)
                 self._num_entries += 1
                 path.append(blk)
                 prev = blk

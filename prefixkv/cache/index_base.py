@@ -408,28 +408,53 @@ class PrefixIndexBase:
             )
 
     # --------------------------------------------------------------- insert help
-    def _check_ids_against_cache(
-        self, ids: Sequence[int], cached: list[int]
-    ) -> list[int]:
-        """Validate the caller's ids against the cached prefix; return the ids not taken.
+    def _claim_ids(self, ids: list[int], cached: list[int], stop: int) -> list[int]:
+        """Validate the caller's ids and mark ``ids[len(cached):stop]`` as held by the index.
 
-        ``cached`` are the ids already cached for the first ``len(cached)`` positions. A caller
-        id that differs from the cached one must not be cached anywhere (it is returned); ids
-        past the cached prefix must not be cached anywhere (they will be taken). Only ids that
-        are not simply re-confirmed are range/type checked, so re-inserting a long cached
-        prefix costs one list comparison.
+        The last check of an insert, so nothing can fail after it. ``cached`` are the ids
+        already cached for the first positions: a caller id equal to its cached id is simply
+        re-confirmed (no check: re-inserting a long cached prefix costs one list comparison);
+        one that differs, and every id from ``stop`` on, is *returned* (stays the caller's).
+        ``ValueError``, with nothing marked, if an id is not an int, out of range, repeated, or
+        already cached elsewhere.
         """
         m = len(cached)
         returned: list[int] = []
         if ids[:m] != cached:
             returned = [mine for mine, theirs in zip(ids[:m], cached) if mine != theirs]
-        new = ids[m:]
-        fresh = returned + list(new) if returned else new
-        check_block_ids(fresh, self._max_blocks)
+        returned += ids[stop:]
+        taken = ids[m:stop]
         flags = self._flags
-        if fresh and any(map(flags.__getitem__, fresh)):
-            dup = next(b for b in fresh if flags[b])
-            raise ValueError(f"kv_block_ids: block id {dup} is already cached at another position")
+        if returned:  # rare (duplicate blocks, hash collisions): the thorough check
+            check_block_ids(returned + taken, self._max_blocks)
+            if any(map(flags.__getitem__, returned)):
+                dup = next(b for b in returned if flags[b])
+                raise ValueError(f"kv_block_ids: block id {dup} is already cached at another position")
+        if not taken:
+            return returned
+        try:
+            lo, hi = min(taken), max(taken)
+        except TypeError:
+            check_block_ids(taken, self._max_blocks)  # raises with the offending element
+            raise
+        if type(lo) is not int or type(hi) is not int:
+            check_block_ids(taken, self._max_blocks)
+        if lo < 0 or hi >= self._max_blocks:
+            raise ValueError(f"kv_block_ids: block id {lo if lo < 0 else hi} out of range "
+                             f"[0, {self._max_blocks})")
+        i = 0
+        try:
+            for i, b in enumerate(taken):  # noqa: B007 - i is read in the rollback
+                if flags[b]:
+                    raise ValueError(f"kv_block_ids: block id {b} is repeated or already cached")
+                flags[b] = 1
+        except (ValueError, TypeError) as exc:
+            for b in taken[:i]:
+                flags[b] = 0
+            if isinstance(exc, TypeError):
+                check_block_ids(taken, self._max_blocks)
+            raise
+        self._num_cached += len(taken)
         return returned
 
     def _finish_insert(
@@ -457,7 +482,7 @@ class PrefixIndexBase:
         elif target is not None:
             is_pinned = target.pin_ref > 0
         return PrefixNode(
-            token_ids=list(tokens[: nb * self._bs]),
+            token_ids=tokens[: nb * self._bs],
             kv_block_ids=all_ids,
             returned_block_ids=returned,
             is_pinned=is_pinned,

@@ -109,8 +109,8 @@ class PrefixNode:
     """Result of ``insert_prefix``: the cached state of the inserted prefix after the call.
 
     Attributes:
-        token_ids: the block-aligned prefix that is now cached (a trailing partial block of the
-            input is never cached).
+        token_ids: the block-aligned prefix that is now cached, a slice of the input (a trailing
+            partial block of the input is never cached).
         kv_block_ids: the cached block ids for that prefix, one per block. Where the caller's id
             duplicated a block already cached, this holds the cached id, not the caller's.
         returned_block_ids: caller ids the index did not take (their blocks were already cached
@@ -122,7 +122,7 @@ class PrefixNode:
         lock: the lock taken when ``lock=True`` was passed, else ``None``.
     """
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
     kv_block_ids: list[int]
     returned_block_ids: list[int]
     is_pinned: bool

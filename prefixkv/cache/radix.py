@@ -237,7 +237,7 @@ class RadixPrefixCache(PrefixIndexBase):
             m = len(w.ids)
             new_key = _seg(tokens, m * self._bs, nb * self._bs)  # validates the new tokens
             check_tokens(tokens[nb * self._bs :])  # the trailing partial block, not stored
-            returned = self._check_ids_against_cache(ids, w.ids)
+            returned = self._claim_ids(ids, w.ids, nb)  # last check: marks ids[m:] cached
             now = self._clock()
             # --- validated: mutate from here on
             root = self._roots.get(namespace)
@@ -254,13 +254,12 @@ class RadixPrefixCache(PrefixIndexBase):
             target = attach if w.path else None
             if m < nb:
                 new_ids = ids[m:]
-                node = RadixNode(new_key, list(new_ids),
+                node = RadixNode(new_key, new_ids,
                                  attach, now, start_depth=m)
                 attach.children.setdefault(node.key[0], []).append(node)
                 attach.num_children += 1
                 self._num_entries += 1
                 self._refresh(attach)
-                self._mark(new_ids, 1)
                 self._cached_tokens += len(node.key)
                 w.path.append(node)
                 target = node

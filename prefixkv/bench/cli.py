@@ -1,0 +1,168 @@
+"""``prefixkv bench ...``: the benchmark subcommands.
+
+:func:`register` adds the ``bench`` parser and one subcommand per benchmark. ``trace`` is
+defined here; the others live in their own modules, each exposing ``add_arguments(parser)``
+and ``run_from_args(args) -> int`` (their module docstring's first line is the ``--help``
+summary). A module in :data:`SUBCOMMANDS` that does not exist yet is skipped. Those modules
+must keep their top-level imports light (import the engine inside ``run_from_args``) so
+``prefixkv --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("ops", "prefixkv.bench.ops"),
+    ("scenarios", "prefixkv.bench.scenarios"),
+)
+"""(subcommand, module) pairs added after ``trace``, in ``--help`` order."""
+
+DEFAULT_CAPACITIES = ("1M", "3M", "10M")
+DEFAULT_POLICIES = ("lru", "ghost", "belady")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``bench`` and its subcommands to the top-level ``prefixkv`` parser."""
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: trace-driven hit rates, cache ops, end-to-end scenarios",
+        description="Benchmarks. See docs/benchmarks.md for every flag and the latest figures.")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    add_trace(sub)
+    for name, module_name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:  # a benchmark not written yet
+            if exc.name != module_name:
+                raise
+            continue
+        doc = (module.__doc__ or name).strip()
+        summary = doc.splitlines()[0].replace("``", "")
+        summary = summary.split(": ", 1)[1] if summary.startswith("prefixkv ") else summary
+        p = sub.add_parser(name, help=summary.rstrip("."), description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run_from_args)
+
+
+def add_trace(sub: Any) -> None:
+    """Add ``prefixkv bench trace FILE``."""
+    from prefixkv.bench.trace import CLOCKS, INDEXES
+
+    p = sub.add_parser(
+        "trace", help="replay a Mooncake-format trace through the cache core: hit rate vs capacity",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Replay a Mooncake-format JSONL trace (timestamp, input_length, output_length,\n"
+            "hash_ids: one id per --block-size tokens) through the cache core (a real index and\n"
+            "block pool) for every policy and capacity, plus an unbounded cache. Prints a table\n"
+            "of token hit rates; --json writes the rows, --plot a PNG of hit rate vs capacity\n"
+            "(like Mooncake FAST'25 Fig. 9). See docs/benchmarks.md."),
+        epilog=("example:\n  prefixkv bench trace data/mooncake/mooncake_conversation_trace.jsonl \\\n"
+                "      --capacity-tokens 1M 3M 10M --policies lru ghost belady --plot hit.png"))
+    p.add_argument("file", metavar="FILE", help="trace file (JSON lines, Mooncake format)")
+    p.add_argument("--capacity-tokens", nargs="+", default=list(DEFAULT_CAPACITIES),
+                   metavar="N", help="cache capacities in tokens: 3M, 500K, 2.5M, 65536 ... "
+                   f"(K/M/G are powers of 1000; default: {' '.join(DEFAULT_CAPACITIES)}); "
+                   "each becomes N // block-size blocks")
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), metavar="NAME",
+                   help="eviction policies: any of the cache's policies (lru, lfu, fifo, ghost, "
+                   "...) and belady, the offline optimum (default: "
+                   f"{' '.join(DEFAULT_POLICIES)})")
+    p.add_argument("--block-size", type=int, default=512, metavar="TOKENS",
+                   help="tokens per trace hash id (default 512, Mooncake's)")
+    p.add_argument("--index", choices=INDEXES, default="hash",
+                   help="which index replays the trace, at block size 1 over hash ids "
+                   "(default hash: one entry per block, builtin 64-bit hash, hits verified; "
+                   "radix is faster)")
+    p.add_argument("--clock", choices=CLOCKS, default="timestamp",
+                   help="the index clock: trace timestamp in seconds (ties broken by arrival "
+                   "order; default) or the request index")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="replay only the first N requests")
+    p.add_argument("--no-unbounded", action="store_true",
+                   help="skip the unbounded-cache row")
+    p.add_argument("--json", metavar="PATH", help="write the result rows as a JSON list")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate vs capacity")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_trace)
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    """Handler of ``prefixkv bench trace``: validate every flag first, then replay."""
+    from prefixkv.bench.trace import (
+        format_table,
+        load_trace,
+        online_policy_names,
+        parse_tokens,
+        replay,
+    )
+
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be a positive int, got {args.block_size}")
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit must be a positive int, got {args.limit}")
+    caps: list[int] = []
+    for text in args.capacity_tokens:
+        c = parse_tokens(text)
+        if c is None:
+            continue  # "unbounded" is always added unless --no-unbounded
+        if c < args.block_size:
+            raise ValueError(f"--capacity-tokens {text} is smaller than one block "
+                             f"({args.block_size} tokens)")
+        caps.append(c)
+    caps = sorted(set(caps))
+    if args.plot and not caps:
+        raise ValueError("--plot needs at least one finite --capacity-tokens value")
+    known = online_policy_names() + ["belady"]
+    policies = list(dict.fromkeys(p.lower() for p in args.policies))
+    bad = [p for p in policies if p not in known]
+    if bad:
+        raise ValueError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(known)})")
+    requests = load_trace(args.file, block_size=args.block_size)
+    if args.limit is not None:
+        requests = requests[: args.limit]
+    runs: list[tuple[str, int | None]] = [(p, c) for p in policies for c in caps]
+    if not args.no_unbounded:
+        runs.append(("lru", None))
+    bar = _progress(len(runs) * len(requests), disable=args.no_progress)
+    rows = []
+    try:
+        for policy, cap in runs:
+            bar.set_description(f"{policy} @ {cap or 'unbounded'}")
+            rows.append(replay(requests, cap, policy, block_size=args.block_size,
+                               index=args.index, clock=args.clock, progress=bar.update))
+    finally:
+        bar.close()
+    print(f"{args.file}: {len(requests)} requests, "
+          f"{sum(r.input_length for r in requests):,} input tokens, index={args.index}, "
+          f"block size {args.block_size}, clock={args.clock}")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    if args.plot and caps:
+        from prefixkv.bench.plots import plot_hit_rates
+
+        plot_hit_rates(rows, args.plot, title=f"{_basename(args.file)}: token hit rate "
+                                               f"(block {args.block_size}, {args.index} index)")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _basename(path: str) -> str:
+    return path.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def _progress(total: int, *, disable: bool) -> Any:
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    return tqdm(total=total, unit="req", disable=disable or not sys.stderr.isatty(),
+                leave=False, dynamic_ncols=True)

@@ -1,0 +1,60 @@
+"""Charts for the benchmarks (matplotlib, Agg backend: no display needed).
+
+:func:`plot_hit_rates` draws token hit rate against cache capacity, one line per policy, with
+the unbounded cache as a dashed ceiling, like Mooncake FAST'25 Figure 9.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from prefixkv.bench.trace import TraceRow, format_tokens
+
+
+def plot_hit_rates(rows: Sequence[TraceRow], path: str | Path, *, title: str | None = None) -> Path:
+    """Write a PNG of hit rate vs capacity (log x axis) to ``path``; returns the path.
+
+    Rows with ``capacity_tokens=None`` (the unbounded cache) become a horizontal line.
+    ``ValueError`` if no row has a finite capacity.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [(r.policy, r.capacity_tokens, r.hit_rate) for r in rows
+              if r.capacity_tokens is not None]
+    if not finite:
+        raise ValueError("rows: need at least one row with a finite capacity_tokens to plot")
+    out = Path(path)
+    fig, ax = plt.subplots(figsize=(7.0, 4.5), dpi=120)
+    try:
+        for policy in dict.fromkeys(p for p, _, _ in finite):
+            pts = sorted((c, h) for p, c, h in finite if p == policy)
+            xs = [p[0] for p in pts]
+            ys = [p[1] for p in pts]
+            style = "--" if policy == "belady" else "-"
+            ax.plot(xs, ys, style, marker="o", label=policy)
+        for r in rows:
+            if r.capacity_tokens is None:
+                ax.axhline(r.hit_rate, color="gray", linestyle=":",
+                           label=f"unbounded ({r.hit_rate:.3f})")
+                break
+        caps = sorted({c for _, c, _ in finite})
+        ax.set_xscale("log")
+        ax.set_xticks(caps)
+        ax.set_xticklabels([format_tokens(c) for c in caps])
+        ax.minorticks_off()
+        ax.set_xlabel("cache capacity (tokens)")
+        ax.set_ylabel("token hit rate")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(title or "Prefix cache hit rate vs capacity")
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png")
+    finally:
+        plt.close(fig)
+    return out

@@ -1,0 +1,218 @@
+"""LLM: the offline, synchronous API (vLLM's ``LLM``), driven in the caller's thread.
+
+    llm = LLM()                                   # the built-in demo model (meaningless text)
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+    outs[0].outputs[0].text, outs[0].num_cached_tokens, outs[0].metrics.time_to_first_token
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prefixkv.cache.protocol import CacheStats, PinnedPrefix
+from prefixkv.engine.llm_engine import LLMEngine
+from prefixkv.engine.outputs import EngineStats, RequestOutput
+from prefixkv.engine.prompts import PromptInput
+from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.runner.model_runner import ModelRunner
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+def build_engine(
+    model: str | Path | None = None,
+    *,
+    enable_prefix_caching: bool = True,
+    block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    index: str = "radix",
+    eviction_policy: str = "lru",
+    hash_algo: str = "sha256",
+    max_pinned_blocks: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 4096,
+    seed: int = 0,
+) -> LLMEngine:
+    """Load the model (``None``: the built-in demo model) and build an :class:`LLMEngine`.
+
+    The prefix index always uses the engine's ``block_size`` (radix with ``block_size=1`` is
+    SGLang-style token granularity). Bad arguments raise ``ValueError`` naming them.
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if model is None:
+        from prefixkv.models.demo import ensure_demo_model
+
+        model, name = ensure_demo_model(), "prefixkv-demo"
+    else:
+        name = Path(model).name or str(model)
+    runner = ModelRunner(
+        model,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        device=device,
+        dtype=dtype,
+    )
+    return LLMEngine(
+        runner,
+        enable_prefix_caching=enable_prefix_caching,
+        index=index,
+        eviction_policy=eviction_policy,
+        hash_algo=hash_algo,
+        max_pinned_blocks=max_pinned_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        seed=seed,
+        model_name=name,
+    )
+
+
+class LLM:
+    """Offline generation with prefix caching. Arguments as :func:`build_engine`.
+
+    Not thread safe; for concurrent serving use :class:`~prefixkv.engine.async_engine.AsyncEngine`.
+    """
+
+    def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
+        self.engine = build_engine(model, **kwargs)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        cache_salt: Hashable | None = None,
+        lora_id: Hashable | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; results in input order, all finished.
+
+        A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}`` /
+        ``{"prompt": "..."}``. ``sampling_params`` is one for all or one per prompt. A bad
+        prompt or a request that can never fit raises ``ValueError`` before anything runs.
+        """
+        batch = _as_batch(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(batch):
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(batch)} prompts"
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(batch)
+        ids: list[str] = []
+        try:
+            for p, sp in zip(batch, params_list):
+                ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt, lora_id=lora_id))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        cache_salt: Hashable | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of them."""
+        if not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or conversations")
+        convs: list[Any] = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts: list[PromptInput] = [
+            self.engine.chat_prompt(c, add_generation_prompt, **(chat_template_kwargs or {}))
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm, cache_salt=cache_salt)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm  # type: ignore[import-untyped]
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        wanted = set(ids)
+        try:
+            while wanted - done.keys():
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("requests lost by the engine")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in wanted - done.keys():
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in ids]
+
+    # ------------------------------------------------------------------ cache admin
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (``False`` with prefix caching off)."""
+        return self.engine.reset_prefix_cache()
+
+    def get_cache_stats(self) -> CacheStats | None:
+        """The prefix index's statistics (``None`` with prefix caching off)."""
+        return self.engine.get_stats().cache
+
+    def get_stats(self) -> EngineStats:
+        """Engine statistics: queues, KV blocks, counters, and the index's stats."""
+        return self.engine.get_stats()
+
+    def pin_prefix(
+        self, prompt: PromptInput, *, cache_salt: Hashable | None = None, description: str | None = None
+    ) -> PinnedPrefix:
+        """Pin a prefix, prefilling it first (``max_tokens=1``) if it is not cached yet.
+
+        Raises ``ValueError`` (``PinError``) if it cannot be pinned.
+        """
+        _, ids = self.engine.tokenize(prompt)
+        if not self.engine.is_prefix_cached(ids, cache_salt=cache_salt):
+            self.generate(
+                {"prompt_token_ids": ids},
+                SamplingParams(max_tokens=1, temperature=0.0),
+                cache_salt=cache_salt,
+            )
+        return self.engine.pin_prefix(ids, cache_salt=cache_salt, description=description)
+
+    def unpin_prefix(self, prompt: PromptInput, *, cache_salt: Hashable | None = None) -> bool:
+        """Unpin a pinned prefix; ``False`` if it was not pinned."""
+        _, ids = self.engine.tokenize(prompt)
+        return self.engine.unpin_prefix(ids, cache_salt=cache_salt)
+
+    def list_pinned(self) -> list[PinnedPrefix]:
+        """Pinned prefixes, oldest first."""
+        return self.engine.list_pinned()
+
+
+def _as_batch(prompts: Any) -> list[PromptInput]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    ):
+        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, Sequence) and prompts:
+        return list(prompts)
+    raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r}")

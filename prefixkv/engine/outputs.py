@@ -1,0 +1,134 @@
+"""Result records: what ``LLM.generate`` returns and ``AsyncEngine.generate`` streams.
+
+All are snapshots: the engine builds new ones each time it reports, so a caller may keep them.
+Times are engine clock values (``time.time`` unless another clock was passed in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixkv.cache.protocol import CacheStats
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request.
+
+    Attributes:
+        index: which of the request's ``n`` samples this is.
+        text: the decoded text so far (cumulative; stop strings cut off).
+        token_ids: the generated ids so far (cumulative).
+        finish_reason: ``None`` while running, else ``"stop"`` (EOS, stop string or stop token),
+            ``"length"`` (max_tokens or the context limit) or ``"abort"``.
+        stop_reason: the stop string or stop token id that ended it (``None`` for EOS/length).
+        delta_text: text added since the previous report of this request (streaming).
+        delta_token_ids: ids added since the previous report of this request.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        """Whether this sample is done."""
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timings of one request (engine clock). TTFT is ``first_token_time - arrival_time``."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token, or ``None`` before it."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from arrival to finish, or ``None`` while running."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request (vLLM's ``RequestOutput``).
+
+    Attributes:
+        request_id: the id given at submission (or generated).
+        prompt: the prompt text, if the prompt was given as text.
+        prompt_token_ids: the tokenized prompt.
+        outputs: one :class:`CompletionOutput` per sample, by index.
+        finished: whether every sample is done.
+        num_cached_tokens: prompt tokens whose KV came from the prefix cache at the request's
+            first scheduling (full cached blocks plus copied partial-block rows).
+        metrics: timings.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+    @property
+    def arrival_time(self) -> float:
+        """When the request was submitted."""
+        return self.metrics.arrival_time
+
+    @property
+    def first_token_time(self) -> float | None:
+        """When the first token was generated."""
+        return self.metrics.first_token_time
+
+    @property
+    def finished_time(self) -> float | None:
+        """When the last sample finished."""
+        return self.metrics.finished_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token in seconds."""
+        return self.metrics.time_to_first_token
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine: queues, KV blocks and counters since start.
+
+    ``num_free_blocks`` counts ids in the pool's free list; ``cache`` is ``None`` with prefix
+    caching off. ``prefix_cache_hit_rate`` is cached prompt tokens over scheduled prompt tokens.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_evictable_blocks: int
+    block_size: int
+    enable_prefix_caching: bool
+    num_requests_finished: int
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+    num_steps: int
+    prefix_cache_hit_rate: float
+    cache: CacheStats | None

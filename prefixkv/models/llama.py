@@ -1,0 +1,235 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3) over a flat batch of tokens.
+
+The model owns weights only; it never holds KV state. Tokens of all sequences in a step are
+concatenated into one flat ``[T]`` batch ("varlen" layout). Attention is delegated to the
+``attention`` callable passed to :meth:`LlamaForCausalLM.forward` — the runner's paged-KV
+context for the current step — so there is no global attention metadata and this module
+imports nothing from the runner.
+
+Parameter names mirror Hugging Face (``model.layers.N.self_attn.o_proj.weight`` ...), except
+that q/k/v and gate/up projections are packed into one matmul each (``qkv_proj``,
+``gate_up_proj``); :data:`PACKED_WEIGHTS` tells the loader how HF tensors map onto them. The
+maths mirrors ``transformers`` (RMSNorm in float32, RoPE cos/sin in float32 cast to the
+activation dtype), so logits match it to fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixkv.models.config import ModelConfig
+
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D]``.
+
+q and k arrive with RoPE applied. The callable stores k/v wherever it keeps its cache.
+"""
+
+
+PACKED_WEIGHTS: dict[str, tuple[str, int, int]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0, 3),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1, 3),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2, 3),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
+}
+"""HF module name -> (our packed module, part index, number of parts); parts concatenate on dim 0."""
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like ``transformers``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies ``[head_dim // 2]`` (float32, CPU), llama3 scaling applied."""
+    dim = config.head_dim
+    inv = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``; parameters are allocated uninitialised (the loader fills them).
+
+    Unlike ``nn.Linear`` there is no random init, so building a model costs nothing before
+    its weights are loaded.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table ``[vocab, hidden]``, allocated uninitialised like :class:`Linear`."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Attention(nn.Module):
+    """Self-attention projections (+ Qwen3 q/k norm); the KV-cache work is ``attention``'s."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        hidden = config.hidden_size
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        # q_proj, k_proj and v_proj packed into one matmul (see PACKED_WEIGHTS).
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, hidden, bias=config.o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = attention(self.layer_idx, q, k, v)
+        result: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return result
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # gate_proj and up_proj packed into one matmul (see PACKED_WEIGHTS).
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return result
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then SwiGLU, each with a residual."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, layers and final norm (HF's ``model.*`` namespace)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM for Llama / Qwen2 / Qwen3 configs; stateless apart from its weights.
+
+    ``lm_head`` exists only when embeddings are not tied; with tied embeddings the logits use
+    ``model.embed_tokens.weight``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        # A plain attribute, not a buffer: it is derived from the config, never loaded.
+        self._inv_freq = rope_inv_freq(config)
+
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` shaped ``[T, 1, head_dim]`` for absolute ``positions`` ``[T]``."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for flat ``input_ids`` / ``positions`` ``[T]``."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention)
+        result: torch.Tensor = self.model.norm(x)
+        return result
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` (model dtype) for hidden states ``[N, hidden]``."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,256 @@
+"""Router benchmark: replay multi-turn chat sessions through the router under each policy.
+
+Many users, several turns each, one shared system prompt; each turn sends the whole history
+(system prompt, earlier user and assistant messages from the script, the new user message) to
+``/v1/chat/completions`` through the router, ``concurrency`` sessions at a time. The assistant
+turns come from the script, not from the model (the demo model's text is meaningless), so every
+policy replays exactly the same prompts.
+
+Per policy it reports the prompt tokens the workers actually computed (``usage.prompt_tokens``
+minus ``usage.prompt_tokens_details.cached_tokens``), the cached share, throughput, and the
+requests each worker received (max/min). Before each policy the workers' caches are emptied
+(``POST /v1/cache/reset``, prefixkv workers) so no policy inherits another's cache.
+
+``python -m prefixkv.router.bench --help`` (or ``prefixkv bench route`` where the CLI wires it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from prefixkv.router.policies import POLICY_NAMES
+
+if TYPE_CHECKING:
+    import httpx
+
+# The web stack (httpx, the router app, worker processes) is imported inside the functions that
+# use it, so that building the CLI parser stays fast.
+
+_WORDS = ["cache", "prefix", "token", "block", "radix", "tree", "router", "worker", "latency", "throughput", "prompt", "session", "system", "user", "answer", "question", "model", "layer", "attention", "memory", "batch", "queue", "schedule", "evict", "reuse", "hit", "miss", "share", "load", "balance", "request", "stream", "decode", "prefill", "kernel", "tensor", "page"]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The scripted sessions: ``sessions[i]`` is a list of (user, assistant) turns."""
+
+    system: str
+    sessions: list[list[tuple[str, str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResult:
+    """One policy's figures (``computed_ratio_vs_cache_aware`` is filled in by the report)."""
+
+    policy: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    cached_share: float
+    seconds: float
+    requests_per_s: float
+    prompt_tokens_per_s: float
+    per_worker: dict[str, int]
+    max_min_load: float
+    errors: int
+
+
+def _text(rng: random.Random, n_words: int, tag: str) -> str:
+    return tag + " " + " ".join(rng.choice(_WORDS) for _ in range(n_words))
+
+
+def make_workload(users: int, turns: int, *, system_words: int, user_words: int,
+                  assistant_words: int, seed: int = 0) -> Workload:
+    """Deterministic sessions from ``seed`` (every session's text is distinct)."""
+    rng = random.Random(seed)
+    system = _text(rng, system_words, "You are a helpful assistant.")
+    sessions = [
+        [(_text(rng, user_words, f"[user {u} turn {t}]"), _text(rng, assistant_words, "Sure."))
+         for t in range(turns)]
+        for u in range(users)
+    ]
+    return Workload(system, sessions)
+
+
+async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens: int,
+                  model: str | None) -> tuple[list[dict[str, int]], Counter[str], int]:
+    import httpx
+
+    from prefixkv.router.app import WORKER_HEADER
+
+    queue: asyncio.Queue[list[tuple[str, str]]] = asyncio.Queue()
+    for s in workload.sessions:
+        queue.put_nowait(s)
+    usages: list[dict[str, int]] = []
+    per_worker: Counter[str] = Counter()
+    errors = 0
+
+    async def run_sessions(client: httpx.AsyncClient) -> None:
+        nonlocal errors
+        while not queue.empty():
+            session = queue.get_nowait()
+            messages: list[dict[str, str]] = [{"role": "system", "content": workload.system}]
+            for user, assistant in session:
+                messages.append({"role": "user", "content": user})
+                body: dict[str, object] = {"messages": messages, "max_tokens": max_tokens,
+                                           "temperature": 0.0}
+                if model:
+                    body["model"] = model
+                resp = await client.post(f"{url}/v1/chat/completions", json=body)
+                if resp.status_code != 200:
+                    errors += 1
+                else:
+                    usage = resp.json()["usage"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    usages.append({"prompt": usage["prompt_tokens"],
+                                   "cached": details.get("cached_tokens") or 0})
+                    per_worker[resp.headers[WORKER_HEADER]] += 1
+                messages.append({"role": "assistant", "content": assistant})
+
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        await asyncio.gather(*(run_sessions(client) for _ in range(concurrency)))
+    return usages, per_worker, errors
+
+
+async def _reset_caches(urls: Sequence[str]) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        for u in urls:
+            try:
+                await client.post(f"{u}/v1/cache/reset")
+            except httpx.HTTPError:
+                pass  # not a prefixkv worker: its cache stays as it is
+
+
+def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
+               args: argparse.Namespace) -> PolicyResult:
+    """Replay ``workload`` through a fresh router running ``policy``."""
+    from prefixkv.router.app import RouterConfig, RouterServer
+
+    asyncio.run(_reset_caches(worker_urls))
+    config = RouterConfig(
+        worker_urls=tuple(worker_urls), policy=policy, cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
+        eviction_interval=args.eviction_interval, seed=args.seed,
+    )
+    with RouterServer(config) as server:
+        t0 = time.perf_counter()
+        usages, per_worker, errors = asyncio.run(_replay(
+            server.url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
+            model=args.model,
+        ))
+        seconds = time.perf_counter() - t0
+    prompt = sum(u["prompt"] for u in usages)
+    cached = sum(u["cached"] for u in usages)
+    counts = {u: per_worker.get(u, 0) for u in config.worker_urls}
+    lo, hi = min(counts.values()), max(counts.values())
+    return PolicyResult(
+        policy=policy, requests=len(usages), prompt_tokens=prompt, cached_tokens=cached,
+        computed_tokens=prompt - cached, cached_share=cached / prompt if prompt else 0.0,
+        seconds=seconds, requests_per_s=len(usages) / seconds,
+        prompt_tokens_per_s=prompt / seconds, per_worker=counts,
+        max_min_load=hi / lo if lo else float("inf"), errors=errors,
+    )
+
+
+def format_table(results: Sequence[PolicyResult]) -> str:
+    """A plain-text table, with computed tokens relative to cache_aware."""
+    base = next((r.computed_tokens for r in results if r.policy == "cache_aware"), None)
+    lines = [(f"{'policy':<12} {'reqs':>5} {'prompt':>8} {'computed':>9} {'vs CA':>6} "
+              f"{'cached':>7} {'req/s':>6} {'s':>6} {'max/min':>7}  per worker")]
+    for r in results:
+        rel = f"{r.computed_tokens / base:.2f}x" if base else "-"
+        lines.append(
+            f"{r.policy:<12} {r.requests:>5} {r.prompt_tokens:>8} {r.computed_tokens:>9} "
+            f"{rel:>6} {r.cached_share:>7.1%} {r.requests_per_s:>6.2f} {r.seconds:>6.1f} "
+            f"{r.max_min_load:>7.2f}  {list(r.per_worker.values())}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags (also used by ``prefixkv bench route``)."""
+    p = argparse.ArgumentParser(prog="prefixkv bench route", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the benchmark's flags to ``p``."""
+    p.add_argument("--worker-urls", nargs="+", metavar="URL",
+                   help="running workers to use (default: launch --workers local prefixkv workers)")
+    p.add_argument("--workers", type=int, default=4, help="local workers to launch")
+    p.add_argument("--model", default=None, help="model for launched workers (default: demo)")
+    p.add_argument("--worker-args", default="--block-size 16 --num-kv-blocks 320",
+                   help="extra flags for launched workers (small KV pools: caches under pressure)")
+    p.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--concurrency", type=int, default=8, help="sessions replayed at once")
+    p.add_argument("--system-words", type=int, default=12)
+    p.add_argument("--user-words", type=int, default=20)
+    p.add_argument("--assistant-words", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--cache-threshold", type=float, default=0.5)
+    p.add_argument("--balance-abs-threshold", type=int, default=32)
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    p.add_argument("--max-tree-size", type=int, default=2**18)
+    p.add_argument("--eviction-interval", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; prints the table (and writes ``--json``). Exit code 0."""
+    import httpx
+
+    from prefixkv.router.workers import LocalWorkers, wait_until_healthy
+
+    workload = make_workload(args.users, args.turns, system_words=args.system_words,
+                             user_words=args.user_words, assistant_words=args.assistant_words,
+                             seed=args.seed)
+    launched = None
+    if args.worker_urls:
+        urls = list(args.worker_urls)
+    else:
+        launched = LocalWorkers(args.workers, args.model, shlex.split(args.worker_args))
+        urls = launched.urls
+    try:
+        async def ready() -> None:
+            async with httpx.AsyncClient() as client:
+                await wait_until_healthy(client, urls, timeout=300.0)
+
+        asyncio.run(ready())
+        results = []
+        for policy in args.policies:
+            results.append(run_policy(policy, urls, workload, args))
+            print(format_table(results[-1:]).splitlines()[1], file=sys.stderr, flush=True)
+    finally:
+        if launched is not None:
+            launched.stop()
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m prefixkv.router.bench``."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

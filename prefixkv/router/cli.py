@@ -1,0 +1,105 @@
+"""``prefixkv route``: run the cache-aware router in front of OpenAI-compatible workers.
+
+``prefixkv route --worker-urls URL [URL ...]`` routes to running workers (prefixkv, vLLM,
+SGLang); ``prefixkv route --launch N [MODEL]`` first starts N local prefixkv workers
+(``prefixkv serve``) on free loopback ports and stops them when the router exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+from typing import Any
+
+from prefixkv.router.policies import POLICY_NAMES
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``route`` subcommand."""
+    p = subparsers.add_parser(
+        "route",
+        help="cache-aware router over several OpenAI-compatible workers",
+        description="Proxy /v1/completions and /v1/chat/completions to several workers, "
+        "sending each request where its prefix is most likely cached (SGLang's cache-aware "
+        "policy) without letting load pile up.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--worker-urls", nargs="+", metavar="URL",
+                     help="base URLs of running workers, e.g. http://127.0.0.1:8001")
+    src.add_argument("--launch", nargs="+", metavar=("N", "MODEL"),
+                     help="start N local prefixkv workers (optionally serving MODEL) first")
+    p.add_argument("--worker-args", default="",
+                   help="extra flags for launched workers, e.g. \"--num-kv-blocks 256\"")
+    p.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="route to the best-matching worker when its match ratio exceeds this")
+    p.add_argument("--balance-abs-threshold", type=int, default=32,
+                   help="loads are imbalanced when max - min exceeds this ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="... and max exceeds min times this; then the least loaded worker wins")
+    p.add_argument("--max-tree-size", type=int, default=2**18,
+                   help="elements (prompt bytes) each worker's approximate tree is trimmed to")
+    p.add_argument("--eviction-interval", type=float, default=60.0,
+                   help="seconds between tree trims (0: trim after every insert)")
+    p.add_argument("--health-check-interval", type=float, default=10.0,
+                   help="seconds between /health probes of every worker")
+    p.add_argument("--health-check-timeout", type=float, default=5.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--startup-timeout", type=float, default=120.0,
+                   help="seconds to wait for every worker to answer /health at start")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run_route)
+
+
+def _launch_spec(values: list[str]) -> tuple[int, str | None]:
+    if len(values) > 2:
+        raise ValueError(f"--launch takes N [MODEL], got {values}")
+    try:
+        n = int(values[0])
+    except ValueError:
+        raise ValueError(f"--launch N must be an integer, got {values[0]!r}") from None
+    if n <= 0:
+        raise ValueError(f"--launch N must be >= 1, got {n}")
+    return n, values[1] if len(values) == 2 else None
+
+
+def run_route(args: argparse.Namespace) -> int:
+    """Handler: validate, (launch workers,) wait for them, then serve until interrupted."""
+    import httpx
+    import uvicorn
+
+    from prefixkv.router.app import RouterConfig, create_app
+    from prefixkv.router.workers import LocalWorkers, wait_until_healthy
+
+    launched: LocalWorkers | None = None
+    if args.launch is not None:
+        n, model = _launch_spec(args.launch)
+        launched = LocalWorkers(n, model, shlex.split(args.worker_args))
+        urls = launched.urls
+    else:
+        urls = args.worker_urls
+    try:
+        config = RouterConfig(
+            worker_urls=tuple(urls), policy=args.policy, cache_threshold=args.cache_threshold,
+            balance_abs_threshold=args.balance_abs_threshold,
+            balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
+            eviction_interval=args.eviction_interval,
+            health_check_interval=args.health_check_interval,
+            health_check_timeout=args.health_check_timeout, request_timeout=args.request_timeout,
+        )
+
+        async def check() -> None:
+            async with httpx.AsyncClient() as client:
+                await wait_until_healthy(client, config.worker_urls, timeout=args.startup_timeout)
+
+        asyncio.run(check())
+        print(f"prefixkv route: {config.policy} over {', '.join(config.worker_urls)} "
+              f"on http://{args.host}:{args.port}", flush=True)
+        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if launched is not None:
+            launched.stop()
+    return 0

@@ -1,0 +1,187 @@
+"""Attention over the paged KV pool for one ``execute`` step.
+
+A :class:`PagedAttention` is built per step from the sequences' positions and block tables and
+handed to the model's forward as its ``attention`` callable (no global metadata). For every
+layer it (1) writes the new tokens' K/V into their slots, then (2) computes attention:
+
+* prefill chunks (several new tokens): per sequence, the new queries attend causally to all
+  keys at positions ``[0, start_pos + n)`` gathered through the block table (cached prefix +
+  the chunk itself), with torch SDPA;
+* decodes (one new token): batched, keys of the decoding sequences gathered into a padded
+  ``[B, L]`` view and masked by each sequence's length; sequences are grouped by context
+  length so that padding stays small.
+
+Plain torch, device agnostic (CPU and CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefixkv.runner.kv_pool import KVPool
+
+
+@dataclass(slots=True)
+class _Prefill:
+    q_start: int  # first row of this sequence in the flat token batch
+    q_len: int
+    start_pos: int  # tokens already cached before this chunk
+    blocks: torch.Tensor  # block ids covering [0, start_pos + q_len)
+    mask: torch.Tensor | None  # [q_len, ctx] bool; None when start_pos == 0 (plain causal)
+
+
+@dataclass(slots=True)
+class _DecodeBatch:
+    rows: torch.Tensor  # [B] rows of the flat token batch
+    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0
+    max_len: int  # longest context in the batch
+    valid: torch.Tensor | None  # [B, max_len] bool (key position < context length); None if B == 1
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Rows of ``blocks`` (any shape ``S``) from ``cache`` ``[N, bs, H, D]`` -> ``[*S, bs, H, D]``."""
+    flat = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return flat.view(*blocks.shape, *cache.shape[1:])
+
+
+class PagedAttention:
+    """The ``attention`` callable for one step; see the module docstring.
+
+    ``start_positions[i]``, ``query_lens[i]`` and ``block_tables[i]`` describe sequence ``i``,
+    whose ``query_lens[i]`` tokens occupy consecutive rows of the flat batch in order. The
+    caller guarantees each block table covers ``start_pos + query_len`` positions and holds
+    valid block ids (the runner validates). The K/V of positions ``< start_pos`` must already
+    be in the pool.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        start_positions: Sequence[int],
+        query_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> None:
+        self.pool = pool
+        device = pool.kv.device
+        bs = pool.block_size
+        slots: list[int] = []
+        self._prefills: list[_Prefill] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        row = 0
+        for start, n, table in zip(start_positions, query_lens, block_tables, strict=True):
+            ctx = start + n
+            needed = list(table[: (ctx + bs - 1) // bs])
+            slots.extend(needed[p // bs] * bs + p % bs for p in range(start, ctx))
+            if n == 1:
+                dec_rows.append(row)
+                dec_tables.append(needed)
+                dec_lens.append(ctx)
+            else:
+                mask = None
+                if start > 0:
+                    keys = torch.arange(ctx, device=device)
+                    queries = torch.arange(start, ctx, device=device)
+                    mask = keys[None, :] <= queries[:, None]
+                blocks = torch.tensor(needed, device=device)
+                self._prefills.append(_Prefill(row, n, start, blocks, mask))
+            row += n
+        self.num_tokens = row
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        self._decodes = [
+            _decode_batch(group, device)
+            for group in _group_by_length(list(zip(dec_rows, dec_tables, dec_lens, strict=True)))
+        ]
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` ([T, Hkv, D]) of the new tokens; return attention output [T, Hq, D]."""
+        k_cache, v_cache = self.pool.layer(layer_idx)
+        heads_kv, dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, heads_kv, dim).index_copy_(0, self.slot_mapping, k)
+        v_cache.view(-1, heads_kv, dim).index_copy_(0, self.slot_mapping, v)
+        out = torch.empty_like(q)
+        for p in self._prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            # SDPA gets 4-D [1, heads, len, D] views: 3-D inputs miss the fused CPU kernel.
+            qs = q[rows].transpose(0, 1)[None]
+            if p.mask is None:  # nothing cached: the chunk's own K/V are the whole context
+                ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            else:
+                ctx = p.start_pos + p.q_len
+                ks = _gather(k_cache, p.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+                vs = _gather(v_cache, p.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
+            )
+            out[rows] = o[0].transpose(0, 1)
+        for d in self._decodes:
+            out[d.rows] = _decode_attention(d, q, k_cache, v_cache)
+        return out
+
+
+_MAX_PADDING = 1.25
+"""A decode group's padded size (B x longest context) stays within this factor of its real size."""
+
+
+def _group_by_length(
+    decodes: list[tuple[int, list[int], int]],
+) -> list[list[tuple[int, list[int], int]]]:
+    """Split ``(row, blocks, context_len)`` decodes into groups of similar length.
+
+    Batched decode pads every sequence to the longest context in its batch; grouping bounds
+    that waste (one 2k-token sequence does not make seven 100-token ones read 2k keys each).
+    """
+    groups: list[list[tuple[int, list[int], int]]] = []
+    total = 0
+    for item in sorted(decodes, key=lambda d: -d[2]):
+        if groups and groups[-1][0][2] * (len(groups[-1]) + 1) <= _MAX_PADDING * (total + item[2]):
+            groups[-1].append(item)
+            total += item[2]
+        else:
+            groups.append([item])
+            total = item[2]
+    return groups
+
+
+def _decode_batch(group: list[tuple[int, list[int], int]], device: torch.device) -> _DecodeBatch:
+    width = max(len(blocks) for _, blocks, _ in group)
+    max_len = max(n for _, _, n in group)
+    valid = None
+    if len(group) > 1:
+        lens = torch.tensor([n for _, _, n in group], device=device)
+        valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+    return _DecodeBatch(
+        rows=torch.tensor([row for row, _, _ in group], device=device),
+        block_tables=torch.tensor(
+            [blocks + [0] * (width - len(blocks)) for _, blocks, _ in group], device=device
+        ),
+        max_len=max_len,
+        valid=valid,
+    )
+
+
+def _decode_attention(
+    d: _DecodeBatch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> torch.Tensor:
+    """Batched single-query attention over each sequence's padded, masked context."""
+    b = d.rows.shape[0]
+    heads, dim = q.shape[1], q.shape[2]
+    keys = _gather(k_cache, d.block_tables).flatten(1, 2)[:, : d.max_len]  # [B, L, Hkv, D]
+    values = _gather(v_cache, d.block_tables).flatten(1, 2)[:, : d.max_len]
+    mask = None if d.valid is None else d.valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[d.rows].view(b, heads, 1, dim),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        enable_gqa=True,
+    )  # [B, Hq, 1, D]
+    return out.view(b, heads, dim)

@@ -1,0 +1,163 @@
+"""The model runner: a loaded model, its tokenizer and the paged KV pool, stepped by the engine.
+
+Ownership: the runner owns the model weights and the KV tensors. It does not know which block
+belongs to whom: every :class:`RunItem` carries its own block table, and the engine (with its
+``BlockPool`` and prefix index) decides which ids are free, cached or in use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+
+from prefixkv.models.config import ModelConfig
+from prefixkv.models.loader import load_model, resolve_device, resolve_dtype
+from prefixkv.models.tokenizer import Tokenizer
+from prefixkv.runner.attention import PagedAttention
+from prefixkv.runner.kv_pool import KVPool
+
+DEFAULT_MAX_SEQS_IN_POOL = 4
+"""Without an explicit size the pool holds this many full-length (``max_model_len``) sequences..."""
+DEFAULT_KV_CACHE_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
+"""...capped by this many bytes per device type (other device types use the CPU figure)."""
+
+
+@dataclass(slots=True)
+class RunItem:
+    """One sequence's work in a step.
+
+    ``token_ids``: the tokens to compute now (a prefill chunk, or one token for a decode).
+    ``start_pos``: how many tokens of the sequence are already in the KV cache; the new tokens
+    take positions ``start_pos, start_pos + 1, ...``.
+    ``block_table``: block ids covering positions ``[0, start_pos + len(token_ids))`` (extra
+    trailing entries are allowed and ignored).
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    """Runs the model over paged KV for a batch of :class:`RunItem`.
+
+    ``num_kv_blocks`` sizes the pool directly; otherwise ``kv_cache_memory_bytes`` gives a budget
+    in bytes; with neither, the pool holds ``DEFAULT_MAX_SEQS_IN_POOL`` sequences of
+    ``max_model_len`` tokens, capped by ``DEFAULT_KV_CACHE_BYTES`` for the device type.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = load_model(model_path, device=self.device, dtype=self.dtype)
+        self.config: ModelConfig = self.model.config
+        self.tokenizer = Tokenizer.from_dir(model_path)
+        self.block_size = block_size
+        self.max_model_len = self.config.max_position_embeddings
+        cfg = self.config
+        per_block = KVPool.bytes_per_block(
+            num_layers=cfg.num_hidden_layers,
+            block_size=block_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+        )
+        if num_kv_blocks is None:
+            if kv_cache_memory_bytes is None:
+                budget = DEFAULT_KV_CACHE_BYTES.get(self.device.type, DEFAULT_KV_CACHE_BYTES["cpu"])
+                wanted = DEFAULT_MAX_SEQS_IN_POOL * -(-self.max_model_len // block_size)
+                num_kv_blocks = max(1, min(wanted, budget // per_block))
+            else:
+                num_kv_blocks = kv_cache_memory_bytes // per_block
+                if num_kv_blocks < 1:
+                    raise ValueError(
+                        f"kv_cache_memory_bytes={kv_cache_memory_bytes} is below one block "
+                        f"({per_block} bytes)"
+                    )
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        self.num_kv_blocks = num_kv_blocks
+        self.kv_pool = KVPool(
+            num_layers=cfg.num_hidden_layers,
+            num_blocks=num_kv_blocks,
+            block_size=block_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def execute(self, items: list[RunItem]) -> torch.Tensor:
+        """Compute ``items``' new tokens; float32 logits ``[len(items), vocab]`` of each last one.
+
+        Writes the K/V of position ``p`` of an item into slot
+        ``block_table[p // block_size] * block_size + p % block_size``. Items may mix prefill
+        chunks and single-token decodes. Two items must not write the same slot.
+        """
+        if not items:
+            raise ValueError("items must not be empty")
+        tokens: list[int] = []
+        positions: list[int] = []
+        for i, item in enumerate(items):
+            self._validate(i, item)
+            tokens.extend(item.token_ids)
+            positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
+        with torch.inference_mode():
+            attention = PagedAttention(
+                self.kv_pool,
+                start_positions=[it.start_pos for it in items],
+                query_lens=[len(it.token_ids) for it in items],
+                block_tables=[it.block_table for it in items],
+            )
+            input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            hidden = self.model(input_ids, pos, attention)
+            ends = list(accumulate(len(it.token_ids) for it in items))
+            last = torch.tensor(ends, device=self.device) - 1
+            return self.model.compute_logits(hidden[last]).float()
+
+    def copy_block_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
+        """Copy the first ``num_rows`` KV rows of ``src_block`` into ``dst_block`` (all layers)."""
+        self.kv_pool.copy_rows(src_block, dst_block, num_rows)
+
+    def _validate(self, i: int, item: RunItem) -> None:
+        n = len(item.token_ids)
+        if n == 0:
+            raise ValueError(f"items[{i}].token_ids must not be empty")
+        if item.start_pos < 0:
+            raise ValueError(f"items[{i}].start_pos must be >= 0, got {item.start_pos}")
+        end = item.start_pos + n
+        if end > self.max_model_len:
+            raise ValueError(
+                f"items[{i}] reaches position {end}, beyond max_model_len={self.max_model_len}"
+            )
+        needed = -(-end // self.block_size)
+        if len(item.block_table) < needed:
+            raise ValueError(
+                f"items[{i}].block_table has {len(item.block_table)} blocks, "
+                f"{needed} needed for {end} positions"
+            )
+        bad = [b for b in item.block_table[:needed] if not 0 <= b < self.num_kv_blocks]
+        if bad:
+            raise ValueError(
+                f"items[{i}].block_table has ids outside [0, {self.num_kv_blocks}): {bad}"
+            )
+        vocab = self.config.vocab_size
+        if min(item.token_ids) < 0 or max(item.token_ids) >= vocab:
+            raise ValueError(f"items[{i}].token_ids has ids outside [0, {vocab})")

@@ -1,0 +1,144 @@
+"""The FastAPI app: OpenAI-compatible routes, health, metrics and the cache admin API.
+
+``create_app(engine)`` wires an already running ``AsyncEngine`` (owned by the caller, who
+shuts it down) to HTTP. Routes::
+
+    GET  /health                      200 {"status": "ok"}
+    GET  /metrics                     Prometheus text (see metrics.py)
+    GET  /v1/models                   the served model
+    POST /v1/completions              OpenAI completions (stream, n, stop, ...)
+    POST /v1/chat/completions         OpenAI chat completions
+    /v1/cache/...                     cache admin (see admin.py)
+    POST /reset_prefix_cache          vLLM's name for POST /v1/cache/reset
+
+With ``api_key`` set, every ``/v1/*`` route and ``/reset_prefix_cache`` need
+``Authorization: Bearer <api_key>`` (else 401); ``/health`` and ``/metrics`` stay open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prefixkv.engine.async_engine import AsyncEngine
+from prefixkv.engine.outputs import EngineStats
+from prefixkv.server.admin import build_admin_router
+from prefixkv.server.errors import APIError, install_error_handlers
+from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
+from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixkv.server.serving import OpenAIServing
+
+DEFAULT_MODEL_NAME = "prefixkv-demo"
+
+
+def engine_gauges(s: EngineStats) -> EngineGauges:
+    """The scrape-time metrics snapshot from the engine's stats."""
+    c = s.cache
+    return EngineGauges(
+        num_requests_running=s.num_running,
+        num_requests_waiting=s.num_waiting,
+        num_kv_blocks=s.num_kv_blocks,
+        free_blocks=s.num_free_blocks,
+        cached_blocks=s.num_cached_blocks,
+        pinned_blocks=c.pinned_blocks if c else 0,
+        locked_blocks=c.locked_blocks if c else 0,
+        evictions=c.evictions if c else 0,
+        evicted_blocks=c.evicted_blocks if c else 0,
+        query_hit_rate=c.query_hit_rate if c else 0.0,
+        token_hit_rate=c.token_hit_rate if c else 0.0,
+    )
+
+
+def _auth_dependency(api_key: str | None) -> Any:
+    """A dependency that rejects requests without ``Authorization: Bearer <api_key>``."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
+            raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           status=401, code="invalid_api_key")
+
+    return check
+
+
+def create_app(engine: AsyncEngine, *, api_key: str | None = None,
+               model_name: str = DEFAULT_MODEL_NAME, model_aliases: tuple[str, ...] = (),
+               on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """Build the app for ``engine`` (not owned: the caller shuts it down).
+
+    ``model_name`` is what ``/v1/models`` lists and responses report; requests may name it or
+    one of ``model_aliases`` (e.g. the model's path), anything else is a 404.
+    ``on_shutdown`` runs when the ASGI server shuts the app down (``prefixkv serve`` stops the
+    engine thread there, before uvicorn re-raises SIGTERM).
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                on_shutdown()
+
+    app = FastAPI(title="prefixkv", version="0.1.0", docs_url="/docs", redoc_url=None,
+                  lifespan=lifespan)
+    metrics = ServerMetrics(model_name)
+    install_error_handlers(app, on_error=metrics.observe_error)
+    serving = OpenAIServing(engine, model_name, metrics)
+    known_models = {model_name, *model_aliases}
+    created = int(time.time())
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in known_models:
+            raise APIError(f"the model {name!r} does not exist; this server serves "
+                           f"{model_name!r}", status=404, param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if not engine.is_running:
+            raise APIError("the engine is not running", status=503, code="engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        gauges = engine_gauges(await engine.get_stats())
+        return Response(metrics.render(gauges), media_type=CONTENT_TYPE)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
+
+    @v1.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "prefixkv",
+            "root": model_name, "parent": None,
+        }]}
+
+    @v1.post("/completions", response_model=None)
+    async def completions(body: CompletionRequest,
+                          request: Request) -> JSONResponse | StreamingResponse:
+        check_model(body.model)
+        return await serving.completions(body, request.is_disconnected)
+
+    @v1.post("/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest,
+                               request: Request) -> JSONResponse | StreamingResponse:
+        check_model(body.model)
+        return await serving.chat(body, request.is_disconnected)
+
+    admin, reset = build_admin_router(engine)
+    v1.include_router(admin)
+    app.include_router(v1)
+    app.add_api_route("/reset_prefix_cache", reset, methods=["POST"],
+                      dependencies=[Depends(_auth_dependency(api_key))])
+    return app

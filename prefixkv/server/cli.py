@@ -1,0 +1,338 @@
+"""``prefixkv serve``, ``prefixkv cache ...`` and ``prefixkv generate``.
+
+* ``serve [MODEL]``: the OpenAI-compatible server (no MODEL: the built-in demo model, whose
+  text is meaningless; it exists to show prefix caching at work).
+* ``cache stats | pin | unpin | list-pinned | reset``: seed 004's cache commands, as a client of
+  a running server (``--url``, default ``$PREFIXKV_BASE_URL`` or http://127.0.0.1:8000).
+* ``generate PROMPT``: one offline generation through ``LLM`` (no server).
+
+Heavy imports (torch, the engine, uvicorn) happen inside the handlers so ``--help`` is fast.
+Failures raise ``ValueError`` / ``OSError`` / ``RuntimeError`` with one clear line, which
+``prefixkv.cli.main`` prints before exiting with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from typing import Any
+
+from prefixkv.cache.policies import POLICIES
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``serve``, ``cache`` and ``generate`` to the ``prefixkv`` parser."""
+    _register_serve(sub)
+    _register_cache(sub)
+    _register_generate(sub)
+
+
+# ---------------------------------------------------------------- engine flags
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="local Hugging Face-format model directory (default: the built-in demo "
+                        "model, deterministic weights, meaningless text)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: sized from the model and memory)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV for shared prompt prefixes (default: on)")
+    g.add_argument("--index", choices=("radix", "hash"), default="radix",
+                   help="prefix index kind (default radix)")
+    g.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES),
+                   help="which unused cached blocks go first (default lru)")
+    g.add_argument("--hash-algo", choices=("sha256", "xxhash", "builtin"), default="sha256",
+                   help="block hash for --index hash (default sha256)")
+    g.add_argument("--max-pinned-blocks", type=int, default=None,
+                   help="most blocks that may be pinned (default: no limit)")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default by device)")
+
+
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": args.model,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "device": args.device,
+        "dtype": args.dtype,
+        "index": args.index,
+        "eviction_policy": args.eviction_policy,
+        "hash_algo": args.hash_algo,
+        "max_pinned_blocks": args.max_pinned_blocks,
+    }
+
+
+# ---------------------------------------------------------------- serve
+
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API with prefix "
+                                   "caching, cache admin routes and Prometheus metrics.")
+    _add_engine_flags(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--api-key", default=os.environ.get("PREFIXKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $PREFIXKV_API_KEY, else open)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the directory name, or prefixkv-demo)")
+    g.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=_serve)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (bound here so a busy port is one clear error)."""
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from prefixkv.engine.async_engine import AsyncEngine
+    from prefixkv.server.app import DEFAULT_MODEL_NAME, create_app
+
+    sock = _listen(args.host, args.port)
+    name = args.served_model_name or (
+        os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME)
+    aliases = (args.model,) if args.model else ()
+    try:
+        engine = AsyncEngine.from_args(**_llm_kwargs(args))
+    except BaseException:
+        sock.close()
+        raise
+
+    def stop_engine() -> None:
+        engine.shutdown()
+        print("prefixkv: engine stopped", flush=True)
+
+    try:
+        app = create_app(engine, api_key=args.api_key, model_name=name, model_aliases=aliases,
+                         on_shutdown=stop_engine)
+        print(f"prefixkv: serving {name!r} on http://{args.host}:{args.port} "
+              f"(prefix caching {'on' if args.enable_prefix_caching else 'off'})", flush=True)
+        # On SIGINT/SIGTERM uvicorn stops accepting, lets running requests finish (up to 10 s),
+        # runs the app's shutdown (which stops the engine thread), then re-raises the signal.
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()  # idempotent; covers a failed start
+        sock.close()
+    return 0
+
+
+# ---------------------------------------------------------------- cache (client)
+
+
+def _register_cache(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("cache", help="inspect and manage a running server's prefix cache",
+                       description="Cache commands against a running `prefixkv serve`.")
+    csub = p.add_subparsers(dest="cache_command", metavar="CACHE_COMMAND", required=True)
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--url", default=os.environ.get("PREFIXKV_BASE_URL", DEFAULT_URL),
+                       help=f"server base URL (default: $PREFIXKV_BASE_URL or {DEFAULT_URL})")
+        q.add_argument("--api-key", default=os.environ.get("PREFIXKV_API_KEY"),
+                       help="API key (default: $PREFIXKV_API_KEY)")
+        q.add_argument("--json", action="store_true", help="print the raw JSON response")
+        q.add_argument("--timeout", type=float, default=600.0,
+                       help="seconds to wait for the server (default 600)")
+
+    def prefix(q: argparse.ArgumentParser) -> None:
+        which = q.add_mutually_exclusive_group(required=True)
+        which.add_argument("--tokens", help='token ids, comma separated: "1,2,3"')
+        which.add_argument("--text", help="text, tokenized as a completion prompt")
+        q.add_argument("--cache-salt", default=None, help="tenant namespace (cache_salt)")
+
+    q = csub.add_parser("stats", help="print prefix cache statistics")
+    common(q)
+    q.set_defaults(func=_cache_stats)
+    q = csub.add_parser("pin", help="compute (if needed) and pin a prefix against eviction")
+    common(q)
+    prefix(q)
+    q.add_argument("--description", default=None, help="a note shown by list-pinned")
+    q.set_defaults(func=_cache_pin)
+    q = csub.add_parser("unpin", help="unpin a pinned prefix")
+    common(q)
+    prefix(q)
+    q.set_defaults(func=_cache_unpin)
+    q = csub.add_parser("list-pinned", help="list pinned prefixes")
+    common(q)
+    q.set_defaults(func=_cache_list_pinned)
+    q = csub.add_parser("reset", help="unpin everything and drop all unused cached blocks")
+    common(q)
+    q.set_defaults(func=_cache_reset)
+
+
+def _request(args: argparse.Namespace, method: str, path: str,
+             body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Call the server; a non-2xx answer or an unreachable server raises with one line."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/") + path
+    try:
+        r = httpx.request(method, url, json=body, headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        raise OSError(f"cannot reach the server at {args.url}: {exc}") from exc
+    try:
+        data = r.json()
+    except ValueError:
+        data = None
+    if r.status_code >= 400:
+        msg = (data or {}).get("error", {}).get("message") if isinstance(data, dict) else None
+        raise RuntimeError(f"{r.status_code} from {url}: {msg or r.text.strip()[:200]}")
+    if isinstance(data, dict):
+        return data
+    raise RuntimeError(f"unexpected response from {url}: {r.text.strip()[:200]}")
+
+
+def _prefix_body(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if args.tokens is not None:
+        try:
+            ids = [int(t) for t in args.tokens.replace(" ", "").split(",") if t != ""]
+        except ValueError as exc:
+            raise ValueError(f'--tokens must be comma separated ints like "1,2,3", '
+                             f"got {args.tokens!r}") from exc
+        if not ids or any(i < 0 for i in ids):
+            raise ValueError(f"--tokens must hold non-negative ints, got {args.tokens!r}")
+        body["token_ids"] = ids
+    else:
+        body["text"] = args.text
+    if args.cache_salt is not None:
+        body["cache_salt"] = args.cache_salt
+    return body
+
+
+def _show(args: argparse.Namespace, data: dict[str, Any], text: str) -> int:
+    print(json.dumps(data, indent=2) if args.json else text)
+    return 0
+
+
+def _cache_stats(args: argparse.Namespace) -> int:
+    d = _request(args, "GET", "/v1/cache/stats")
+    c = d.get("cache")
+    lines = ["Prefix Cache Statistics:"]
+    if c is None:
+        lines.append("  Prefix caching: disabled")
+    else:
+        lines += [
+            f"  Index: {c['index']} (block size {c['block_size']}, policy {c['policy']})",
+            (f"  Total Entries: {c['cached_blocks']} blocks ({c['pinned_blocks']} pinned, "
+             f"{c['locked_blocks']} in use), {c['num_nodes']} nodes"),
+            (f"  Hit Rate: {100 * c['query_hit_rate']:.1f}% of lookups, "
+             f"{100 * c['token_hit_rate']:.1f}% of tokens ({c['hits']}/{c['queries']} lookups)"),
+            f"  Avg Match Length: {c['avg_match_length']:.1f} tokens",
+            f"  Memory Usage: {_size(c['memory_bytes'])} (index metadata)",
+            f"  Evictions: {c['evicted_blocks']} blocks in {c['evictions']} calls",
+        ]
+    lines += [
+        f"  KV Blocks: {d['num_free_blocks']} free of {d['num_kv_blocks']}",
+        (f"  Requests: {d['num_running']} running, {d['num_waiting']} waiting, "
+         f"{d['num_requests_finished']} finished"),
+        (f"  Prompt Tokens: {d['num_prompt_tokens']} ({d['num_cached_prompt_tokens']} from "
+         f"cache, {100 * d['prefix_cache_hit_rate']:.1f}%)"),
+    ]
+    return _show(args, d, "\n".join(lines))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f}MB" if n >= 2**20 else f"{n / 2**10:.1f}KB"
+
+
+def _cache_pin(args: argparse.Namespace) -> int:
+    body = _prefix_body(args)
+    if args.description is not None:
+        body["description"] = args.description
+    d = _request(args, "POST", "/v1/cache/pin", body)
+    return _show(args, d, f"pinned {d['num_tokens']} tokens ({d['num_blocks']} blocks)"
+                 + (f": {d['description']}" if d.get("description") else ""))
+
+
+def _cache_unpin(args: argparse.Namespace) -> int:
+    d = _request(args, "POST", "/v1/cache/unpin", _prefix_body(args))
+    return _show(args, d, "unpinned")
+
+
+def _cache_list_pinned(args: argparse.Namespace) -> int:
+    d = _request(args, "GET", "/v1/cache/pinned")
+    rows = d["data"]
+    if not rows:
+        return _show(args, d, "no pinned prefixes")
+    lines = [f"{'TOKENS':>7} {'BLOCKS':>6}  {'CACHE_SALT':<12} {'DESCRIPTION':<28} FIRST TOKEN IDS"]
+    for r in rows:
+        head = ",".join(str(t) for t in r["token_ids"][:8]) + ("..." if r["num_tokens"] > 8 else "")
+        ns = "-" if r["cache_salt"] is None else r["cache_salt"]
+        lines.append(f"{r['num_tokens']:>7} {r['num_blocks']:>6}  {ns:<12} "
+                     f"{(r['description'] or '-'):<28} {head}")
+    return _show(args, d, "\n".join(lines))
+
+
+def _cache_reset(args: argparse.Namespace) -> int:
+    d = _request(args, "POST", "/v1/cache/reset")
+    return _show(args, d, f"cache reset ({d['freed_blocks']} blocks freed)")
+
+
+# ---------------------------------------------------------------- generate (offline)
+
+
+def _register_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("generate", help="generate offline (no server) with the LLM API",
+                       description="Generate a completion for PROMPT in this process.")
+    p.add_argument("prompt", metavar="PROMPT", help="prompt text")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face-format model directory (default: the demo model)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="treat PROMPT as a user chat message")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--json", action="store_true", help="print a JSON record with token counts")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from prefixkv.engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate([args.prompt], params)[0]
+    o = out.outputs[0]
+    if args.json:
+        print(json.dumps({"text": o.text, "token_ids": o.token_ids,
+                          "finish_reason": o.finish_reason,
+                          "prompt_tokens": len(out.prompt_token_ids),
+                          "num_cached_tokens": out.num_cached_tokens}))
+    else:
+        print(o.text)
+    return 0

@@ -1,0 +1,175 @@
+"""Prometheus metrics for ``GET /metrics`` (vLLM's names, with a ``prefixkv:`` prefix).
+
+Each app owns one :class:`ServerMetrics` with its own ``CollectorRegistry``, so several apps in
+one process (tests) never share counters. Two kinds of series:
+
+* Per-request series, updated by the server as requests finish: prompt / generation tokens,
+  prefix-cache queries and hits *counted in tokens* (vLLM's definition: a request queries its
+  prompt tokens and hits its cached tokens), request outcomes, TTFT and end-to-end latency.
+* Engine state, passed in as an :class:`EngineGauges` snapshot at scrape time: running /
+  waiting requests and the cache's cached / pinned / locked / free blocks, evictions and hit
+  rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineGauges:
+    """Engine state at one instant (what the scrape-time series report)."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    num_kv_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    pinned_blocks: int
+    locked_blocks: int
+    evictions: int
+    evicted_blocks: int
+    query_hit_rate: float
+    token_hit_rate: float
+
+
+class _EngineCollector(Collector):
+    """Reports the latest :class:`EngineGauges` snapshot (nothing before the first one)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.snapshot: EngineGauges | None = None
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        if s is None:
+            return
+        labels = ["model_name"]
+        values = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"prefixkv:{name}", doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"prefixkv:{name}", doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_requests_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_requests_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use by running requests "
+                    "or the prefix cache (1 = full).",
+                    1.0 - s.free_blocks / s.num_kv_blocks if s.num_kv_blocks else 0.0)
+        yield gauge("num_kv_blocks", "KV blocks in the pool.", s.num_kv_blocks)
+        yield gauge("cache_free_blocks", "KV blocks in the free list.", s.free_blocks)
+        yield gauge("cache_cached_blocks", "KV blocks held by the prefix index.", s.cached_blocks)
+        yield gauge("cache_pinned_blocks", "Cached blocks pinned against eviction.", s.pinned_blocks)
+        yield gauge("cache_locked_blocks", "Cached blocks in use by running requests.", s.locked_blocks)
+        yield gauge("prefix_cache_query_hit_rate", "Index lookups with a non-empty match over "
+                    "all lookups (seed 004's hit rate).", s.query_hit_rate)
+        yield gauge("prefix_cache_token_hit_rate", "Matched tokens over looked-up tokens, as "
+                    "counted by the index.", s.token_hit_rate)
+        yield counter("prefix_cache_evictions", "Eviction calls that freed blocks.", s.evictions)
+        yield counter("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache.",
+                      s.evicted_blocks)
+
+
+class ServerMetrics:
+    """The metrics of one server app. Thread safe (prometheus_client's own locking)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model = model_name
+        r, lbl = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(
+            "prefixkv:prompt_tokens", "Prompt tokens of finished requests.", lbl, registry=r)
+        self.generation_tokens = Counter(
+            "prefixkv:generation_tokens", "Generated tokens.", lbl, registry=r)
+        self.prefix_cache_queries = Counter(
+            "prefixkv:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (tokens, not requests).", lbl, registry=r)
+        self.prefix_cache_hits = Counter(
+            "prefixkv:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache (tokens, not requests).", lbl, registry=r)
+        self.request_success = Counter(
+            "prefixkv:request_success", "Finished requests by finish reason.",
+            lbl + ["finished_reason"], registry=r)
+        self.request_errors = Counter(
+            "prefixkv:request_errors", "Requests answered with an error, by HTTP status.",
+            lbl + ["status"], registry=r)
+        self.ttft = Histogram(
+            "prefixkv:time_to_first_token_seconds", "Time to first token, from request arrival.",
+            lbl, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "prefixkv:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+            lbl, buckets=_LATENCY_BUCKETS, registry=r)
+        for series in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
+                       self.prefix_cache_hits, self.ttft, self.e2e):
+            series.labels(model_name)  # report 0 before the first request
+        self._hits_total = 0
+        self._queries_total = 0
+        r.register(_HitRateCollector(self, model_name))
+        self._engine = _EngineCollector(model_name)
+        r.register(self._engine)
+
+    def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """One sequence's prompt was looked up: ``cached_tokens`` of ``prompt_tokens`` hit."""
+        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self.prefix_cache_queries.labels(self._model).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(self._model).inc(cached_tokens)
+        self._queries_total += prompt_tokens
+        self._hits_total += cached_tokens
+
+    def observe_finished(self, generated_tokens: int, finish_reasons: list[str],
+                         ttft_s: float | None, e2e_s: float) -> None:
+        """A request finished (all its choices)."""
+        self.generation_tokens.labels(self._model).inc(generated_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(self._model, reason or "unknown").inc()
+        if ttft_s is not None:
+            self.ttft.labels(self._model).observe(ttft_s)
+        self.e2e.labels(self._model).observe(e2e_s)
+
+    def observe_error(self, status: int) -> None:
+        """A request was answered with an error status."""
+        self.request_errors.labels(self._model, str(status)).inc()
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over queries, in tokens, since the server started."""
+        return self._hits_total / self._queries_total if self._queries_total else 0.0
+
+    def render(self, gauges: EngineGauges) -> bytes:
+        """The exposition text for ``GET /metrics``, with ``gauges`` as the engine state."""
+        self._engine.snapshot = gauges
+        return generate_latest(self.registry)
+
+
+class _HitRateCollector(Collector):
+    """``prefixkv:prefix_cache_hit_rate``: hits / queries in tokens since start."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
+        self._metrics = metrics
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "prefixkv:prefix_cache_hit_rate",
+            "Prefix-cache hit rate in tokens since start (hits_total / queries_total).",
+            labels=["model_name"])
+        g.add_metric([self._model], self._metrics.hit_rate)
+        yield g

@@ -1,0 +1,330 @@
+"""The OpenAI completions and chat completions endpoints, on top of ``AsyncEngine``.
+
+One HTTP request becomes one engine request per prompt (a completions batch has several); the
+engine's ``n`` samples of a prompt become choices ``prompt_index * n + sample_index``.
+
+Lifetime: a submission error (a prompt too long for the context or the KV pool, a bad
+sampling value) is found before any byte is sent and answered as a 400. After that, the engine
+requests belong to the response: when it ends early (a client that disconnects mid-stream, a
+cancelled handler) every unfinished engine request is aborted, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from prefixkv.engine.async_engine import AsyncEngine
+from prefixkv.engine.outputs import RequestOutput
+from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.server.errors import APIError
+from prefixkv.server.metrics import ServerMetrics
+from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+Disconnected = Callable[[], Awaitable[bool]]
+"""``await is_disconnected()``: whether the HTTP client has gone away."""
+
+DISCONNECT_POLL_S = 0.5
+"""How often a non-streaming request checks for a client that went away."""
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for ``/v1/completions``; chat defaults to the room left in the context."""
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+    """The engine's sampling params for a validated request body."""
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=req.stop_list or None,
+            stop_token_ids=req.stop_token_ids,
+        )
+    except ValueError as exc:
+        raise APIError(str(exc)) from exc
+
+
+def render_chat(engine: AsyncEngine, messages: list[dict[str, str]], *,
+                add_generation_prompt: bool) -> dict[str, Any]:
+    """Chat messages as an engine prompt (``{"prompt", "prompt_token_ids"}``), rendered with
+    the model's chat template exactly as ``LLM.chat`` renders them."""
+    return engine.engine.chat_prompt(messages, add_generation_prompt)
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>\\n\\n``."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+@dataclass(slots=True)
+class _Job:
+    """The engine requests of one HTTP request and how far each has got."""
+
+    stream: AsyncIterator[RequestOutput]
+    request_id: str
+    first: RequestOutput
+    last: RequestOutput
+    done: bool = False
+    ttft: float | None = None
+    sent_text: dict[int, int] = field(default_factory=dict)
+    sent_finish: set[int] = field(default_factory=set)
+
+
+class OpenAIServing:
+    """Runs completions and chat requests against an engine and records their metrics.
+
+    ``engine`` is the shared ``AsyncEngine`` (not owned).
+    """
+
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self._pool_tokens: int | None = None
+
+    async def completions(self, req: CompletionRequest,
+                          is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
+        """``POST /v1/completions``."""
+        params = sampling_params(req, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await self._run(rid, req.prompts(), params, req, is_disconnected, chat=False)
+
+    async def chat(self, req: ChatCompletionRequest,
+                   is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
+        """``POST /v1/chat/completions``."""
+        try:
+            prompt = render_chat(self.engine, req.plain_messages(), add_generation_prompt=True)
+        except ValueError as exc:
+            raise APIError(f"cannot render messages: {exc}", param="messages") from exc
+        max_tokens = req.effective_max_tokens
+        if max_tokens is None:
+            max_tokens = await self._room_left(len(prompt["prompt_token_ids"]))
+        params = sampling_params(req, max_tokens)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._run(rid, [prompt], params, req, is_disconnected, chat=True)
+
+    async def _room_left(self, prompt_tokens: int) -> int | None:
+        """Chat's default ``max_tokens`` (vLLM's): the room the prompt leaves in the context,
+        capped so the request fits the KV pool; ``None`` (the engine then explains) if none."""
+        if self._pool_tokens is None:
+            stats = await self.engine.get_stats()
+            self._pool_tokens = stats.num_kv_blocks * stats.block_size
+        room = min(self.engine.max_model_len, self._pool_tokens) - prompt_tokens
+        return room if room >= 1 else None
+
+    async def _run(self, rid: str, prompts: list[Any], params: SamplingParams,
+                   req: SamplingRequest, is_disconnected: Disconnected, *,
+                   chat: bool) -> JSONResponse | StreamingResponse:
+        t0 = time.perf_counter()
+        jobs = await self._submit(rid, prompts, params, req, chat=chat, t0=t0)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(rid, jobs, params.n, chat=chat, include_usage=include_usage, t0=t0),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+
+        async def drain() -> None:
+            for job in jobs:
+                while not job.done:
+                    await self._advance(job, t0)
+
+        task = asyncio.ensure_future(drain())
+        try:
+            # A non-streaming client that goes away is noticed between polls and aborted too.
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await is_disconnected():
+                    task.cancel()
+                    raise APIError("client disconnected", status=499, code="client_closed")
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await self._abort_unfinished(jobs)
+        return JSONResponse(self._final_body(rid, jobs, params.n, chat=chat))
+
+    async def _submit(self, rid: str, prompts: list[Any], params: SamplingParams,
+                      req: SamplingRequest, *, chat: bool, t0: float) -> list[_Job]:
+        """Start one engine request per prompt and wait for each one's first output, so a
+        submission error becomes a 400 before the response starts. On any failure every
+        request already started is aborted."""
+        param = "messages" if chat else "prompt"
+
+        async def start(i: int, prompt: Any) -> _Job:
+            sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+            stream = self.engine.generate(prompt, params, request_id=sub_id,
+                                          cache_salt=req.cache_salt)
+            try:
+                first = await stream.__anext__()
+            except ValueError as exc:
+                raise APIError(str(exc), param=param) from exc
+            except StopAsyncIteration as exc:
+                raise APIError("the engine returned no output", status=500) from exc
+            return _Job(stream=stream, request_id=sub_id, first=first, last=first)
+
+        results = await asyncio.gather(*(start(i, p) for i, p in enumerate(prompts)),
+                                       return_exceptions=True)
+        jobs = [r for r in results if isinstance(r, _Job)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            await self._abort_unfinished(jobs)
+            raise failure
+        for job in jobs:
+            self._observe(job, job.first, t0, first_report=True)
+        return jobs
+
+    async def _advance(self, job: _Job, t0: float) -> RequestOutput:
+        """Wait for the job's next output (the caller checks ``job.done`` first)."""
+        try:
+            out = await job.stream.__anext__()
+        except StopAsyncIteration:
+            job.done = True
+            return job.last
+        self._observe(job, out, t0, first_report=False)
+        return out
+
+    def _observe(self, job: _Job, out: RequestOutput, t0: float, *, first_report: bool) -> None:
+        now = time.perf_counter()
+        if first_report:
+            self.metrics.observe_prompt(len(out.prompt_token_ids), out.num_cached_tokens)
+        job.last = out
+        if job.ttft is None and any(o.token_ids for o in out.outputs):
+            job.ttft = now - t0
+        if out.finished and not job.done:
+            job.done = True
+            self.metrics.observe_finished(
+                sum(len(o.token_ids) for o in out.outputs),
+                [o.finish_reason or "unknown" for o in out.outputs], job.ttft, now - t0)
+
+    async def _abort_unfinished(self, jobs: list[_Job]) -> None:
+        """Abort every engine request of ``jobs`` that has not finished (frees its blocks):
+        closing an unfinished ``AsyncEngine.generate`` stream aborts its request."""
+        for job in jobs:
+            if not job.done:
+                job.done = True
+                await job.stream.aclose()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ bodies
+
+    def _usage(self, jobs: list[_Job]) -> dict[str, Any]:
+        prompt = sum(len(j.last.prompt_token_ids) for j in jobs)
+        completion = sum(len(o.token_ids) for j in jobs for o in j.last.outputs)
+        cached = sum(j.last.num_cached_tokens for j in jobs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _final_body(self, rid: str, jobs: list[_Job], n: int, *, chat: bool) -> dict[str, Any]:
+        choices = []
+        for p, job in enumerate(jobs):
+            for o in job.last.outputs:
+                choice: dict[str, Any] = {"index": p * n + o.index, "logprobs": None,
+                                          "finish_reason": o.finish_reason}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": o.text}
+                else:
+                    choice["text"] = o.text
+                choice["stop_reason"] = o.stop_reason
+                choices.append(choice)
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": self._usage(jobs),
+        }
+
+    async def _stream(self, rid: str, jobs: list[_Job], n: int, *, chat: bool,
+                      include_usage: bool, t0: float) -> AsyncIterator[bytes]:
+        """SSE chunks: per-choice deltas, then (``include_usage``) a usage chunk, then
+        ``[DONE]``. Closing this generator early aborts the unfinished engine requests."""
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
+                  ) -> bytes:
+            body: dict[str, Any] = {"id": rid, "object": obj, "created": created,
+                                    "model": self.model_name, "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return sse(body)
+
+        def deltas(p: int, out: RequestOutput, job: _Job) -> list[dict[str, Any]]:
+            """Choices for the text each sample added since the last chunk sent."""
+            choices: list[dict[str, Any]] = []
+            for o in out.outputs:
+                index = p * n + o.index
+                sent = job.sent_text.get(o.index)
+                first = sent is None
+                sent = sent or 0
+                text = o.text[sent:]
+                job.sent_text[o.index] = max(sent, len(o.text))
+                finish = o.finish_reason if o.index not in job.sent_finish else None
+                if finish:
+                    job.sent_finish.add(o.index)
+                if not (text or finish or (first and chat)):
+                    continue
+                piece: dict[str, Any] = {"index": index, "logprobs": None,
+                                         "finish_reason": finish}
+                if chat:
+                    # The first chunk of a choice carries the role (OpenAI's convention).
+                    delta = {"role": "assistant", "content": text} if first else {}
+                    if text:
+                        delta["content"] = text
+                    piece["delta"] = delta
+                else:
+                    piece["text"] = text
+                    piece["stop_reason"] = o.stop_reason if finish else None
+                choices.append(piece)
+            return choices
+
+        pending: dict[asyncio.Future[RequestOutput], tuple[int, _Job]] = {}
+        try:
+            for p, job in enumerate(jobs):
+                first = deltas(p, job.first, job)
+                if first:
+                    yield chunk(first)
+            pending = {asyncio.ensure_future(self._advance(job, t0)): (p, job)
+                       for p, job in enumerate(jobs) if not job.done}
+            while pending:
+                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    p, job = pending.pop(task)
+                    choices = deltas(p, task.result(), job)
+                    if choices:
+                        yield chunk(choices)
+                    if not job.done:
+                        pending[asyncio.ensure_future(self._advance(job, t0))] = (p, job)
+            if include_usage:
+                yield chunk([], self._usage(jobs))
+            yield sse("[DONE]")
+        except (ValueError, RuntimeError) as exc:  # the engine failed after the stream started
+            yield sse({"error": {"message": str(exc), "type": "internal_server_error",
+                                 "param": None, "code": 500}})
+            yield sse("[DONE]")
+        finally:
+            # Runs on normal end, on client disconnect (cancellation) and on aclose().
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            await self._abort_unfinished(jobs)

@@ -1,0 +1,118 @@
+"""``prefixkv bench ops``: shape of the rows, table and JSON, argument errors, peer handling.
+
+Timings are not asserted (performance targets live in the benchmark, not in unit tests); the
+runs are tiny. Peer rows run only where ``sglang`` / ``vllm`` import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from prefixkv.bench import ops, ops_peers
+
+KINDS = ("seed-reference", "radix-bs16+array")
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[ops.OpsRow]:
+    return ops.run_ops(KINDS, prompts=20, iters=20)
+
+
+def test_rows_in_order_with_positive_figures(rows: list[ops.OpsRow]) -> None:
+    assert [r.index for r in rows] == list(KINDS)
+    for r in rows:
+        assert r.match_us > 0 and r.insert_us > 0 and r.evict10_us > 0
+        assert r.bytes_per_prefix is not None and r.bytes_per_prefix > 0
+        assert r.note == ""
+
+
+def test_table_has_baseline_first_and_every_row(rows: list[ops.OpsRow]) -> None:
+    table = ops.format_table(rows)
+    lines = table.splitlines()
+    assert "speedup vs seed-reference" in lines[0]
+    assert lines[2].startswith("seed-reference") and "1.0x" in lines[2]
+    assert lines[3].startswith("radix-bs16+array")
+    assert "peer" not in table  # no peer rows, no peer table
+
+
+def test_peer_table_compares_like_with_like(rows: list[ops.OpsRow]) -> None:
+    fake = ops.OpsRow("sglang-radix-bs16", 10.0, 20.0, 50.0, None, "freed 512 tokens")
+    table = ops.format_table([*rows, fake])
+    line = [ln for ln in table.splitlines() if ln.startswith("sglang-radix-bs16 ")][-1]
+    assert "radix-bs16+array" in line and "freed 512 tokens" in line
+    assert "n/a" in table and ops_peers.NOTES["sglang"] in table
+
+
+def test_cli_writes_json_without_peers(tmp_path, capsys) -> None:
+    out = tmp_path / "ops.json"
+    assert ops.main(["--kinds", "radix-bs16", "--prompts", "5", "--iters", "5",
+                     "--json", str(out), "--no-peers"]) == 0
+    printed = capsys.readouterr().out
+    assert "radix-bs16" in printed and "peers:" not in printed
+    data = json.loads(out.read_text())
+    assert [d["index"] for d in data] == ["radix-bs16"]
+    assert set(data[0]) == {"index", "match_us", "insert_us", "evict10_us",
+                            "bytes_per_prefix", "note"}
+
+
+@pytest.mark.skipif(HAVE_SGLANG or HAVE_VLLM, reason="peers are installed here")
+def test_auto_peers_says_not_installed(capsys) -> None:
+    assert ops.main(["--kinds", "radix-bs16", "--prompts", "5", "--iters", "5"]) == 0
+    assert "peers: not installed" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--peers"):
+        ops.main(["--kinds", "radix-bs16", "--prompts", "5", "--iters", "5", "--peers"])
+
+
+@pytest.mark.parametrize("kind", ["btree-bs16", "radix-16", "radix-bs0", "radix-bs16+list",
+                                  "hash:md5-bs16", "vllm-bs8", "vllm-bs16+array",
+                                  "sglang-radix-bsx", "sglang-radix-bs1+hash",
+                                  "sglang-unified:cpp-bs1"])
+def test_bad_kind_is_rejected_before_running(kind: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(kind))):
+        ops.run_ops(("seed-reference", kind), prompts=5, iters=5)
+
+
+def test_bad_counts_are_rejected() -> None:
+    with pytest.raises(ValueError, match="--prompts"):
+        ops.main(["--prompts", "0"])
+    with pytest.raises(ValueError, match="kinds"):
+        ops.run_ops((), prompts=5, iters=5)
+
+
+def test_importing_the_benchmark_does_not_import_torch_or_peers() -> None:
+    code = ("import sys, prefixkv.bench.ops; "
+            "print(sorted(m for m in ('torch', 'sglang', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_torchvision_stand_in_answers_only_torchvision() -> None:
+    finder = ops_peers._TorchvisionStandIn()
+    assert finder.find_spec("torchvision.transforms", None) is not None
+    assert finder.find_spec("torchvisionx", None) is None
+    module = finder.create_module(finder.find_spec("torchvision", None))
+    assert module.__version__ == "0.28.0"
+    with pytest.raises(RuntimeError, match="stand-in"):
+        module.transforms.InterpolationMode.BICUBIC()
+
+
+@pytest.mark.slow  # importing SGLang alone takes seconds
+@pytest.mark.skipif(not (HAVE_SGLANG and HAVE_VLLM), reason="sglang and vllm not installed")
+def test_peers_run_on_the_same_workload() -> None:
+    kinds = ("radix-bs16+array", "sglang-radix-bs16", "sglang-unified:rust-bs1", "vllm-bs16")
+    got = ops.run_ops(kinds, prompts=20, iters=20)
+    assert [r.index for r in got] == list(kinds)
+    for r in got[1:]:
+        assert r.match_us > 0 and r.insert_us > 0 and r.evict10_us > 0
+        assert "freed" in r.note
+    assert got[2].bytes_per_prefix is None  # the Rust core's memory is not visible
+    assert "our speedup" in ops.format_table(got)

@@ -1,0 +1,158 @@
+"""Trace loading and replay through the cache core: hand-computed hit counts, validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prefixkv.bench.trace import (
+    TraceRequest,
+    format_table,
+    format_tokens,
+    load_trace,
+    parse_tokens,
+    parse_trace,
+    replay,
+)
+
+DATA = Path(__file__).parent / "data" / "mooncake_conversation_head400.jsonl"
+INDEXES = ("hash", "radix")
+
+
+def _line(ts: float, n_in: int, ids: list[int], n_out: int = 1) -> str:
+    return json.dumps({"timestamp": ts, "input_length": n_in, "output_length": n_out,
+                       "hash_ids": ids})
+
+
+def _trace(*reqs: tuple[float, int, list[int]], block_size: int) -> list[TraceRequest]:
+    return parse_trace([_line(*r) for r in reqs], block_size=block_size)
+
+
+# block size 2: r2's last block is partial, so its 2 matched blocks are worth 3 tokens
+PARTIAL = ((0, 3, [1, 2]), (1000, 4, [1, 2]), (2000, 3, [1, 2]), (3000, 2, [5]),
+           (4000, 6, [1, 6, 7]))
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_hand_computed_hits_partial_blocks(index: str) -> None:
+    t = _trace(*PARTIAL, block_size=2)
+    unb = replay(t, None, block_size=2, index=index)
+    assert (unb.hit_tokens, unb.input_tokens, unb.hit_blocks) == (9, 18, 5)  # 4 + 3 + 2 tokens
+    assert unb.hit_rate == pytest.approx(0.5)
+    assert unb.policy == "unbounded" and unb.capacity_tokens is None
+    # 2 blocks: r3 evicts block 2, r4 evicts 5 (block 1 is locked by r4's match)
+    two = replay(t, 4, "lru", block_size=2, index=index)
+    assert (two.hit_tokens, two.evicted_blocks, two.capacity_blocks) == (9, 2, 2)
+    # 1 block: r1, r2 hit block 1 (their tails do not fit), r3 evicts it, r4 misses
+    one = replay(t, 2, "lru", block_size=2, index=index)
+    assert (one.hit_tokens, one.hit_blocks) == (4, 2)
+
+
+@pytest.mark.parametrize("index", INDEXES)
+@pytest.mark.parametrize(("policy", "hits"), [("lru", 1), ("fifo", 1), ("lfu", 2),
+                                               ("ghost", 2), ("belady", 2)])
+def test_hand_computed_hits_per_policy(index: str, policy: str, hits: int) -> None:
+    # capacity 2 blocks; at r3 LRU evicts block 1 (used at 1 s) rather than 2 (used at 1.5 s);
+    # LFU, ghost (block 1 has 2 visits 1 s apart: a 1 s bonus) and Belady (block 2 is never
+    # used again) keep it
+    t = _trace((0, 1, [1]), (1000, 1, [1]), (1500, 1, [2]), (3000, 1, [3]), (4000, 1, [1]),
+               block_size=1)
+    row = replay(t, 2, policy, block_size=1, index=index)
+    assert row.hit_tokens == hits
+    assert row.policy == policy and row.requests == 5
+
+
+def test_clock_index_gives_lru_the_same_result() -> None:
+    t = load_trace(DATA)
+    a = replay(t, 300_000, "lru", clock="timestamp")
+    b = replay(t, 300_000, "lru", clock="index")
+    assert a.hit_tokens == b.hit_tokens
+
+
+def test_progress_counts_every_request() -> None:
+    t = load_trace(DATA)
+    seen: list[int] = []
+    replay(t[:1234 % len(t)], 200_000, "lru", progress=seen.append)
+    assert sum(seen) == 1234 % len(t)
+
+
+def test_head_of_mooncake_trace_loads_and_replays() -> None:
+    t = load_trace(DATA)
+    assert len(t) == 400
+    assert t[0].hash_ids[:3] == (0, 1, 2) and t[0].input_length == 6758
+    unb = replay(t, None)
+    lru = replay(t, 1_000_000, "lru")
+    assert 0 < lru.hit_rate <= unb.hit_rate < 1
+    assert unb.evicted_blocks == 0
+
+
+@pytest.mark.parametrize(("text", "lineno", "message"), [
+    ('{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [1]', 2, "invalid JSON"),
+    ('[1, 2]', 2, "expected a JSON object"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": 1}', 2, "missing field(s) hash_ids"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [1, 2]}', 2,
+     "2 hash_ids for input_length 3"),
+    ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', 2, "input_length"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": -1, "hash_ids": [1]}', 2,
+     "output_length"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": ["a"]}', 2,
+     "hash_ids must be a list of ints"),
+    ('{"timestamp": -5, "input_length": 3, "output_length": 1, "hash_ids": [1]}', 2, "timestamp"),
+])
+def test_bad_lines_name_the_line(text: str, lineno: int, message: str) -> None:
+    lines = [_line(0, 3, [9]), text]
+    with pytest.raises(ValueError, match=rf"line {lineno}: .*{_re(message)}"):
+        parse_trace(lines, block_size=4)
+
+
+def test_timestamps_must_not_go_back(tmp_path: Path) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join([_line(5, 4, [1]), "", _line(3, 4, [2])]) + "\n")
+    with pytest.raises(ValueError, match=r"t.jsonl line 3: timestamp 3 is earlier"):
+        load_trace(p, block_size=4)
+
+
+def test_empty_trace_and_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="no requests"):
+        parse_trace(["", "  "])
+    with pytest.raises(ValueError, match="block_size"):
+        parse_trace([_line(0, 1, [1])], block_size=0)
+    t = _trace((0, 4, [1]), block_size=4)
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        replay(t, 3, block_size=4)
+    with pytest.raises(ValueError, match="index"):
+        replay(t, 8, block_size=4, index="btree")
+    with pytest.raises(ValueError, match="clock"):
+        replay(t, 8, block_size=4, clock="wall")
+    with pytest.raises(ValueError, match="eviction_policy"):
+        replay(t, 8, "mru", block_size=4)
+
+
+def test_token_counts_parse_and_format() -> None:
+    assert parse_tokens("3M") == 3_000_000
+    assert parse_tokens("2.5m") == 2_500_000
+    assert parse_tokens("500K") == 500_000
+    assert parse_tokens("65536") == 65536
+    assert parse_tokens("unbounded") is None
+    for bad in ("x", "-1M", "0", "1.5"):
+        with pytest.raises(ValueError, match="capacity"):
+            parse_tokens(bad)
+    assert [format_tokens(n) for n in (3_000_000, 1_500_000, 500_000, 65536)] == [
+        "3M", "1.5M", "500K", "65536"]
+
+
+def test_format_table_has_every_policy_and_capacity() -> None:
+    t = load_trace(DATA)[:100]
+    rows = [replay(t, c, p) for p in ("lru", "belady") for c in (100_000, 1_000_000)]
+    rows.append(replay(t, None))
+    text = format_table(rows)
+    assert text.splitlines()[0].split() == ["capacity", "(tokens)", "lru", "belady"]
+    assert [line.split()[0] for line in text.splitlines()[2:]] == ["100K", "1M", "unbounded"]
+
+
+def _re(s: str) -> str:
+    import re
+
+    return re.escape(s)

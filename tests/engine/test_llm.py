@@ -1,0 +1,144 @@
+"""LLM API: cached-token accounting, multi-turn reuse, isolation, pinning, errors, no leaks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prefixkv.cache import PinError
+from prefixkv.engine import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("index", "block_size", "expected"),
+    [("radix", 16, 100), ("radix", 1, 100), ("hash", 16, 100), ("hash", 1, 100)],
+)
+def test_second_request_reports_cached_prefix(
+    make_llm: Any, helpers: Any, index: str, block_size: int, expected: int
+) -> None:
+    llm = make_llm(index=index, block_size=block_size)
+    prefix = helpers.tokens(1, 100)
+    first = llm.generate(prefix + [33] + helpers.tokens(2, 19), GREEDY)[0]
+    second = llm.generate(prefix + [34] + helpers.tokens(3, 19), GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    # at block size 16: 6 full blocks + the 4 matching rows of block 6 copied (partial reuse)
+    assert second.num_cached_tokens == expected
+    assert second.metrics.first_token_time is not None
+    assert second.ttft is not None and second.ttft >= 0
+    helpers.assert_no_leak(llm)
+
+
+@pytest.mark.parametrize(("index", "block_size"), [("radix", 16), ("hash", 16), ("radix", 1)])
+def test_multi_turn_hits_generated_blocks(make_llm: Any, helpers: Any, index: str, block_size: int) -> None:
+    llm = make_llm(index=index, block_size=block_size)
+    turn1 = helpers.tokens(5, 50)
+    out1 = llm.generate(turn1, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    history = turn1 + out1.outputs[0].token_ids  # the last output token never had its KV computed
+    out2 = llm.generate(history + helpers.tokens(6, 10), GREEDY)[0]
+    computed = len(history) - 1
+    assert out2.num_cached_tokens >= computed // block_size * block_size
+    assert out2.num_cached_tokens > len(turn1)  # generated tokens were reused too
+    if block_size == 1:
+        assert out2.num_cached_tokens == computed
+    helpers.assert_no_leak(llm)
+
+
+def test_results_in_input_order_with_prompt_forms(make_llm: Any) -> None:
+    llm = make_llm()
+    ids = llm.tokenizer.encode("hello there")
+    outs = llm.generate(
+        ["hello there", ids, {"prompt_token_ids": ids}, {"prompt": "hello there"}], GREEDY
+    )
+    assert [o.prompt_token_ids for o in outs] == [ids] * 4
+    assert outs[0].prompt == "hello there" and outs[1].prompt is None
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert [o.request_id for o in outs] == sorted({o.request_id for o in outs}, key=[o.request_id for o in outs].index)
+    single = llm.generate("hello there", GREEDY)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_impossible_requests_raise_at_submission(make_llm: Any, helpers: Any) -> None:
+    llm = make_llm(block_size=16, num_kv_blocks=4)  # 64 tokens of KV
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.generate(helpers.tokens(0, 60), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=llm.engine.max_model_len))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([10**6], GREEDY)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate({"text": "x"}, GREEDY)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY])
+    # a bad prompt later in the batch leaves nothing queued
+    with pytest.raises(ValueError):
+        llm.generate(["fine", [10**6]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    helpers.assert_no_leak(llm)
+    # a request that fits exactly still runs
+    out = llm.generate(helpers.tokens(0, 60), SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_cache_salt_isolates_tenants(make_llm: Any, helpers: Any) -> None:
+    llm = make_llm()
+    prompt = helpers.tokens(9, 64)
+    assert llm.generate(prompt, GREEDY, cache_salt="a")[0].num_cached_tokens == 0
+    assert llm.generate(prompt, GREEDY, cache_salt="b")[0].num_cached_tokens == 0
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, GREEDY, cache_salt="a")[0].num_cached_tokens == 63  # 3 blocks + 15 rows
+    helpers.assert_no_leak(llm)
+
+
+def test_pinned_prefix_survives_pressure(make_llm: Any, helpers: Any) -> None:
+    llm = make_llm(block_size=4, num_kv_blocks=24, max_pinned_blocks=8)
+    system = helpers.tokens(11, 32)  # 8 blocks
+    pinned = llm.pin_prefix(system, description="system")
+    assert pinned.num_blocks == 8 and pinned.description == "system"
+    assert [p.token_ids for p in llm.list_pinned()] == [system]
+    for i in range(6):  # each needs ~10 blocks: evicts everything not pinned
+        llm.generate(helpers.tokens(20 + i, 36), GREEDY)
+    out = llm.generate(system + helpers.tokens(40, 5), GREEDY)[0]
+    assert out.num_cached_tokens == 32
+    assert llm.unpin_prefix(system) is True and llm.unpin_prefix(system) is False
+    assert llm.list_pinned() == []
+    helpers.assert_no_leak(llm)
+    with pytest.raises(PinError):
+        llm.pin_prefix([1, 2])  # shorter than a block
+
+
+def test_request_blocked_by_pins_is_aborted_not_hung(make_llm: Any, helpers: Any) -> None:
+    llm = make_llm(block_size=4, num_kv_blocks=8, max_pinned_blocks=6)
+    llm.pin_prefix(helpers.tokens(12, 24))  # 6 of 8 blocks pinned
+    out = llm.generate(helpers.tokens(13, 12), SamplingParams(max_tokens=4))[0]
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    helpers.assert_no_leak(llm)
+
+
+def test_reset_prefix_cache_and_stats(make_llm: Any, helpers: Any) -> None:
+    llm = make_llm()
+    prompt = helpers.tokens(14, 40)
+    llm.generate(prompt, GREEDY)
+    stats = llm.get_stats()
+    assert stats.num_cached_blocks == 2 and stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_kv_blocks
+    assert stats.cache is not None and stats.cache.inserts > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.get_stats().num_cached_blocks == 0
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+
+
+def test_chat_uses_template(make_llm: Any) -> None:
+    llm = make_llm()
+    conv = [{"role": "user", "content": "What is 2+2?"}]
+    outs = llm.chat(conv, GREEDY)
+    text = llm.tokenizer.apply_chat_template(conv, add_generation_prompt=True)
+    assert outs[0].prompt == text
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    two = llm.chat([conv, conv + [{"role": "assistant", "content": "4"}]], GREEDY)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == outs[0].outputs[0].token_ids

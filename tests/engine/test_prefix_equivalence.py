@@ -1,0 +1,70 @@
+"""Prefix caching never changes greedy outputs: both indexes, block sizes 1 / 16, a tiny pool
+(eviction + preemption), chunked prefill, and many concurrent requests sharing a prefix.
+
+The workload (12 prompts sharing a 40-token system prompt, one unrelated, one strict prefix of
+the shared part) runs twice per config: cold, then against a warm cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prefixkv.engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def workload(helpers: Any) -> list[list[int]]:
+    system = helpers.tokens(0, 40)
+    prompts = [system + helpers.tokens(100 + i, 3 + (i * 5) % 17) for i in range(12)]
+    prompts.append(helpers.tokens(7, 50))  # unrelated
+    prompts.append(system[:23])  # a strict prefix of the shared part
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model: Any, helpers: Any) -> list[list[int]]:
+    llm = LLM(demo_model, enable_prefix_caching=False, num_kv_blocks=256)
+    return [o.outputs[0].token_ids for o in llm.generate(workload(helpers), GREEDY)]
+
+
+CONFIGS = {
+    "radix-bs16": dict(index="radix", block_size=16),
+    "radix-bs1": dict(index="radix", block_size=1),
+    "hash-bs16": dict(index="hash", block_size=16),
+    "hash-bs1": dict(index="hash", block_size=1),
+    "radix-bs4-chunked-few-seqs": dict(index="radix", block_size=4, max_num_batched_tokens=7, max_num_seqs=3),
+    "hash-bs16-chunked": dict(index="hash", block_size=16, max_num_batched_tokens=20),
+    "radix-tiny-pool": dict(index="radix", block_size=16, num_kv_blocks=10),
+    "hash-tiny-pool": dict(index="hash", block_size=4, num_kv_blocks=40),
+    "radix-bs1-tiny-pool": dict(index="radix", block_size=1, num_kv_blocks=150, max_num_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equal_with_and_without_cache(
+    name: str, make_llm: Any, helpers: Any, reference: list[list[int]]
+) -> None:
+    llm = make_llm(**CONFIGS[name])
+    prompts = workload(helpers)
+    for _round in range(2):  # the second round runs against a warm cache
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        helpers.assert_no_leak(llm)
+    stats = llm.get_stats()
+    assert stats.num_cached_prompt_tokens > 0
+    if "tiny-pool" in name:
+        assert stats.num_preemptions > 0
+        assert stats.cache is not None and stats.cache.evicted_blocks > 0
+
+
+def test_no_cache_path_frees_everything(make_llm: Any, helpers: Any, reference: Any) -> None:
+    llm = make_llm(enable_prefix_caching=False, block_size=4, num_kv_blocks=30)
+    outs = llm.generate(workload(helpers), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    assert llm.engine.kv.pool.num_free == 30
+    assert llm.get_stats().num_preemptions > 0
+    assert llm.get_cache_stats() is None and llm.reset_prefix_cache() is False

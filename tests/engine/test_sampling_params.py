@@ -1,0 +1,46 @@
+"""SamplingParams validation: ValueError naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixkv.engine import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"n": 0}, "n"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 1.5}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": "12"}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_and_normalisation() -> None:
+    sp = SamplingParams()
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (1, 1.0, 1.0, -1, 16)
+    assert not sp.greedy and SamplingParams(temperature=0).greedy
+    assert SamplingParams(stop="x").stop_strings == ("x",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_ids == (3,)
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+def test_samples_get_consecutive_seeds() -> None:
+    sp = SamplingParams(n=3, seed=10)
+    assert [sp.for_sample(i).seed for i in range(3)] == [10, 11, 12]
+    assert SamplingParams(n=2).for_sample(1).seed is None

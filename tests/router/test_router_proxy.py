@@ -1,0 +1,233 @@
+"""The router in front of three real prefixkv workers on loopback (real uvicorn, real HTTP).
+
+Workers start once for the module (10-30 s on 2 cores); the tests that hang (SIGSTOP) or kill a
+worker resume or restart it, so later tests find all three workers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixkv.router import bench
+from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
+from prefixkv.router.workers import LocalWorkers, free_port, wait_until_healthy
+
+WORKER_ARGS = ["--num-kv-blocks", "256", "--block-size", "16", "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[LocalWorkers]:
+    async def ready(urls: list[str]) -> None:
+        async with httpx.AsyncClient() as client:
+            await wait_until_healthy(client, urls, timeout=120)
+
+    with LocalWorkers(3, None, WORKER_ARGS) as lw:
+        asyncio.run(ready(lw.urls))
+        yield lw
+
+
+@pytest.fixture(scope="module")
+def router(workers: LocalWorkers) -> Iterator[RouterServer]:
+    config = RouterConfig(
+        worker_urls=tuple(workers.urls), policy="cache_aware", eviction_interval=0,
+        health_check_interval=0.3, health_check_timeout=2.0,
+    )
+    with RouterServer(config) as server:
+        yield server
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def complete(url: str, prompt: str, **extra: object) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_same_prefix_goes_to_the_same_worker_and_hits_its_cache(router: RouterServer) -> None:
+    prefixes = [f"[doc {i}] " + f"topic {i} " * 60 for i in range(3)]
+    first = {p: complete(router.url, p + "question one?") for p in prefixes}
+    for r in first.values():
+        assert r.status_code == 200, r.text
+    # idle workers, no match: each new prefix goes to the worker with the smallest tree
+    assert len({r.headers[WORKER_HEADER] for r in first.values()}) == 3
+    for p, r1 in first.items():
+        r2 = complete(router.url, p + "and question two?")
+        assert r2.status_code == 200
+        assert r2.headers[WORKER_HEADER] == r1.headers[WORKER_HEADER]
+        cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= len(p.encode()) - 32  # the prefix, block aligned (byte tokenizer)
+        assert cached > r1.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_trees_follow_the_workers_real_cache(router: RouterServer) -> None:
+    r = complete(router.url, "[sharpen] " + "a fairly long document " * 70)
+    worker = r.headers[WORKER_HEADER]
+
+    def view() -> dict[str, int]:
+        states = httpx.get(f"{router.url}/workers").json()["workers"]
+        return next(w for w in states if w["url"] == worker)
+
+    capacity = 256 * 16  # the workers' --num-kv-blocks * --block-size, in (byte) tokens
+    wait_for(lambda: view()["tree_bound"] <= capacity * 1.1, "tree never bounded by capacity")
+    assert view()["tree_size"] > 0
+    assert httpx.post(f"{worker}/v1/cache/reset").status_code == 200
+    wait_for(lambda: view()["tree_size"] == 0, "tree not emptied after the worker's reset")
+
+
+def test_chat_streaming_passes_through(router: RouterServer) -> None:
+    body = {"messages": [{"role": "system", "content": "be brief " * 20},
+                         {"role": "user", "content": "hello"}],
+            "max_tokens": 3, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers[WORKER_HEADER] in router.router.workers.urls
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert sum(r["in_flight"] for r in httpx.get(f"{router.url}/workers").json()["workers"]) == 0
+
+
+def test_models_health_metrics_and_bad_json(router: RouterServer) -> None:
+    assert httpx.get(f"{router.url}/v1/models").json()["data"]
+    assert httpx.get(f"{router.url}/health").status_code == 200
+    r = httpx.post(f"{router.url}/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = complete(router.url, "x", max_tokens=0)  # the worker's 400 passes through untouched
+    assert r.status_code == 400 and "error" in r.json()
+    text = httpx.get(f"{router.url}/metrics").text
+    assert 'prefixkv:router_requests_total{reason="cache_hit"' in text
+    assert "prefixkv:router_match_ratio_bucket" in text
+    assert "prefixkv:router_tree_size" in text
+
+
+def test_cli_rejects_bad_and_unreachable_worker_urls() -> None:
+    def route(*urls: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "prefixkv.cli", "route", "--startup-timeout", "0.5",
+             "--port", str(free_port()), "--worker-urls", *urls],
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+
+    bad = route("localhost:8000")
+    assert bad.returncode == 1 and "bad worker URL 'localhost:8000'" in bad.stderr
+    dead = f"http://127.0.0.1:{free_port()}"
+    down = route(dead)
+    assert down.returncode == 1 and dead in down.stderr and "not healthy" in down.stderr
+
+
+def metric(router: RouterServer, prefix: str) -> float:
+    lines = httpx.get(f"{router.url}/metrics").text.splitlines()
+    return sum(float(ln.split()[-1]) for ln in lines if ln.startswith(prefix))
+
+
+def send_while(router: RouterServer, victim: str, act: Callable[[], object],
+               n: int = 9) -> list[httpx.Response]:
+    """Send ``n`` distinct requests at once; call ``act()`` once one is in flight on ``victim``."""
+    prompts = [f"[user {i}] " + f"long history {i} " * 40 for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(complete, router.url, p, max_tokens=16) for p in prompts]
+        wait_for(lambda: router.router.workers[victim].in_flight > 0, "victim got no request")
+        act()
+        return [f.result() for f in futures]
+
+
+def test_hung_worker_leaves_rotation_and_its_requests_go_elsewhere(
+    workers: LocalWorkers, router: RouterServer
+) -> None:
+    victim, pid = workers.urls[1], workers.procs[1].pid
+    try:
+        answers = send_while(router, victim, lambda: os.kill(pid, signal.SIGSTOP))
+        assert [a.status_code for a in answers] == [200] * len(answers)
+        assert all(a.headers[WORKER_HEADER] != victim for a in answers)
+        assert not router.router.workers[victim].healthy
+        assert metric(router, 'prefixkv:router_failures_total{kind="abandoned"') >= 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: router.router.workers[victim].healthy, "resumed worker never came back")
+
+
+def test_stream_on_a_hung_worker_ends_with_an_error_event(workers: LocalWorkers) -> None:
+    victim, pid = workers.urls[1], workers.procs[1].pid
+    config = RouterConfig(worker_urls=(victim,), policy="round_robin",
+                          health_check_interval=0.3, health_check_timeout=1.0)
+    body = {"prompt": "tell a long story", "max_tokens": 400, "stream": True}
+    with RouterServer(config) as server:
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                              timeout=30) as r:
+                lines = r.iter_lines()
+                assert next(ln for ln in lines if ln.startswith("data: "))
+                os.kill(pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                rest = [ln for ln in lines if ln.startswith("data: ")]
+                assert time.monotonic() - t0 < 10
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert "worker_failed" in rest[-1] and rest[-1] != "data: [DONE]"
+
+
+def test_killed_worker_loses_no_request_and_comes_back(
+    workers: LocalWorkers, router: RouterServer
+) -> None:
+    victim = workers.urls[2]
+    answers = send_while(router, victim, workers.procs[2].kill, n=12)
+    assert [a.status_code for a in answers] == [200] * len(answers)
+    assert all(a.headers[WORKER_HEADER] != victim for a in answers)
+    state = router.router.workers[victim]
+    assert not state.healthy and state.failures >= 1
+    assert metric(router, "prefixkv:router_retries_total") >= 1
+    for i in range(3):  # no request goes to the dead worker
+        assert complete(router.url, f"after {i}").headers[WORKER_HEADER] != victim
+
+    workers.procs[2].wait()
+    workers.restart(2)
+    wait_for(lambda: router.router.workers[victim].healthy, "restarted worker never came back",
+             timeout=60)
+    assert router.router.trees is not None and router.router.trees.size(victim) == 0
+    fresh = [complete(router.url, f"[fresh {i}] " + "new prefix " * 30) for i in range(3)]
+    assert victim in {r.headers[WORKER_HEADER] for r in fresh}  # back in rotation
+
+
+def test_bench_replays_the_same_sessions_under_each_policy(
+    workers: LocalWorkers, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "route.json"
+    assert bench.main(["--worker-urls", *workers.urls, "--users", "3", "--turns", "3",
+                       "--concurrency", "3", "--policies", "cache_aware", "round_robin",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["cache_aware", "round_robin"]
+    for r in rows:
+        assert r["requests"] == 9 and r["errors"] == 0 and sum(r["per_worker"].values()) == 9
+        assert r["computed_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
+    assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"]  # the same prompts replayed
+    assert rows[0]["cached_tokens"] > 0
+    assert "cache_aware" in capsys.readouterr().out
+
+
+def test_workload_is_deterministic_and_sessions_distinct() -> None:
+    a = bench.make_workload(4, 3, system_words=5, user_words=6, assistant_words=2, seed=1)
+    b = bench.make_workload(4, 3, system_words=5, user_words=6, assistant_words=2, seed=1)
+    assert a == b and len(a.sessions) == 4 and all(len(s) == 3 for s in a.sessions)
+    firsts = {s[0][0] for s in a.sessions}
+    assert len(firsts) == 4

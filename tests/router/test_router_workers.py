@@ -1,0 +1,57 @@
+"""Worker URLs, the registry's counters and health, and probes of a dead address."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from prefixkv.router.workers import (
+    WorkerRegistry,
+    free_port,
+    normalize_worker_url,
+    probe,
+    wait_until_healthy,
+)
+
+
+def test_normalize_worker_url() -> None:
+    assert normalize_worker_url(" http://127.0.0.1:8000/ ") == "http://127.0.0.1:8000"
+    assert normalize_worker_url("https://host/prefix") == "https://host/prefix"
+    for bad in ("127.0.0.1:8000", "ftp://host", "http://", "http://h:notaport", "http://h?x=1"):
+        with pytest.raises(ValueError, match="bad worker URL"):
+            normalize_worker_url(bad)
+
+
+def test_registry_counts_and_rotation() -> None:
+    reg = WorkerRegistry(["http://a:1", "http://b:2/"])
+    assert reg.urls == ["http://a:1", "http://b:2"]
+    reg.begin("http://a:1")
+    assert reg.loads() == {"http://a:1": 1, "http://b:2": 0}
+    reg.end("http://a:1")
+    assert reg["http://a:1"].routed == 1 and reg["http://a:1"].in_flight == 0
+    assert reg.mark_down("http://b:2", "boom") is True
+    assert reg.mark_down("http://b:2", "boom") is False
+    assert reg.healthy() == ["http://a:1"] and reg["http://b:2"].failures == 2
+    assert reg.healthy(exclude=["http://a:1"]) == []
+    assert reg.mark_up("http://b:2") is True and reg.healthy() == reg.urls
+    with pytest.raises(ValueError, match="duplicates"):
+        WorkerRegistry(["http://a:1", "http://a:1/"])
+    with pytest.raises(ValueError, match="at least one"):
+        WorkerRegistry([])
+
+
+def test_probe_and_wait_report_a_dead_worker() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def run() -> tuple[str | None, str]:
+        async with httpx.AsyncClient() as client:
+            error = await probe(client, dead, 1.0)
+            with pytest.raises(RuntimeError) as info:
+                await wait_until_healthy(client, [dead], timeout=0.3, poll=0.1)
+            return error, str(info.value)
+
+    error, message = asyncio.run(run())
+    assert error is not None and "Connect" in error
+    assert dead in message and "not healthy" in message

@@ -1,0 +1,82 @@
+"""Cache admin: pin / list / unpin / reset through the ``prefixkv cache`` CLI and HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from server_live import BLOCK_SIZE, MODEL, LiveServer, unique_text
+
+from prefixkv.cli import main
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_pin_list_unpin_reset_round_trip(server: LiveServer,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    url = ("--url", server.url)
+    tokens = ",".join(str(t) for t in range(40, 40 + 2 * BLOCK_SIZE + 3))  # 2 full blocks
+    code, out, _ = _cli(capsys, "cache", "pin", "--tokens", tokens, "--description",
+                        "Default System Prompt", *url)
+    assert code == 0 and "pinned 32 tokens (2 blocks)" in out
+    code, out, _ = _cli(capsys, "cache", "list-pinned", *url)
+    assert code == 0 and "Default System Prompt" in out and "40,41,42" in out
+    code, out, _ = _cli(capsys, "cache", "list-pinned", "--json", *url)
+    pinned = json.loads(out)["data"]
+    assert [p["token_ids"] for p in pinned] == [list(range(40, 40 + 2 * BLOCK_SIZE))]
+    code, out, _ = _cli(capsys, "cache", "stats", *url)
+    assert code == 0 and "Hit Rate:" in out and "(2 pinned" in out
+
+    # Text pins too; the pinned blocks survive as cache hits for a prompt that starts with it.
+    system = unique_text("pin-sys", 20)
+    code, out, _ = _cli(capsys, "cache", "pin", "--text", system, *url)
+    assert code == 0
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model=MODEL, prompt=system + " question", max_tokens=1)
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(system) // BLOCK_SIZE * BLOCK_SIZE
+
+    code, out, _ = _cli(capsys, "cache", "unpin", "--tokens", tokens, *url)
+    assert code == 0 and "unpinned" in out
+    code, _, err = _cli(capsys, "cache", "unpin", "--tokens", tokens, *url)
+    assert code == 1 and "not pinned" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = _cli(capsys, "cache", "reset", *url)
+    assert code == 0 and "cache reset" in out
+    code, out, _ = _cli(capsys, "cache", "list-pinned", *url)
+    assert code == 0 and "no pinned prefixes" in out
+    stats = httpx.get(server.url + "/v1/cache/stats").json()
+    assert stats["cache"]["pinned_blocks"] == 0
+
+
+def test_pin_messages_then_chat_hits(http: httpx.Client, client: openai.OpenAI) -> None:
+    system = {"role": "system", "content": unique_text("chat-sys", 30)}
+    r = http.post("/v1/cache/pin", json={"messages": [system], "description": "sys"})
+    assert r.status_code == 200, r.text
+    assert r.json()["num_blocks"] >= 2
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[system, {"role": "user", "content": "hello"}], max_tokens=1)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= r.json()["num_tokens"]
+    assert http.post("/v1/cache/unpin", json={"messages": [system]}).status_code == 200
+    assert http.post("/reset_prefix_cache").json()["reset"] is True
+
+
+def test_admin_bad_input(http: httpx.Client) -> None:
+    for body in ({}, {"token_ids": [1], "text": "x"}, {"token_ids": []}, {"text": 3},
+                 {"token_ids": [1, 2], "extra": 1}):
+        r = http.post("/v1/cache/pin", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = http.post("/v1/cache/pin", json={"token_ids": [1, 2, 3]})  # shorter than a block
+    assert r.status_code == 400 and "block" in r.json()["error"]["message"]
+
+
+def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _cli(capsys, "cache", "stats", "--url", "http://127.0.0.1:9")
+    assert code == 1 and "cannot reach the server" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _cli(capsys, "cache", "pin", "--tokens", "1,x", "--url", "http://127.0.0.1:9")
+    assert code == 1 and "--tokens" in err

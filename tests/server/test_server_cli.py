@@ -1,0 +1,106 @@
+"""``prefixkv serve`` as a real process (README examples run against it, SIGTERM stops it),
+``prefixkv generate`` offline, and a server with prefix caching off."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_live import start_server
+
+from prefixkv.cli import build_parser, main
+from prefixkv.engine import AsyncEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    for argv in (["serve", "--help"], ["cache", "pin", "--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(argv)
+        assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--block-size", "--num-kv-blocks", "--no-enable-prefix-caching", "--index",
+                 "--eviction-policy", "--hash-algo", "--max-pinned-blocks", "--api-key",
+                 "--tokens", "--description", "--max-tokens"):
+        assert flag in out, flag
+
+
+def test_serve_process_runs_examples_and_stops_on_sigterm() -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PREFIXKV_BASE_URL": url, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixkv.cli", "serve", "--port", str(port),
+         "--num-kv-blocks", "512", "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        run = subprocess.run([sys.executable, "examples/openai_client.py"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "cached" in run.stdout
+        if shutil.which("curl") and shutil.which("bash"):
+            run = subprocess.run(["bash", "examples/curl.sh"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=120, check=False)
+            assert run.returncode == 0, run.stdout + run.stderr
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal (exit status -SIGTERM).
+        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+        out = proc.stdout.read() if proc.stdout else ""
+        assert "prefixkv: engine stopped" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_generate_offline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "Hello, prefix cache!", "--max-tokens", "4", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert len(record["token_ids"]) == 4 and record["finish_reason"] == "length"
+    assert main(["generate", "x", "--max-tokens", "0"]) == 1
+    assert "max_tokens" in capsys.readouterr().err
+
+
+def test_server_without_prefix_caching() -> None:
+    engine = AsyncEngine.from_args(None, enable_prefix_caching=False, num_kv_blocks=64)
+    live = start_server(engine)
+    try:
+        body = {"prompt": "no cache here " * 10, "max_tokens": 2, "temperature": 0}
+        for _ in range(2):
+            r = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        r = httpx.post(live.url + "/v1/cache/pin", json={"text": "x" * 40})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "prefix_caching_disabled"
+        stats = httpx.get(live.url + "/v1/cache/stats").json()
+        assert stats["enable_prefix_caching"] is False and stats["cache"] is None
+        assert "prefixkv:num_requests_running" in httpx.get(live.url + "/metrics").text
+    finally:
+        live.stop()
+        engine.shutdown()

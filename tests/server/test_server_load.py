@@ -1,0 +1,106 @@
+"""Tenancy, concurrency and client disconnects against a live server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+from server_live import MODEL, LiveServer, unique_text, wait_idle
+
+
+def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
+    prompt = unique_text("tenant", 40)
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt else None
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0  # the same tenant hits its own entries
+    assert cached("tenant-b") == 0  # another tenant, same prompt: no cross hit
+    assert cached(None) == 0  # nor does the default namespace
+    assert cached("tenant-b") > 0
+
+
+def test_32_concurrent_clients_get_their_greedy_outputs(server: LiveServer,
+                                                        client: openai.OpenAI) -> None:
+    shared = unique_text("conc-shared", 12)
+    prompts = [f"{shared} q{i} " + unique_text(f"u{i}-", 2 + i % 5) for i in range(32)]
+    expected = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+        .choices[0].text
+        for p in prompts[:8]
+    ]
+
+    async def run_all() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
+                                     timeout=120)
+        async with aclient:
+            async def one(i: int, p: str) -> str:
+                if i % 2:  # half stream, half not
+                    chunks = await aclient.completions.create(
+                        model=MODEL, prompt=p, max_tokens=6, temperature=0, stream=True)
+                    return "".join([c.choices[0].text async for c in chunks if c.choices])
+                r = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=6,
+                                                     temperature=0)
+                return r.choices[0].text
+
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    got = asyncio.run(run_all())
+    assert got[:8] == expected
+    serial = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+        .choices[0].text
+        for p in prompts[8:]
+    ]
+    assert got[8:] == serial
+
+
+def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = wait_idle(http)
+        body = {"model": MODEL, "prompt": unique_text("gone", 30), "max_tokens": 3000,
+                "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert got[0].startswith("data: ")
+            running = http.get("/v1/cache/stats").json()
+            assert running["num_running"] == 1
+            assert running["num_free_blocks"] < before["num_free_blocks"]
+        # Leaving the block closed the connection: the request is aborted, its blocks freed.
+        after = wait_idle(http, timeout=10)
+        assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
+        assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
+
+
+def test_chat_without_max_tokens_runs_to_the_room_left(server: LiveServer) -> None:
+    # Chat's default max_tokens is the room left in the context / KV pool (vLLM's default);
+    # read the first chunk, then hang up (which aborts the long generation).
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+                "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            assert next(r.iter_lines()).startswith("data: ")
+        wait_idle(http)
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_reply(server: LiveServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = wait_idle(http)
+        body = {"model": MODEL, "prompt": unique_text("gone2", 30), "max_tokens": 3000,
+                "temperature": 0}
+        try:
+            httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+        except httpx.ReadTimeout:
+            pass  # the client gave up and closed the connection
+        else:
+            raise AssertionError("3,000 tokens should take longer than 1 s")
+        after = wait_idle(http, timeout=10)
+        assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
+        assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]

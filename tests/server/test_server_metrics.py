@@ -1,0 +1,71 @@
+"""``GET /metrics``: vLLM-style series with the ``prefixkv:`` prefix, rising with traffic."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+from server_live import MODEL, unique_text
+
+
+def _scrape(http: httpx.Client) -> dict[str, float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            key = sample.name
+            if "finished_reason" in sample.labels:
+                key += f"[{sample.labels['finished_reason']}]"
+            if "le" in sample.labels or "status" in sample.labels:
+                continue
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+EXPECTED = [
+    "prefixkv:prefix_cache_queries_total", "prefixkv:prefix_cache_hits_total",
+    "prefixkv:prefix_cache_hit_rate", "prefixkv:prompt_tokens_total",
+    "prefixkv:generation_tokens_total", "prefixkv:num_requests_running",
+    "prefixkv:num_requests_waiting", "prefixkv:cache_cached_blocks",
+    "prefixkv:cache_pinned_blocks", "prefixkv:cache_free_blocks",
+    "prefixkv:prefix_cache_evicted_blocks_total", "prefixkv:prefix_cache_evictions_total",
+    "prefixkv:time_to_first_token_seconds_count", "prefixkv:e2e_request_latency_seconds_count",
+    "prefixkv:kv_cache_usage_perc",
+]
+
+
+def test_metrics_counters_rise(http: httpx.Client, client: openai.OpenAI) -> None:
+    before = _scrape(http)
+    for name in EXPECTED:
+        assert name in before, name
+    prompt = unique_text("metrics", 50)
+    r1 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    r2 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    after = _scrape(http)
+    n = r1.usage.prompt_tokens
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("prefixkv:prefix_cache_queries_total") == 2 * n
+    assert delta("prefixkv:prefix_cache_hits_total") == r2.usage.prompt_tokens_details.cached_tokens > 0
+    assert delta("prefixkv:prompt_tokens_total") == 2 * n
+    assert delta("prefixkv:generation_tokens_total") == 6
+    assert delta("prefixkv:request_success_total[length]") == 2
+    assert delta("prefixkv:time_to_first_token_seconds_count") == 2
+    assert delta("prefixkv:e2e_request_latency_seconds_count") == 2
+    assert 0 < after["prefixkv:prefix_cache_hit_rate"] <= 1
+    assert after["prefixkv:cache_cached_blocks"] >= n // 16
+
+
+def test_errors_are_counted(http: httpx.Client) -> None:
+    def errors_400() -> float:
+        text = http.get("/metrics").text
+        lines = [ln for ln in text.splitlines()
+                 if ln.startswith("prefixkv:request_errors_total") and 'status="400"' in ln]
+        return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+    before = errors_400()
+    http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert errors_400() == before + 1
