@@ -30,12 +30,14 @@ def plot_hit_rates(rows: Sequence[TraceRow], path: str | Path, *, title: str | N
     out = Path(path)
     fig, ax = plt.subplots(figsize=(7.0, 4.5), dpi=120)
     try:
-        for policy in dict.fromkeys(p for p, _, _ in finite):
+        markers = "os^Dvx*"
+        for i, policy in enumerate(dict.fromkeys(p for p, _, _ in finite)):
             pts = sorted((c, h) for p, c, h in finite if p == policy)
             xs = [p[0] for p in pts]
             ys = [p[1] for p in pts]
             style = "--" if policy == "belady" else "-"
-            ax.plot(xs, ys, style, marker="o", label=policy)
+            ax.plot(xs, ys, style, marker=markers[i % len(markers)], markersize=5,
+                    label=policy, alpha=0.9)
         for r in rows:
             if r.capacity_tokens is None:
                 ax.axhline(r.hit_rate, color="gray", linestyle=":",

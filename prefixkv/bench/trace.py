@@ -194,6 +194,7 @@ def replay(
                   else make_online_policy(policy))
     label = label or policy.name
     now = [0.0]
+
     def index_clock() -> float:
         return now[0]
 

@@ -21,6 +21,7 @@ from prefixkv.cache.policies import (
     LRUPolicy,
     make_policy,
 )
+from prefixkv.cache.policy_ghost import GhostPolicy
 from prefixkv.cache.protocol import (
     CacheStats,
     LockHandle,
@@ -32,6 +33,7 @@ from prefixkv.cache.protocol import (
 )
 from prefixkv.cache.radix import RadixPrefixCache
 
+POLICIES[GhostPolicy.name] = GhostPolicy
 INDEXES = ("radix", "hash")
 
 
@@ -62,6 +64,7 @@ __all__ = [
     "CacheStats",
     "EvictionPolicy",
     "FIFOPolicy",
+    "GhostPolicy",
     "HASH_ALGOS",
     "HashPrefixCache",
     "INDEXES",

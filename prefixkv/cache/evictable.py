@@ -66,6 +66,16 @@ class EvictableHeap:
                 return entry
         return None
 
+    def peek_key(self) -> Any | None:
+        """The smallest live key (dropping stale items on top), or ``None`` if empty."""
+        heap = self._heap
+        while heap:
+            _, _, ver, entry = heap[0]
+            if entry.in_heap and ver == entry.heap_ver:
+                return heap[0][0]
+            heapq.heappop(heap)
+        return None
+
     def clear(self) -> None:
         """Forget every entry (their flags are reset by the caller's teardown)."""
         for _, _, _, entry in self._heap:

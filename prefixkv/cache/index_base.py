@@ -235,11 +235,17 @@ class PrefixIndexBase:
             # matched tokens equal cached (validated) keys; check the rest before any change
             check_tokens(tokens[match_length:])
             self._counters.record_query(len(tokens), match_length, w.partial)
-            if w.path:
-                self._touch(w.path, self._clock())
             partial_bid = None
             if w.partial:  # read before any split below moves blocks between nodes
                 partial_bid = w.partial_entry.blocks[w.partial_index]
+            if w.path:
+                last = w.path[-1]
+                if w.last_used < last.num_blocks:  # recency for the matched part only
+                    w.path[-1] = self._cut(last, w.last_used)
+                    if w.partial_entry is last:  # it now starts at the first unmatched block
+                        w.partial_index -= w.last_used
+                    w.last_used = w.path[-1].num_blocks
+                self._touch(w.path, self._clock())
             handle = None
             if lock:
                 if w.partial:
@@ -276,14 +282,22 @@ class PrefixIndexBase:
         check_count(num_blocks, "num_blocks")
         with self._lock:
             out: list[int] = []
+            heap, key = self._heap, self._policy.key
             while len(out) < num_blocks:
-                e = self._heap.pop()
+                e = heap.pop()
                 if e is None:
                     break
-                k = min(num_blocks - len(out), e.num_blocks)
-                out.extend(self._drop_tail(e, k))
+                # Trim the leaf one block at a time while it stays the policy's choice (its key
+                # may change with its tail block: depth, or a per-block policy state).
+                while True:
+                    out.extend(self._drop_tail(e, 1))
+                    if not e.num_blocks or len(out) >= num_blocks:
+                        break
+                    top = heap.peek_key()
+                    if top is not None and key(e) > top:
+                        break
                 if e.num_blocks:
-                    self._heap.push(e)
+                    heap.push(e)
                 else:
                     self._counters.evictions += 1
                     if self._has_evict_hook:

@@ -74,8 +74,8 @@ def test_clock_index_gives_lru_the_same_result() -> None:
 def test_progress_counts_every_request() -> None:
     t = load_trace(DATA)
     seen: list[int] = []
-    replay(t[:1234 % len(t)], 200_000, "lru", progress=seen.append)
-    assert sum(seen) == 1234 % len(t)
+    replay(t * 3, 200_000, "lru", progress=seen.append)  # 1,200 requests, reported by 500
+    assert seen == [500, 500, 200]
 
 
 def test_head_of_mooncake_trace_loads_and_replays() -> None:

@@ -335,3 +335,30 @@ def test_token_ids_too_large_or_negative_in_query_are_rejected(make):
     with pytest.raises(ValueError):
         cache.insert_prefix([2**40] * make.bs, [0])
     assert cache.num_cached_blocks == 0
+
+
+def test_lock_with_partial_mid_node_locks_exactly_matched_plus_source(make):
+    bs = make.bs
+    if bs == 1:
+        pytest.skip("token-granular: no partial blocks")
+    cache = make()
+    toks = seq(0, 4 * bs)
+    cache.insert_prefix(toks, [1, 2, 3, 4])
+    m = cache.match_prefix(toks[: bs + 1] + [9999] * bs, lock=True)
+    assert m.matched_kv_blocks == [1] and m.partial_block_id == 2
+    assert cache.get_stats().locked_blocks == 2
+    assert cache.evict(10) == [4, 3]  # the blocks past the partial source are not locked
+    cache.unlock(m)
+    cache.check_invariants()
+
+
+def test_match_refreshes_recency_of_the_matched_part_only(make, clock):
+    bs = make.bs
+    cache = make()
+    cache.insert_prefix(seq(0, 4 * bs), [1, 2, 3, 4])
+    clock.advance()
+    cache.insert_prefix(seq(1000, bs), [5])
+    clock.advance()
+    cache.match_prefix(seq(0, 2 * bs))  # uses blocks 1, 2: blocks 3, 4 keep their old time
+    assert cache.evict(2) == [4, 3]
+    assert cache.evict(1) == [5]

@@ -136,6 +136,10 @@ def run(cache, bs, ops):
         cached = set(oracle.cached.values())
         assert not free & cached
         assert len(free) + len(cached) == NUM_BLOCKS  # no caller-private ids between steps
+        # locks and pins cover exactly what the oracle says (no over- or under-locking)
+        stats = cache.get_stats()
+        assert stats.locked_blocks == sum(oracle.covered(k, oracle.locks) for k in oracle.cached)
+        assert stats.pinned_blocks == sum(oracle.covered(k, oracle.pins) for k in oracle.cached)
         # the cached set is prefix-closed
         for ns, toks in oracle.cached:
             for j in range(bs, len(toks), bs):
