@@ -15,6 +15,7 @@ from prefixkv.cache import (
     CacheStats,
     EvictionPolicy,
     FIFOPolicy,
+    GhostPolicy,
     HashPrefixCache,
     LFUPolicy,
     LRUPolicy,
@@ -37,6 +38,7 @@ _LAZY = {
     "RequestOutput": "prefixkv.engine",
     "CompletionOutput": "prefixkv.engine",
     "AsyncEngine": "prefixkv.engine",
+    "EngineStats": "prefixkv.engine",
 }
 
 
@@ -54,6 +56,7 @@ __all__ = [
     "CacheStats",
     "EvictionPolicy",
     "FIFOPolicy",
+    "GhostPolicy",
     "HashPrefixCache",
     "LFUPolicy",
     "LRUPolicy",

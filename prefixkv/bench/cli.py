@@ -20,6 +20,8 @@ from typing import Any
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("ops", "prefixkv.bench.ops"),
     ("scenarios", "prefixkv.bench.scenarios"),
+    ("engine", "prefixkv.bench.engine"),
+    ("route", "prefixkv.router.bench"),
 )
 """(subcommand, module) pairs added after ``trace``, in ``--help`` order."""
 

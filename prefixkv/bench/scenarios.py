@@ -121,10 +121,10 @@ def _tree_of_thought(rng: random.Random, scale: int) -> list[Request]:
     return out
 
 
-def _long_document(rng: random.Random, scale: int) -> list[Request]:
+def _long_document(rng: random.Random, scale: int) -> list[Request]:  # noqa: ARG001
     from prefixkv.bench.seed_table import LONG_PROMPT
 
-    doc = LONG_PROMPT * scale
+    doc = LONG_PROMPT  # seed 003's document as is (4.3k tokens; not scaled past the context)
     return [Request(doc + f"Question: what is the age of {name}? Your answer: The age of "
                     f"{name} is ", max_tokens=8) for name in ("John Doe", "Zack Blue")]
 
@@ -248,7 +248,7 @@ def add_arguments(p: Any) -> None:
                    metavar="NAME", help=f"which scenarios (default: all of {list(SCENARIOS)})")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                    metavar="CONFIG", help=f"cache configurations (default: {list(CONFIGS)})")
-    p.add_argument("--scale", type=int, default=1, help="multiply prompt lengths (default 1)")
+    p.add_argument("--scale", type=int, default=4, help="multiply prompt lengths (default 4)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart")

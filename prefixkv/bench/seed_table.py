@@ -42,3 +42,18 @@ LONG_PROMPT = (
 | 30  | Ben Black     | 38  | Chef       | Ireland     | ben.b@example.com      | 555-7870     | 246 Fir St, Waterford, IE       |
 """
 )
+
+
+def table_prompt(rows: int | None = None) -> str:
+    """:data:`LONG_PROMPT` with only its first ``rows`` data rows (all 30 by default)."""
+    lines = LONG_PROMPT.splitlines(keepends=True)
+    sep = next(i for i, line in enumerate(lines) if line.startswith("| ---"))
+    data = lines[sep + 1 :]
+    if rows is None:
+        rows = len(data)
+    if not 0 <= rows <= len(data):
+        raise ValueError(f"rows must be in [0, {len(data)}], got {rows}")
+    return "".join(lines[: sep + 1] + data[:rows])
+
+
+NUM_ROWS = len(table_prompt().splitlines()) - len(table_prompt(0).splitlines())

@@ -12,9 +12,8 @@ engine does:
 
 1. ``m = cache.match_prefix(hash_ids, lock=True)``: the leading cached blocks are a hit worth
    ``min(len(m) * block_size, input_length)`` tokens (a request's last block is usually partial);
-2. ``cache.evict(1)`` until the pool has room, then ``pool.allocate(missing)``: the policy picks
-   each evicted block (matched blocks are locked). One block per call, because ``evict(n)``
-   trims up to ``n`` blocks off the tail of one radix node without asking the policy again;
+2. ``pool.allocate(missing, evict_from=cache)``: the index evicts exactly the shortfall, the
+   policy ranking every evicted block (matched blocks are locked);
 3. ``cache.insert_prefix(hash_ids, ids)`` then ``cache.unlock(m)``.
 
 All of a request's blocks get the request's time, the deeper ones first in line for eviction
@@ -218,12 +217,7 @@ def replay(
         hit_tokens += min(k * block_size, r.input_length)
         input_tokens += r.input_length
         n = min(len(ids), blocks) - k  # a request larger than the cache keeps its head only
-        while pool.num_free < n:  # one block per evict(): the policy ranks every block
-            freed = cache.evict(1)
-            if not freed:
-                break
-            pool.free(freed)
-        new = pool.allocate(n) if n > 0 else []
+        new = pool.allocate(max(n, 0), evict_from=cache)  # evicts exactly the shortfall
         if new is None:
             raise RuntimeError(f"request {i}: could not allocate {n} blocks (pool accounting)")
         if n > 0:

@@ -4,7 +4,7 @@ Each full block is keyed by ``hash(parent_hash, block_tokens, extra_key)`` (see
 :mod:`prefixkv.cache.hashing`); a lookup walks the query's blocks and stops at the first miss.
 
 Collisions: every hit is *verified* - the stored block must have the same parent block, the
-same tokens and the same extra key - so no hash algorithm, not even the 64-bit ``builtin``,
+same tokens, the same extra key and the same namespace - so no hash algorithm, not even the 64-bit ``builtin``,
 can ever return another prefix's KV. A colliding block is simply not cached.
 
 Eviction: the blocks form a forest through their parents; only leaf blocks (no cached child)
@@ -136,7 +136,8 @@ class HashPrefixCache(PrefixIndexBase):
             ex = extra_keys[j] if extra_keys is not None else None
             h = hasher(parent_hash, blk, ex)
             e = table.get(h)
-            if e is None or e.parent is not prev or e.tokens != blk or e.extra != ex:
+            if (e is None or e.parent is not prev or e.tokens != blk or e.extra != ex
+                    or e.namespace != namespace):
                 break
             walk.ids.append(e.block_id)
             walk.path.append(e)
@@ -210,12 +211,14 @@ class HashPrefixCache(PrefixIndexBase):
             check_tokens(tokens[m * bs :])
             # hashes of the new blocks; stop at a collision with a different cached block
             parent_hash = w.path[-1].hash if w.path else self._root(namespace)
-            new_hashes = []
+            new_hashes: list[Any] = []
+            seen: set[Any] = set()
             for j in range(m, nb):
                 ex = ek[j] if ek is not None else None
                 parent_hash = self._hasher(parent_hash, tokens[j * bs : (j + 1) * bs], ex)
-                if parent_hash in self._table:
+                if parent_hash in self._table or parent_hash in seen:  # a collision
                     break
+                seen.add(parent_hash)
                 new_hashes.append(parent_hash)
             stop = m + len(new_hashes)
             returned = self._claim_ids(ids, w.ids, stop)  # last check: marks ids[m:stop] cached

@@ -125,7 +125,9 @@ class KVManager:
                 table[i] = cached_id
         old = seq.cache_handle
         seq.cache_handle = node if node.lock is not None else None
-        seq.num_indexed_blocks = k
+        # normally k; fewer only if a (verified) hash collision stopped the insert early: the
+        # blocks past it stay private to the sequence and are freed on release
+        seq.num_indexed_blocks = len(node.kv_block_ids)
         if old is not None:
             self.cache.unlock(old)
         self.pool.free(duplicates)

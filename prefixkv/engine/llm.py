@@ -209,10 +209,8 @@ class LLM:
 def _as_batch(prompts: Any) -> list[PromptInput]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts
-    ):
-        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt of token ids (validated at submission)
     if isinstance(prompts, Sequence) and prompts:
         return list(prompts)
     raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r}")

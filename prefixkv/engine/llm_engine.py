@@ -52,7 +52,7 @@ class LLMEngine:
         hash_algo: str = "sha256",
         max_pinned_blocks: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = 4096,
         seed: int = 0,
         clock: Callable[[], float] = time.time,
         model_name: str = "model",

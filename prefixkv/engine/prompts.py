@@ -37,9 +37,12 @@ def resolve_prompt(tokenizer: Any, vocab_size: int, prompt: PromptInput) -> tupl
     ids = list(ids)
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise ValueError(f"prompt token id {t!r} out of range [0, {vocab_size})")
+    # fast path: plain ints in range (no per-item Python branch); else find the culprit
+    if not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) >= vocab_size:
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt token id {t!r} out of range [0, {vocab_size})")
+        ids = [int(t) for t in ids]  # int subclasses (e.g. IntEnum) become plain ints
     return text, ids
 
 

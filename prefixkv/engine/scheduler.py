@@ -10,7 +10,9 @@ Each :meth:`Scheduler.schedule` call builds one step:
 2. If nothing was preempted, waiting sequences are admitted in arrival order while budget,
    ``max_num_seqs`` and blocks allow. Admission looks up the prefix first, so only uncached
    tokens cost budget. Sample ``i > 0`` of an ``n > 1`` request waits until sample 0 has
-   prefilled the prompt, so the samples share the prompt's cached blocks.
+   prefilled the prompt, so the samples share the prompt's cached blocks; likewise a sequence
+   sharing an uncached prefix with one admitted in the same step waits one step (16 concurrent
+   prompts with one system prompt compute it once, not 16 times).
 
 A waiting sequence that cannot be admitted while nothing runs can never run (pinned blocks
 fill the pool); it is finished with ``finish_reason="abort"`` instead of hanging.
@@ -24,6 +26,22 @@ from dataclasses import dataclass, field
 
 from prefixkv.engine.kv_manager import KVManager
 from prefixkv.engine.sequence import Sequence, SequenceStatus
+
+MIN_SHARED_TOKENS = 16
+"""A waiting sequence defers one step when it shares this many uncached prompt tokens with
+a sequence admitted in the same step (see :meth:`Scheduler._shares_uncached`)."""
+
+
+def _common_prefix(a: list[int], b: list[int], block_size: int, limit: int) -> int:
+    """Length of the longest common block-aligned prefix of ``a[:limit]`` and ``b``."""
+    n = min(limit, len(b))
+    stride = block_size * max(1, 64 // block_size)
+    i = 0
+    while i + stride <= n and a[i : i + stride] == b[i : i + stride]:
+        i += stride
+    while i + block_size <= n and a[i : i + block_size] == b[i : i + block_size]:
+        i += block_size
+    return i
 
 
 @dataclass(slots=True)
@@ -107,11 +125,15 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         skipped: list[Sequence] = []
+        admitted: list[Sequence] = []
+        sharing = self.kv.cache is not None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             req = seq.request
-            if seq.index > 0 and not req.prompt_prefilled and self.kv.cache is not None:
-                skipped.append(self.waiting.popleft())  # waits for sample 0's prompt blocks
+            if sharing and (
+                (seq.index > 0 and not req.prompt_prefilled) or self._shares_uncached(seq, admitted)
+            ):
+                skipped.append(self.waiting.popleft())  # next step its prefix will be cached
                 continue
             num_new = self.kv.admit(seq, budget)
             if num_new is None:
@@ -130,9 +152,25 @@ class Scheduler:
                 req.metrics.first_scheduled_time = self.clock()
             out.scheduled.append(ScheduledSeq(seq, num_new))
             self.running.append(seq)
+            admitted.append(seq)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _shares_uncached(self, seq: Sequence, admitted: list[Sequence]) -> bool:
+        """Whether ``seq`` shares at least ``MIN_SHARED_TOKENS`` (and a block) of prompt, not yet
+        cached, with a sequence admitted earlier this step: then it waits one step and hits the
+        blocks that sequence computes now, instead of computing them twice in one batch."""
+        bs = self.kv.block_size
+        need = max(bs, MIN_SHARED_TOKENS)
+        tokens = seq.token_ids
+        for other in admitted:
+            if other.request.namespace != seq.request.namespace:
+                continue
+            cached = other.num_indexed_blocks * bs
+            if _common_prefix(tokens, other.token_ids, bs, len(tokens) - 1) - cached >= need:
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.release(seq)

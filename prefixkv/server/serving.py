@@ -59,7 +59,7 @@ def render_chat(engine: AsyncEngine, messages: list[dict[str, str]], *,
                 add_generation_prompt: bool) -> dict[str, Any]:
     """Chat messages as an engine prompt (``{"prompt", "prompt_token_ids"}``), rendered with
     the model's chat template exactly as ``LLM.chat`` renders them."""
-    return engine.engine.chat_prompt(messages, add_generation_prompt)
+    return engine.chat_prompt(messages, add_generation_prompt)
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

@@ -70,3 +70,14 @@ def test_radix_rejects_extra_keys():
 
     with pytest.raises(ValueError, match="extra_keys"):
         RadixPrefixCache(8).match_prefix([1, 2], extra_keys=["a", "b"])
+
+
+def test_collision_inside_one_insert_keeps_the_index_consistent(monkeypatch):
+    cache = HashPrefixCache(16, 2, hash_algo="builtin")
+    monkeypatch.setattr(cache, "_hasher", lambda parent, tokens, extra: 7)
+    node = cache.insert_prefix([1, 2, 3, 4, 5, 6], [0, 1, 2])
+    assert node.kv_block_ids == [0] and node.returned_block_ids == [1, 2]
+    cache.check_invariants()
+    assert cache.match_prefix([1, 2, 3, 4]).matched_kv_blocks == [0]
+    assert sorted(cache.evict(5)) == [0]
+    cache.check_invariants()

@@ -159,3 +159,13 @@ def test_radix_against_oracle(ops, bs):
 @given(st.lists(op, max_size=40), st.sampled_from([1, 2, 3]), st.sampled_from(["sha256", "builtin"]))
 def test_hash_against_oracle(ops, bs, algo):
     run(HashPrefixCache(NUM_BLOCKS, bs, hash_algo=algo, max_pinned_blocks=6), bs, ops)
+
+
+@SETTINGS
+@given(st.lists(op, max_size=40), st.sampled_from([1, 2]))
+def test_hash_with_frequent_collisions_against_oracle(ops, bs):
+    """A 3-valued hash: collisions everywhere; verified hits keep the oracle's answers."""
+    cache = HashPrefixCache(NUM_BLOCKS, bs, hash_algo="builtin", max_pinned_blocks=6)
+    cache._hasher = lambda parent, tokens, extra: hash((parent, tuple(tokens), extra)) % 3
+    cache._roots.clear()
+    run(cache, bs, ops)

@@ -126,3 +126,34 @@ def test_shutdown_stops_thread(demo_model: Any) -> None:
 
     asyncio.run(run())
     eng.shutdown()  # idempotent
+
+
+def test_streamed_deltas_never_show_a_stop_string(engine: AsyncEngine) -> None:
+    async def collect(params: SamplingParams) -> list[RequestOutput]:
+        return [o async for o in engine.generate("stop strings", params)]
+
+    base = asyncio.run(collect(LONG))[-1].outputs[0].text
+    stop = base[10:13]
+    outs = asyncio.run(collect(SamplingParams(temperature=0.0, max_tokens=40, stop=stop)))
+    final = outs[-1].outputs[0]
+    assert final.text == base[: base.index(stop)] and final.stop_reason == stop
+    assert "".join(o.outputs[0].delta_text for o in outs) == final.text
+    assert all(stop not in o.outputs[0].text for o in outs)
+
+
+def test_max_tokens_none_runs_to_the_pool_limit(engine: AsyncEngine) -> None:
+    prompt = engine.chat_prompt([{"role": "user", "content": "hi"}])
+
+    async def run() -> RequestOutput:
+        last = None
+        async for out in engine.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True)):
+            last = out
+        assert last is not None
+        return last
+
+    out = asyncio.run(run())
+    n = len(out.prompt_token_ids)
+    # one sequence alone can fill the pool: 96 blocks of 4 tokens
+    assert len(out.outputs[0].token_ids) == 96 * 4 - n + 1
+    assert out.outputs[0].finish_reason == "length"
+    no_leak(engine)

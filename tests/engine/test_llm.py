@@ -142,3 +142,46 @@ def test_chat_uses_template(make_llm: Any) -> None:
     assert outs[0].prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
     two = llm.chat([conv, conv + [{"role": "assistant", "content": "4"}]], GREEDY)
     assert len(two) == 2 and two[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_bad_engine_arguments_raise(make_llm: Any) -> None:
+    for kwargs, name in [
+        ({"index": "btree"}, "index"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"block_size": 0}, "block_size"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            make_llm(num_kv_blocks=8, **kwargs)
+
+
+@pytest.mark.parametrize("index", ["radix", "hash"])
+def test_concurrent_prompts_compute_a_shared_prefix_once(make_llm: Any, helpers: Any, index: str) -> None:
+    llm = make_llm(index=index)
+    system = helpers.tokens(30, 64)
+    prompts = [system + helpers.tokens(31 + i, 5) for i in range(16)]
+    outs = llm.generate(prompts, GREEDY)  # all submitted together, cold cache
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[0] == 0 and all(c >= 64 for c in cached[1:])
+    alone = make_llm(index=index, enable_prefix_caching=False).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    helpers.assert_no_leak(llm)
+
+
+def test_hash_collisions_never_change_outputs_or_leak(make_llm, helpers, monkeypatch):
+    """A (forced) hash collision stops caching at that block; outputs and accounting stay right."""
+    from prefixkv.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = [helpers.tokens(7, 40) + helpers.tokens(i, 20) for i in range(3)]
+    expected = [o.outputs[0].token_ids for o in
+                make_llm(enable_prefix_caching=False).generate(prompts, params)]
+    llm = make_llm(index="hash", hash_algo="builtin", block_size=16)
+    cache = llm.engine.kv.cache
+    real = cache._hasher
+    # every block after the first collides with the first block's hash
+    monkeypatch.setattr(cache, "_hasher", lambda parent, toks, extra: 1 if parent != cache._root(
+        None) else real(parent, toks, extra))
+    got = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    assert got == expected
+    helpers.assert_no_leak(llm)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prefixkv.engine.bench import main, table_prompt
+from prefixkv.bench.engine import main
+from prefixkv.bench.seed_table import table_prompt
 
 
 def test_bench_smoke(tmp_path: Path, capsys: object) -> None:

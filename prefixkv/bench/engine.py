@@ -1,6 +1,6 @@
-"""Engine benchmark: TTFT cold vs warm, decode throughput vs ``transformers``, seed 003's demo.
+"""``prefixkv bench engine``: TTFT cold vs warm, decode vs ``transformers``, seed 003's demo.
 
-    python -m prefixkv.engine.bench [--json engine_bench.json] [--model DIR]
+    prefixkv bench engine [--json engine_bench.json] [--model DIR]
 
 1. **TTFT**: a 2,048-token shared prefix + a 32-token suffix, ``max_tokens=1``. *Cold* runs
    on an empty cache (reset before each), *warm* reuses the prefix (a different suffix each
@@ -10,7 +10,9 @@
 3. **Seed 003's demo**: the long markdown table and two questions; the second is faster.
 
 With no ``--model`` the built-in demo model is used: its text is meaningless (random weights),
-only the timings matter. Medians over ``--repeats`` runs. Prints a table, writes JSON.
+only the timings matter. Medians (and best runs) over ``--repeats`` interleaved runs: on a
+shared machine background load inflates single runs, and small steps suffer most when torch's
+threads are preempted (``--threads 1`` is steadier there). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -22,46 +24,12 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefixkv.engine.llm import LLM
-from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.bench.seed_table import NUM_ROWS, table_prompt
 
-TABLE_PROMPT = (
-    "You are a helpful assistant in recognizes the content of tables in markdown format. "
-    "Here is a table as follows.\n# Table\n"
-    "| ID  | Name          | Age | Occupation    | Country       | Email                  "
-    "| Phone Number   | Address                       |\n"
-    "|-----|---------------|-----|---------------|---------------|------------------------"
-    "|----------------|------------------------------|\n"
-)
-_PEOPLE = [
-    ("John Doe", 29, "Engineer", "USA"), ("Jane Smith", 34, "Doctor", "Canada"),
-    ("Alice Johnson", 27, "Teacher", "UK"), ("Bob Brown", 45, "Artist", "Australia"),
-    ("Carol White", 31, "Scientist", "New Zealand"), ("Dave Green", 28, "Lawyer", "Ireland"),
-    ("Emma Black", 40, "Musician", "USA"), ("Frank Blue", 37, "Chef", "Canada"),
-    ("Grace Yellow", 50, "Engineer", "UK"), ("Henry Violet", 32, "Artist", "Australia"),
-    ("Irene Orange", 26, "Scientist", "New Zealand"), ("Jack Indigo", 38, "Teacher", "Ireland"),
-    ("Karen Red", 41, "Lawyer", "USA"), ("Leo Brown", 30, "Chef", "Canada"),
-    ("Mia Green", 33, "Musician", "UK"), ("Noah Yellow", 29, "Doctor", "Australia"),
-    ("Olivia Blue", 35, "Engineer", "New Zealand"), ("Peter Black", 42, "Artist", "Ireland"),
-    ("Quinn White", 28, "Scientist", "USA"), ("Rachel Red", 31, "Teacher", "Canada"),
-    ("Steve Green", 44, "Lawyer", "UK"), ("Tina Blue", 36, "Musician", "Australia"),
-    ("Umar Black", 39, "Chef", "New Zealand"), ("Victor Yellow", 43, "Engineer", "Ireland"),
-    ("Wendy Orange", 27, "Artist", "USA"), ("Xavier Green", 34, "Scientist", "Canada"),
-    ("Yara Red", 41, "Teacher", "UK"), ("Zack Blue", 30, "Lawyer", "Australia"),
-    ("Amy White", 33, "Musician", "New Zealand"), ("Ben Black", 38, "Chef", "Ireland"),
-]
-
-
-def table_prompt(rows: int = len(_PEOPLE)) -> str:
-    """Seed 003's table prompt with its first ``rows`` rows (addresses use one pattern)."""
-    return TABLE_PROMPT + "".join(
-        f"| {i:<3} | {name:<13} | {age:<3} | {job:<13} | {country:<13} "
-        f"| {name.split()[0].lower()}.{name.split()[1][0].lower()}@example.com | 555-{1000 + i:04d} "
-        f"| {100 + i} Main St                  |\n"
-        for i, (name, age, job, country) in enumerate(_PEOPLE[:rows], start=1)
-    )
+if TYPE_CHECKING:  # the engine imports torch: load it only when a benchmark runs
+    from prefixkv.engine.llm import LLM
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -70,6 +38,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 def bench_ttft(llm: LLM, prefix_len: int, suffix_len: int, repeats: int) -> dict[str, Any]:
     """Median TTFT of a cold (empty cache) and a warm (cached prefix) request."""
+    from prefixkv.engine.sampling_params import SamplingParams
+
     rng = random.Random(0)
     prefix = _tokens(rng, prefix_len)
     sp = SamplingParams(temperature=0.0, max_tokens=1)
@@ -89,23 +59,57 @@ def bench_ttft(llm: LLM, prefix_len: int, suffix_len: int, repeats: int) -> dict
         "ttft_cold_s": c,
         "ttft_warm_s": w,
         "speedup": c / w if w > 0 else float("inf"),
+        "ttft_cold_best_s": min(cold),
+        "ttft_warm_best_s": min(warm),
+        "speedup_best": min(cold) / min(warm) if min(warm) > 0 else float("inf"),
     }
 
 
 def bench_decode(llm: LLM, model_dir: Path, new_tokens: int, repeats: int, with_hf: bool) -> dict[str, Any]:
-    """Greedy decode tokens/s (one 32-token prompt): ours vs ``transformers`` ``generate``."""
+    """Greedy decode tokens/s (one 32-token prompt): ours vs ``transformers`` ``generate``.
+
+    The two run alternately, ``repeats`` times each, so background load hits both alike;
+    the ratio is taken from the medians and from the best runs.
+    """
+    from prefixkv.engine.sampling_params import SamplingParams
+
     prompt = _tokens(random.Random(1), 32)
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    ours = []
-    for _ in range(repeats):
+
+    def ours() -> tuple[float, list[int]]:
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
         out = llm.generate(prompt, sp)[0]
-        ours.append(len(out.outputs[0].token_ids) / (time.perf_counter() - t0))
-    result: dict[str, Any] = {"new_tokens": new_tokens, "ours_tok_s": statistics.median(ours)}
-    if not with_hf:
-        return result
+        return len(out.outputs[0].token_ids) / (time.perf_counter() - t0), out.outputs[0].token_ids
+
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    hf_run = _hf_generate(model_dir, prompt, new_tokens) if with_hf else None
+    ours_tps: list[float] = []
+    hf_tps: list[float] = []
+    ours_ids: list[int] = []
+    hf_ids: list[int] = []
+    for _ in range(repeats):
+        tps, ours_ids = ours()
+        ours_tps.append(tps)
+        if hf_run is not None:
+            tps, hf_ids = hf_run()
+            hf_tps.append(tps)
+    result: dict[str, Any] = {
+        "new_tokens": new_tokens,
+        "ours_tok_s": statistics.median(ours_tps),
+        "ours_best_tok_s": max(ours_tps),
+    }
+    if hf_run is not None:
+        result["hf_tok_s"] = statistics.median(hf_tps)
+        result["hf_best_tok_s"] = max(hf_tps)
+        result["ratio"] = result["ours_tok_s"] / result["hf_tok_s"]
+        result["ratio_best"] = result["ours_best_tok_s"] / result["hf_best_tok_s"]
+        result["same_tokens_as_hf"] = hf_ids == ours_ids
+    return result
+
+
+def _hf_generate(model_dir: Path, prompt: list[int], new_tokens: int) -> Any:
+    """A closure timing ``transformers`` greedy ``generate`` -> (tokens/s, new ids)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -115,22 +119,23 @@ def bench_decode(llm: LLM, model_dir: Path, new_tokens: int, repeats: int, with_
     kw: dict[str, Any] = {
         "do_sample": False, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "pad_token_id": 0,
     }
-    hf = []
-    with torch.inference_mode():
-        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        for _ in range(repeats):
+
+    def run() -> tuple[float, list[int]]:
+        with torch.inference_mode():
             t0 = time.perf_counter()
             gen = model.generate(ids, **kw)
-            hf.append((gen.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
-            hf_ids = gen[0, ids.shape[1] :].tolist()
-    result["hf_tok_s"] = statistics.median(hf)
-    result["ratio"] = result["ours_tok_s"] / result["hf_tok_s"]
-    result["same_tokens_as_hf"] = hf_ids == out.outputs[0].token_ids
-    return result
+            dt = time.perf_counter() - t0
+        return (gen.shape[1] - ids.shape[1]) / dt, gen[0, ids.shape[1] :].tolist()
+
+    with torch.inference_mode():
+        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+    return run
 
 
-def bench_table_demo(llm: LLM, max_tokens: int, rows: int = len(_PEOPLE)) -> dict[str, Any]:
+def bench_table_demo(llm: LLM, max_tokens: int, rows: int = NUM_ROWS) -> dict[str, Any]:
     """Seed 003: two questions over the same long table; the second reuses the table's KV."""
+    from prefixkv.engine.sampling_params import SamplingParams
+
     long_prompt = table_prompt(rows)
     llm.reset_prefix_cache()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -158,12 +163,15 @@ def _print_table(res: dict[str, Any]) -> None:
     rows = [
         ("TTFT cold (2,048+32 tok)", f"{t['ttft_cold_s'] * 1000:.1f} ms", ""),
         ("TTFT warm (prefix cached)", f"{t['ttft_warm_s'] * 1000:.1f} ms", f"cached {t['cached_tokens_warm']}"),
-        ("TTFT speedup", f"{t['speedup']:.1f}x", "target >= 20x"),
+        ("TTFT speedup (medians)", f"{t['speedup']:.1f}x", "target >= 20x"),
+        ("TTFT speedup (best runs)", f"{t['speedup_best']:.1f}x",
+         f"{t['ttft_cold_best_s'] * 1000:.1f} / {t['ttft_warm_best_s'] * 1000:.1f} ms"),
         ("decode, ours", f"{d['ours_tok_s']:.1f} tok/s", f"{d['new_tokens']} tokens, batch 1"),
     ]
     if "hf_tok_s" in d:
         rows.append(("decode, transformers", f"{d['hf_tok_s']:.1f} tok/s", "generate()"))
-        rows.append(("decode ratio", f"{d['ratio']:.2f}x", f"target >= 1.0; same tokens: {d['same_tokens_as_hf']}"))
+        rows.append(("decode ratio (medians)", f"{d['ratio']:.2f}x", f"target >= 1.0; same tokens: {d['same_tokens_as_hf']}"))
+        rows.append(("decode ratio (best runs)", f"{d['ratio_best']:.2f}x", ""))
     for r in s["runs"]:
         rows.append(
             (f"seed 003: {r['question']}", f"{r['generation_time_s'] * 1000:.0f} ms",
@@ -176,9 +184,8 @@ def _print_table(res: dict[str, Any]) -> None:
         print(f"  {name:<{width}}  {value:>14}  {note}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the three benchmarks; print a table and write JSON (``--json``)."""
-    ap = argparse.ArgumentParser(prog="prefixkv-engine-bench", description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Flags of ``prefixkv bench engine``."""
     ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--index", default="radix", choices=("radix", "hash"))
@@ -186,12 +193,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--table-max-tokens", type=int, default=100)
-    ap.add_argument("--table-rows", type=int, default=len(_PEOPLE), help="rows of seed 003's table")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--table-rows", type=int, default=NUM_ROWS, help="rows of seed 003's table")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--json", default="engine_bench.json", help="where to write the results")
-    args = ap.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the three benchmarks; print a table and write JSON (``--json``)."""
+    from prefixkv.engine.llm import LLM
+
     if args.threads is not None:
         import torch
 
@@ -217,6 +229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Path(args.json).write_text(json.dumps(res, indent=2))
     print(f"wrote {args.json}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m prefixkv.bench.engine``: same as ``prefixkv bench engine``."""
+    ap = argparse.ArgumentParser(prog="prefixkv bench engine", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
