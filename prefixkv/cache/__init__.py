@@ -60,18 +60,18 @@ def make_cache(
 
 
 __all__ = [
+    "HASH_ALGOS",
+    "INDEXES",
+    "POLICIES",
     "BlockPool",
     "CacheStats",
     "EvictionPolicy",
     "FIFOPolicy",
     "GhostPolicy",
-    "HASH_ALGOS",
     "HashPrefixCache",
-    "INDEXES",
     "LFUPolicy",
     "LRUPolicy",
     "LockHandle",
-    "POLICIES",
     "PinError",
     "PinnedPrefix",
     "PrefixCache",

@@ -20,7 +20,7 @@ class BlockPool:
     Not thread safe by itself: the engine calls it from one thread (the index has its own lock).
     """
 
-    __slots__ = ("num_blocks", "_free", "_is_free")
+    __slots__ = ("_free", "_is_free", "num_blocks")
 
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:

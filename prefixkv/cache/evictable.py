@@ -24,7 +24,7 @@ class HeapEntry(Protocol):
 class EvictableHeap:
     """A lazy-deletion min-heap keyed by ``policy.key(entry)``."""
 
-    __slots__ = ("policy", "_heap", "_seq", "_live")
+    __slots__ = ("_heap", "_live", "_seq", "policy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy

@@ -23,6 +23,7 @@ from prefixkv.cache._checks import check_tokens
 from prefixkv.cache.hashing import check_key_part, make_block_hasher, root_hash
 from prefixkv.cache.index_base import PrefixIndexBase, Walk
 from prefixkv.cache.policies import EvictionPolicy
+from prefixkv.cache.protection import is_evictable_leaf
 from prefixkv.cache.protocol import Namespace, PrefixNode
 
 
@@ -30,9 +31,24 @@ class HashBlock:
     """One cached block: its chained hash, id, tokens, extra key and tree links."""
 
     __slots__ = (
-        "hash", "block_id", "parent", "tokens", "extra", "namespace", "children", "num_children",
-        "lock_ref", "pin_ref", "last_access_time", "access_count", "created_time", "tick",
-        "depth", "num_blocks", "heap_ver", "in_heap",
+        "access_count",
+        "block_id",
+        "children",
+        "created_time",
+        "depth",
+        "extra",
+        "hash",
+        "heap_ver",
+        "in_heap",
+        "last_access_time",
+        "lock_ref",
+        "namespace",
+        "num_blocks",
+        "num_children",
+        "parent",
+        "pin_ref",
+        "tick",
+        "tokens",
     )
     is_root = False
 
@@ -109,7 +125,7 @@ class HashPrefixCache(PrefixIndexBase):
         if extra_keys is None:
             return None
         if not isinstance(extra_keys, (list, tuple)):
-            raise ValueError("extra_keys must be a list with one entry per block")
+            raise ValueError("extra_keys must be a list with one entry per block")  # noqa: TRY004
         full, ceil = n // self._bs, -(-n // self._bs)
         if len(extra_keys) not in (full, ceil):
             raise ValueError(
@@ -221,7 +237,7 @@ class HashPrefixCache(PrefixIndexBase):
                 seen.add(parent_hash)
                 new_hashes.append(parent_hash)
             stop = m + len(new_hashes)
-            returned = self._claim_ids(ids, w.ids, stop)  # last check: marks ids[m:stop] cached
+            returned = self._ids.claim(ids, w.ids, stop)  # last check: marks ids[m:stop] cached
             now = self._clock()
             # --- validated: mutate from here on
             prev = w.path[-1] if w.path else None
@@ -237,7 +253,7 @@ class HashPrefixCache(PrefixIndexBase):
                         prev.children = {}
                     children = prev.children
                     prev.num_children += 1
-                    self._refresh(prev)
+                    self._prot.refresh(prev)
                 children.setdefault(blk.tokens[0], []).append(blk)
                 self._table[h] = blk
                 self._num_entries += 1
@@ -268,8 +284,8 @@ class HashPrefixCache(PrefixIndexBase):
                 locked += e.lock_ref > 0
                 pinned += e.pin_ref > 0
                 protected += e.lock_ref > 0 or e.pin_ref > 0
-                assert e.in_heap == self._is_evictable_leaf(e)
-            assert seen == self._cached_id_set()
+                assert e.in_heap == is_evictable_leaf(e)
+            assert seen == self._ids.as_set()
             assert (locked, pinned, protected) == (
-                self._locked_blocks, self._pinned_blocks, self._protected_blocks)
+                self._prot.locked_blocks, self._prot.pinned_blocks, self._prot.protected_blocks)
             assert len(self._table) == self._num_entries

@@ -23,13 +23,13 @@ from typing import Any
 
 from prefixkv.cache._checks import (
     as_token_list,
-    check_block_ids,
     check_count,
     check_positive_int,
     check_tokens,
 )
-from prefixkv.cache.evictable import EvictableHeap
+from prefixkv.cache.held_ids import HeldIds
 from prefixkv.cache.policies import EvictionPolicy, make_policy
+from prefixkv.cache.protection import Protection, is_evictable_leaf
 from prefixkv.cache.protocol import (
     CacheStats,
     LockHandle,
@@ -79,21 +79,17 @@ class PrefixIndexBase:
             max_pinned_blocks = max_blocks // 5
         self.max_pinned_blocks = check_count(max_pinned_blocks, "max_pinned_blocks")
         if not callable(clock):
-            raise ValueError("clock must be a callable returning a float")
+            raise ValueError("clock must be a callable returning a float")  # noqa: TRY004
         self._policy = make_policy(eviction_policy)
         hooks = type(self._policy)
         self._has_access_hook = hooks.on_access is not EvictionPolicy.on_access
         self._has_evict_hook = hooks.on_evict is not EvictionPolicy.on_evict
         self._clock = clock
         self._lock = threading.RLock()
-        self._heap = EvictableHeap(self._policy)
+        self._prot = Protection(self._policy)
         self._counters = Counters()
         self._pins: dict[tuple[Namespace, tuple[int, ...]], tuple[PinnedPrefix, Any]] = {}
-        self._flags = bytearray(max_blocks)  # 1 where the index holds that block id
-        self._num_cached = 0
-        self._locked_blocks = 0
-        self._pinned_blocks = 0
-        self._protected_blocks = 0
+        self._ids = HeldIds(max_blocks)
         self._num_entries = 0
         self._tick = 0
         self.last_pin_error: str | None = None
@@ -117,25 +113,16 @@ class PrefixIndexBase:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks the index holds."""
-        return self._num_cached
+        return self._ids.count
 
     @property
     def num_evictable_blocks(self) -> int:
         """Blocks that ``evict`` could free now (cached, unlocked, unpinned)."""
-        return self._num_cached - self._protected_blocks
+        return self._ids.count - self._prot.protected_blocks
 
     def is_cached(self, block_id: int) -> bool:
         """Whether the index holds ``block_id``."""
-        return 0 <= block_id < self._max_blocks and bool(self._flags[block_id])
-
-    def _mark(self, ids: Sequence[int], value: int) -> None:
-        flags = self._flags
-        for b in ids:
-            flags[b] = value
-        self._num_cached += len(ids) if value else -len(ids)
-
-    def _cached_id_set(self) -> set[int]:
-        return {b for b, f in enumerate(self._flags) if f}
+        return block_id in self._ids
 
     # ------------------------------------------------------------ subclass hooks
     def _walk(self, tokens: Sequence[int], n: int, namespace: Namespace, extra: Any) -> Walk:
@@ -153,19 +140,6 @@ class PrefixIndexBase:
         raise TypeError("subclass must implement _memory_bytes")
 
     # ------------------------------------------------------------- entry helpers
-    @staticmethod
-    def _is_evictable_leaf(e: Any) -> bool:
-        return e.lock_ref == 0 and e.pin_ref == 0 and e.num_children == 0 and not e.is_root
-
-    def _refresh(self, e: Any) -> None:
-        """Re-file ``e`` in the evictable heap after anything about it changed."""
-        if e is None or e.is_root:
-            return
-        if self._is_evictable_leaf(e) and e.num_blocks:
-            self._heap.push(e)
-        else:
-            self._heap.discard(e)
-
     def _touch(self, entries: Sequence[Any], now: float) -> None:
         self._tick += 1
         tick = self._tick
@@ -178,44 +152,12 @@ class PrefixIndexBase:
                 self._policy.on_access(e)
         if entries:
             last = entries[-1]
-            if last.in_heap or self._is_evictable_leaf(last):
-                self._refresh(last)
-
-    def _path_up(self, e: Any) -> list[Any]:
-        out = []
-        while e is not None and not e.is_root:
-            out.append(e)
-            e = e.parent
-        return out
-
-    def _add_lock(self, target: Any, delta: int) -> None:
-        for e in self._path_up(target):
-            before = e.lock_ref
-            e.lock_ref = before + delta
-            if (before == 0) != (e.lock_ref == 0):
-                sign = 1 if delta > 0 else -1
-                self._locked_blocks += sign * e.num_blocks
-                if e.pin_ref == 0:
-                    self._protected_blocks += sign * e.num_blocks
-                self._refresh(e)
-
-    def _add_pin(self, target: Any, delta: int) -> None:
-        for e in self._path_up(target):
-            before = e.pin_ref
-            e.pin_ref = before + delta
-            if (before == 0) != (e.pin_ref == 0):
-                sign = 1 if delta > 0 else -1
-                self._pinned_blocks += sign * e.num_blocks
-                if e.lock_ref == 0:
-                    self._protected_blocks += sign * e.num_blocks
-                self._refresh(e)
-
-    def _new_pinned_blocks(self, target: Any) -> int:
-        return sum(e.num_blocks for e in self._path_up(target) if e.pin_ref == 0)
+            if last.in_heap or is_evictable_leaf(last):
+                self._prot.refresh(last)
 
     def _take_lock(self, target: Any, num_blocks: int) -> LockHandle:
         if target is not None:
-            self._add_lock(target, +1)
+            self._prot.add_lock(target, +1)
         return LockHandle(target=target, num_blocks=num_blocks)
 
     # ------------------------------------------------------------------ protocol
@@ -269,20 +211,20 @@ class PrefixIndexBase:
         """Release a lock taken with ``lock=True``; ``ValueError`` if none or already released."""
         handle = getattr(ref, "lock", None)
         if not isinstance(handle, LockHandle):
-            raise ValueError("ref holds no lock (pass lock=True to match_prefix/insert_prefix)")
+            raise ValueError("ref holds no lock (pass lock=True to match_prefix/insert_prefix)")  # noqa: TRY004
         with self._lock:
             if handle.released:
                 raise ValueError("lock already released")
             handle.released = True
             if handle.target is not None:
-                self._add_lock(handle.target, -1)
+                self._prot.add_lock(handle.target, -1)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids."""
         check_count(num_blocks, "num_blocks")
         with self._lock:
             out: list[int] = []
-            heap, key = self._heap, self._policy.key
+            heap, key = self._prot.heap, self._policy.key
             while len(out) < num_blocks:
                 e = heap.pop()
                 if e is None:
@@ -304,9 +246,9 @@ class PrefixIndexBase:
                         self._policy.on_evict(e)
                     parent = e.parent
                     if parent is not None and not parent.is_root:
-                        self._refresh(parent)
+                        self._prot.refresh(parent)
             self._counters.evicted_blocks += len(out)
-            self._mark(out, 0)
+            self._ids.release(out)
             return out
 
     def evict_lru(self, num_blocks: int) -> list[int]:
@@ -338,13 +280,14 @@ class PrefixIndexBase:
             if len(w.ids) < nb:
                 raise PinError(f"prefix not cached: {len(w.ids)} of its {nb} blocks are cached")
             target = self._cut(w.path[-1], w.last_used)
-            new = self._new_pinned_blocks(target)
-            if self._pinned_blocks + new > self.max_pinned_blocks:
+            new = self._prot.new_pinned_blocks(target)
+            pinned = self._prot.pinned_blocks
+            if pinned + new > self.max_pinned_blocks:
                 raise PinError(
                     f"pinning {new} more blocks would exceed max_pinned_blocks="
-                    f"{self.max_pinned_blocks} ({self._pinned_blocks} pinned)"
+                    f"{self.max_pinned_blocks} ({pinned} pinned)"
                 )
-            self._add_pin(target, +1)
+            self._prot.add_pin(target, +1)
             info = PinnedPrefix(
                 token_ids=list(key[1]),
                 num_blocks=nb,
@@ -378,7 +321,7 @@ class PrefixIndexBase:
             entry = self._pins.pop((namespace, tuple(tokens[: nb * self._bs])), None)
             if entry is None:
                 return False
-            self._add_pin(entry[1], -1)
+            self._prot.add_pin(entry[1], -1)
             return True
 
     def list_pinned(self) -> list[PinnedPrefix]:
@@ -390,7 +333,7 @@ class PrefixIndexBase:
         """Unpin all and evict every unlocked block; returns the freed ids (caller owns them)."""
         with self._lock:
             for _, target in self._pins.values():
-                self._add_pin(target, -1)
+                self._prot.add_pin(target, -1)
             self._pins.clear()
             return self.evict(self.num_evictable_blocks)
 
@@ -412,9 +355,9 @@ class PrefixIndexBase:
                 index=self.index_name,
                 block_size=self._bs,
                 max_blocks=self._max_blocks,
-                cached_blocks=self._num_cached,
-                pinned_blocks=self._pinned_blocks,
-                locked_blocks=self._locked_blocks,
+                cached_blocks=self._ids.count,
+                pinned_blocks=self._prot.pinned_blocks,
+                locked_blocks=self._prot.locked_blocks,
                 evictable_blocks=self.num_evictable_blocks,
                 num_nodes=self._num_entries,
                 memory_bytes=self._memory_bytes(),
@@ -422,55 +365,6 @@ class PrefixIndexBase:
             )
 
     # --------------------------------------------------------------- insert help
-    def _claim_ids(self, ids: list[int], cached: list[int], stop: int) -> list[int]:
-        """Validate the caller's ids and mark ``ids[len(cached):stop]`` as held by the index.
-
-        The last check of an insert, so nothing can fail after it. ``cached`` are the ids
-        already cached for the first positions: a caller id equal to its cached id is simply
-        re-confirmed (no check: re-inserting a long cached prefix costs one list comparison);
-        one that differs, and every id from ``stop`` on, is *returned* (stays the caller's).
-        ``ValueError``, with nothing marked, if an id is not an int, out of range, repeated, or
-        already cached elsewhere.
-        """
-        m = len(cached)
-        returned: list[int] = []
-        if ids[:m] != cached:
-            returned = [mine for mine, theirs in zip(ids[:m], cached) if mine != theirs]
-        returned += ids[stop:]
-        taken = ids[m:stop]
-        flags = self._flags
-        if returned:  # rare (duplicate blocks, hash collisions): the thorough check
-            check_block_ids(returned + taken, self._max_blocks)
-            if any(map(flags.__getitem__, returned)):
-                dup = next(b for b in returned if flags[b])
-                raise ValueError(f"kv_block_ids: block id {dup} is already cached at another position")
-        if not taken:
-            return returned
-        try:
-            lo, hi = min(taken), max(taken)
-        except TypeError:
-            check_block_ids(taken, self._max_blocks)  # raises with the offending element
-            raise
-        if type(lo) is not int or type(hi) is not int:
-            check_block_ids(taken, self._max_blocks)
-        if lo < 0 or hi >= self._max_blocks:
-            raise ValueError(f"kv_block_ids: block id {lo if lo < 0 else hi} out of range "
-                             f"[0, {self._max_blocks})")
-        i = 0
-        try:
-            for i, b in enumerate(taken):  # noqa: B007 - i is read in the rollback
-                if flags[b]:
-                    raise ValueError(f"kv_block_ids: block id {b} is repeated or already cached")
-                flags[b] = 1
-        except (ValueError, TypeError) as exc:
-            for b in taken[:i]:
-                flags[b] = 0
-            if isinstance(exc, TypeError):
-                check_block_ids(taken, self._max_blocks)
-            raise
-        self._num_cached += len(taken)
-        return returned
-
     def _finish_insert(
         self,
         tokens: Sequence[int],

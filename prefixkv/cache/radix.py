@@ -25,6 +25,7 @@ from typing import Any
 from prefixkv.cache._checks import check_tokens
 from prefixkv.cache.index_base import PrefixIndexBase, Walk
 from prefixkv.cache.policies import EvictionPolicy
+from prefixkv.cache.protection import is_evictable_leaf
 from prefixkv.cache.protocol import Namespace, PrefixNode
 
 
@@ -39,9 +40,22 @@ class RadixNode:
     """
 
     __slots__ = (
-        "key", "blocks", "parent", "children", "num_children", "lock_ref", "pin_ref",
-        "last_access_time", "access_count", "created_time", "tick", "start_depth",
-        "heap_ver", "in_heap", "is_root", "__weakref__",
+        "__weakref__",
+        "access_count",
+        "blocks",
+        "children",
+        "created_time",
+        "heap_ver",
+        "in_heap",
+        "is_root",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "num_children",
+        "parent",
+        "pin_ref",
+        "start_depth",
+        "tick",
     )
 
     def __init__(self, key: array[int], blocks: list[int], parent: RadixNode | None, now: float,
@@ -191,7 +205,7 @@ class RadixPrefixCache(PrefixIndexBase):
         # pinned prefixes that ended at `node`'s old end still end there; the registry names
         # the deepest node, so nothing to update. `node` keeps its heap membership and key.
         if node.in_heap:
-            self._heap.push(node)
+            self._prot.heap.push(node)
         return upper
 
     def _drop_tail(self, entry: RadixNode, k: int) -> list[int]:
@@ -237,7 +251,7 @@ class RadixPrefixCache(PrefixIndexBase):
             m = len(w.ids)
             new_key = _seg(tokens, m * self._bs, nb * self._bs)  # validates the new tokens
             check_tokens(tokens[nb * self._bs :])  # the trailing partial block, not stored
-            returned = self._claim_ids(ids, w.ids, nb)  # last check: marks ids[m:] cached
+            returned = self._ids.claim(ids, w.ids, nb)  # last check: marks ids[m:] cached
             now = self._clock()
             # --- validated: mutate from here on
             root = self._roots.get(namespace)
@@ -259,7 +273,7 @@ class RadixPrefixCache(PrefixIndexBase):
                 attach.children.setdefault(node.key[0], []).append(node)
                 attach.num_children += 1
                 self._num_entries += 1
-                self._refresh(attach)
+                self._prot.refresh(attach)
                 self._cached_tokens += len(node.key)
                 w.path.append(node)
                 target = node
@@ -268,7 +282,7 @@ class RadixPrefixCache(PrefixIndexBase):
 
     def _memory_bytes(self) -> int:
         node_size = sys.getsizeof(RadixNode(array("I"), [], None, 0.0)) + 64 + 56 + 64 + 232
-        return (self._num_entries * node_size + self._cached_tokens * 4 + self._num_cached * 8
+        return (self._num_entries * node_size + self._cached_tokens * 4 + self._ids.count * 8
                 + self._max_blocks)
 
     def check_invariants(self) -> None:
@@ -302,10 +316,10 @@ class RadixPrefixCache(PrefixIndexBase):
                         pinned += len(node.blocks)
                     if node.lock_ref or node.pin_ref:
                         protected += len(node.blocks)
-                    assert node.in_heap == (self._is_evictable_leaf(node)), "heap out of sync"
-            assert seen == self._cached_id_set(), "cached id flags out of sync"
+                    assert node.in_heap == (is_evictable_leaf(node)), "heap out of sync"
+            assert seen == self._ids.as_set(), "cached id flags out of sync"
             assert (locked, pinned, protected) == (
-                self._locked_blocks, self._pinned_blocks, self._protected_blocks)
+                self._prot.locked_blocks, self._prot.pinned_blocks, self._prot.protected_blocks)
             assert entries == self._num_entries
 
 

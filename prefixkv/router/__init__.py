@@ -1,7 +1,8 @@
 """Cache-aware routing over several OpenAI-compatible workers (``prefixkv route``).
 
-Layers: ``app`` (HTTP proxy) -> ``policies`` -> ``tree`` (per-worker approximate prefix trees
-over :mod:`prefixkv.cache`); ``workers`` (registry, health, local processes); ``metrics``.
+Layers: ``app`` (HTTP front) -> ``proxy`` (the router core) -> ``policies`` -> ``tree``
+(per-worker approximate prefix trees over :mod:`prefixkv.cache`); ``workers`` (registry, health,
+local processes); ``metrics``.
 The router imports nothing above :mod:`prefixkv.cache`. Everything but the policies loads on first use
 (``prefixkv --help`` stays fast and needs neither the web stack nor the cache core).
 """
@@ -28,8 +29,8 @@ _LAZY = {
     "RouteKey": "prefixkv.router.tree",
     "chat_key": "prefixkv.router.tree",
     "completion_key": "prefixkv.router.tree",
-    "RouterConfig": "prefixkv.router.app",
-    "Router": "prefixkv.router.app",
+    "RouterConfig": "prefixkv.router.proxy",
+    "Router": "prefixkv.router.proxy",
     "RouterServer": "prefixkv.router.app",
     "create_app": "prefixkv.router.app",
     "LocalWorkers": "prefixkv.router.workers",
