@@ -52,8 +52,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "LLM",
+    "AsyncEngine",
     "BlockPool",
     "CacheStats",
+    "CompletionOutput",
+    "EngineStats",
     "EvictionPolicy",
     "FIFOPolicy",
     "GhostPolicy",
@@ -66,7 +70,8 @@ __all__ = [
     "PrefixMatch",
     "PrefixNode",
     "RadixPrefixCache",
+    "RequestOutput",
+    "SamplingParams",
     "make_cache",
     "make_policy",
-    *_LAZY,
 ]

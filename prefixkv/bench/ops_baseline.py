@@ -12,8 +12,15 @@ from collections.abc import Sequence
 
 
 class _Node:
-    __slots__ = ("token_ids", "kv_block_ids", "parent", "children", "ref_count",
-                 "last_access_time", "is_pinned")
+    __slots__ = (
+        "children",
+        "is_pinned",
+        "kv_block_ids",
+        "last_access_time",
+        "parent",
+        "ref_count",
+        "token_ids",
+    )
 
     def __init__(self, token_ids: list[int], kv_block_ids: list[int], parent: _Node | None) -> None:
         self.token_ids = token_ids

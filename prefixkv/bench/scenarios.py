@@ -121,7 +121,7 @@ def _tree_of_thought(rng: random.Random, scale: int) -> list[Request]:
     return out
 
 
-def _long_document(rng: random.Random, scale: int) -> list[Request]:  # noqa: ARG001
+def _long_document(rng: random.Random, scale: int) -> list[Request]:
     from prefixkv.bench.seed_table import LONG_PROMPT
 
     doc = LONG_PROMPT  # seed 003's document as is (4.3k tokens; not scaled past the context)

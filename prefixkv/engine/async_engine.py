@@ -34,7 +34,7 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from prefixkv.cache.protocol import PinError, PinnedPrefix
 from prefixkv.engine.llm_engine import LLMEngine
@@ -228,7 +228,7 @@ class AsyncEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    async def __aenter__(self) -> AsyncEngine:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -260,11 +260,11 @@ class AsyncEngine:
                     if fut.set_running_or_notify_cancel():
                         try:
                             fut.set_result(fn(engine))
-                        except BaseException as exc:  # handed to the caller
+                        except BaseException as exc:  # noqa: BLE001 - handed to the caller
                             fut.set_exception(exc)
                 if engine.has_unfinished_requests():
                     self._dispatch(engine.step())
-        except BaseException as exc:  # a model failure: fail every stream, stop
+        except BaseException as exc:  # noqa: BLE001 - a model failure: fail every stream, stop
             self._error = exc
         self._fail_all(self._error or RuntimeError("the engine was shut down"))
 

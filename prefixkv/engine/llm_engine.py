@@ -88,7 +88,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
-        self._counters = dict(finished=0, prompt=0, cached=0, generated=0, steps=0)
+        self._counters = {"finished": 0, "prompt": 0, "cached": 0, "generated": 0, "steps": 0}
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -119,7 +119,7 @@ class LLMEngine:
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")  # noqa: TRY004
         text, ids = self.tokenize(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:

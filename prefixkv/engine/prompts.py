@@ -33,7 +33,7 @@ def resolve_prompt(tokenizer: Any, vocab_size: int, prompt: PromptInput) -> tupl
     else:
         ids = prompt
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {ids!r}")
+        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {ids!r}")  # noqa: TRY004
     ids = list(ids)
     if not ids:
         raise ValueError("prompt is empty (no tokens)")

@@ -32,7 +32,7 @@ class SeqSampler:
             return None
         return make_generator(params.seed, self._device)
 
-    def sample(self, logits: "torch.Tensor", rows: Sequence[int], seqs: Sequence[Seq]) -> list[int]:
+    def sample(self, logits: torch.Tensor, rows: Sequence[int], seqs: Sequence[Seq]) -> list[int]:
         """Next token of ``seqs[j]`` from row ``rows[j]`` of ``logits`` ``[B, vocab]``."""
         sampling_rows = []
         for seq in seqs:

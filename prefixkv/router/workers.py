@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Self
 from urllib.parse import urlsplit
 
 import httpx
@@ -254,7 +255,7 @@ class LocalWorkers:
                 p.kill()
                 p.wait()
 
-    def __enter__(self) -> LocalWorkers:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
