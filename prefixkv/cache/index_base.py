@@ -139,6 +139,20 @@ class PrefixIndexBase:
     def _memory_bytes(self) -> int:
         raise TypeError("subclass must implement _memory_bytes")
 
+    def _insert(
+        self,
+        tokens: Sequence[int],
+        nb: int,
+        ids: list[int],
+        pin: bool,
+        namespace: Namespace,
+        extra_keys: Sequence[Hashable | None] | None,
+        lock: bool,
+        description: str | None,
+    ) -> PrefixNode:
+        """Insert ``nb`` full blocks (``ids`` already length-checked); takes ``self._lock``."""
+        raise TypeError("subclass must implement _insert")
+
     # ------------------------------------------------------------- entry helpers
     def _touch(self, entries: Sequence[Any], now: float) -> None:
         self._tick += 1
@@ -218,6 +232,31 @@ class PrefixIndexBase:
             handle.released = True
             if handle.target is not None:
                 self._prot.add_lock(handle.target, -1)
+
+    def insert_prefix(
+        self,
+        token_ids: Sequence[int],
+        kv_block_ids: Sequence[int],
+        pin: bool = False,
+        *,
+        namespace: Namespace = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
+        lock: bool = False,
+        description: str | None = None,
+    ) -> PrefixNode:
+        """Cache the full blocks of ``token_ids`` (see :class:`PrefixCache` for ownership).
+
+        ``len(kv_block_ids)`` must be ``len(token_ids) // block_size``; ``pin=True`` also pins
+        the inserted prefix (with ``description``), ``lock=True`` locks it until ``unlock``.
+        """
+        tokens, nb = self._aligned(token_ids)
+        ids = kv_block_ids if isinstance(kv_block_ids, list) else list(kv_block_ids)
+        if len(ids) != nb:
+            raise ValueError(
+                f"kv_block_ids has {len(ids)} ids but token_ids has {len(tokens)} tokens = "
+                f"{nb} full blocks of {self._bs}"
+            )
+        return self._insert(tokens, nb, ids, pin, namespace, extra_keys, lock, description)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids."""

@@ -227,25 +227,17 @@ class RadixPrefixCache(PrefixIndexBase):
         return ids
 
     # ------------------------------------------------------------------- insert
-    def insert_prefix(
+    def _insert(
         self,
-        token_ids: Sequence[int],
-        kv_block_ids: Sequence[int],
-        pin: bool = False,
-        *,
-        namespace: Namespace = None,
-        extra_keys: Sequence[Hashable | None] | None = None,
-        lock: bool = False,
-        description: str | None = None,
+        tokens: Sequence[int],
+        nb: int,
+        ids: list[int],
+        pin: bool,
+        namespace: Namespace,
+        extra_keys: Sequence[Hashable | None] | None,
+        lock: bool,
+        description: str | None,
     ) -> PrefixNode:
-        """Cache the full blocks of ``token_ids`` (see :class:`PrefixCache` for ownership)."""
-        tokens, nb = self._aligned(token_ids)
-        ids = kv_block_ids if isinstance(kv_block_ids, list) else list(kv_block_ids)
-        if len(ids) != nb:
-            raise ValueError(
-                f"kv_block_ids has {len(ids)} ids but token_ids has {len(tokens)} tokens = "
-                f"{nb} full blocks of {self._bs}"
-            )
         with self._lock:
             w = self._walk(tokens, nb * self._bs, namespace, extra_keys)
             m = len(w.ids)
