@@ -1,8 +1,9 @@
 """EvictableHeap: the evictable leaves of an index, ordered by the eviction policy's key.
 
-Entries are pushed when they become evictable leaves (or are touched while they are one) and
-invalidated lazily: each entry carries a version, bumped on every push/discard, and stale heap
-items are skipped on pop. Each operation is O(log n); the heap is compacted when stale items
+Entries are pushed when they become evictable leaves (or, unless the policy's keys only grow,
+when they are touched while they are one) and invalidated lazily: each entry carries a version,
+bumped on every push/discard, and stale heap items are skipped on pop; an out-of-date key is
+refreshed when its item reaches the top. Each operation is O(log n); the heap is compacted when stale items
 outnumber live ones, so memory stays O(live entries).
 """
 
@@ -54,27 +55,43 @@ class EvictableHeap:
             entry.heap_ver += 1
             self._live -= 1
 
+    def _settle_top(self) -> bool:
+        """Make the top item live and up to date; ``False`` if the heap is empty.
+
+        Stale items (discarded or re-pushed) are dropped. With a policy whose keys only grow
+        (``monotone_keys``), a touched entry is not re-pushed when touched: its stored key is a
+        lower bound, so an item whose stored key is out of date is re-pushed here, when it
+        reaches the top. The top is then the true minimum: every other entry's key is at least
+        its stored key, which is at least the top's.
+        """
+        heap = self._heap
+        key = self.policy.key
+        while heap:
+            stored, _, ver, entry = heap[0]
+            if not (entry.in_heap and ver == entry.heap_ver):
+                heapq.heappop(heap)
+                continue
+            current = key(entry)
+            if current == stored:
+                return True
+            entry.heap_ver += 1
+            self._seq += 1
+            heapq.heapreplace(heap, (current, self._seq, entry.heap_ver, entry))
+        return False
+
     def pop(self) -> Any | None:
         """Remove and return the entry with the smallest key, or ``None`` if empty."""
-        heap = self._heap
-        while heap:
-            _, _, ver, entry = heapq.heappop(heap)
-            if entry.in_heap and ver == entry.heap_ver:
-                entry.in_heap = False
-                entry.heap_ver += 1
-                self._live -= 1
-                return entry
-        return None
+        if not self._settle_top():
+            return None
+        entry = heapq.heappop(self._heap)[3]
+        entry.in_heap = False
+        entry.heap_ver += 1
+        self._live -= 1
+        return entry
 
     def peek_key(self) -> Any | None:
-        """The smallest live key (dropping stale items on top), or ``None`` if empty."""
-        heap = self._heap
-        while heap:
-            _, _, ver, entry = heap[0]
-            if entry.in_heap and ver == entry.heap_ver:
-                return heap[0][0]
-            heapq.heappop(heap)
-        return None
+        """The smallest live key, or ``None`` if empty."""
+        return self._heap[0][0] if self._settle_top() else None
 
     def clear(self) -> None:
         """Forget every entry (their flags are reset by the caller's teardown)."""

@@ -164,9 +164,15 @@ class PrefixIndexBase:
         if self._has_access_hook:
             for e in entries:
                 self._policy.on_access(e)
+        # Only the last entry of a path can be a leaf. A new leaf joins the heap here; one
+        # already in it is re-filed, unless keys are monotone: then its stored key stays a valid
+        # lower bound and the heap refreshes it lazily.
         if entries:
             last = entries[-1]
-            if last.in_heap or is_evictable_leaf(last):
+            if last.in_heap:
+                if not self._policy.monotone_keys:
+                    self._prot.refresh(last)
+            elif is_evictable_leaf(last):
                 self._prot.refresh(last)
 
     def _take_lock(self, target: Any, num_blocks: int) -> LockHandle:

@@ -47,6 +47,10 @@ class EvictionPolicy:
     """
 
     name = "base"
+    monotone_keys = False
+    """``True`` if an entry's key never decreases while it stays in the index (a touch can only
+    raise it). The index then skips re-filing an entry on every match and refreshes its key
+    lazily, when it reaches the top of the eviction heap. Assumes the clock never goes back."""
 
     def key(self, entry: CacheEntry) -> Any:
         """Sort key; the entry with the smallest key is evicted first."""
@@ -64,6 +68,8 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
+    monotone_keys = True
+
     def key(self, entry: CacheEntry) -> Any:
         return (entry.last_access_time, -entry.depth, entry.tick)
 
@@ -73,6 +79,8 @@ class LFUPolicy(EvictionPolicy):
 
     name = "lfu"
 
+    monotone_keys = True
+
     def key(self, entry: CacheEntry) -> Any:
         return (entry.access_count, entry.last_access_time, -entry.depth, entry.tick)
 
@@ -81,6 +89,8 @@ class FIFOPolicy(EvictionPolicy):
     """Oldest insertion first, then deepest."""
 
     name = "fifo"
+
+    monotone_keys = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.created_time, -entry.depth, entry.tick)

@@ -135,26 +135,18 @@ class RadixPrefixCache(PrefixIndexBase):
             lst = node.children.get(tokens[i])
             if lst is None:
                 break
-            child = None
-            if n - i >= bs:
-                if bs == 1:
-                    child = lst[0]
-                else:
-                    head = _seg(tokens, i, i + bs)
-                    for c in lst:
-                        if c.key[:bs] == head:
-                            child = c
-                            break
-            if child is None:  # no full first block: look for partial rows
-                if bs > 1:
-                    best, best_c = 0, None
-                    for c in lst:
-                        p = _lcp(c.key, 0, tokens, i, min(bs, n - i))
-                        if p > best:
-                            best, best_c = p, c
-                    if best_c is not None:
-                        walk.partial, walk.partial_entry, walk.partial_index = best, best_c, 0
+            if n - i < bs:  # a partial block left: only partial rows can match
+                self._partial_at_boundary(lst, tokens, i, n, walk)
                 break
+            if len(lst) == 1:  # the common case: compare the whole key at once
+                child = lst[0]
+            else:
+                head = _seg(tokens, i, i + bs)
+                found = next((c for c in lst if c.key[:bs] == head), None)
+                if found is None:
+                    self._partial_at_boundary(lst, tokens, i, n, walk)
+                    break
+                child = found
             key = child.key
             klen = len(key)
             if i + klen <= n and _seg(tokens, i, i + klen) == key:
@@ -165,6 +157,9 @@ class RadixPrefixCache(PrefixIndexBase):
                 node = child
                 continue
             k = _common_blocks(key, tokens, i, n, bs)
+            if k == 0:  # not even the first block (bs > 1): partial rows at best
+                self._partial_at_boundary(lst, tokens, i, n, walk)
+                break
             path.append(child)
             ids.extend(child.blocks[:k])
             walk.last_used = k
@@ -175,6 +170,19 @@ class RadixPrefixCache(PrefixIndexBase):
                     walk.partial, walk.partial_entry, walk.partial_index = p, child, k
             break
         return walk
+
+    def _partial_at_boundary(self, lst: list[RadixNode], tokens: Sequence[int], i: int, n: int,
+                             walk: Walk) -> None:
+        """No child's first block matches at ``i``: record the child sharing most leading rows."""
+        if self._bs == 1:
+            return
+        best, best_c = 0, None
+        for c in lst:
+            p = _lcp(c.key, 0, tokens, i, min(self._bs, n - i))
+            if p > best:
+                best, best_c = p, c
+        if best_c is not None and best < self._bs:
+            walk.partial, walk.partial_entry, walk.partial_index = best, best_c, 0
 
     def _cut(self, entry: RadixNode, k: int) -> RadixNode:
         if k < len(entry.blocks):
