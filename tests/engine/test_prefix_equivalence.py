@@ -40,6 +40,9 @@ CONFIGS = {
     "radix-tiny-pool": dict(index="radix", block_size=16, num_kv_blocks=10),
     "hash-tiny-pool": dict(index="hash", block_size=4, num_kv_blocks=40),
     "radix-bs1-tiny-pool": dict(index="radix", block_size=1, num_kv_blocks=150, max_num_batched_tokens=64),
+    "radix-tiny-pool-ghost": dict(index="radix", block_size=16, num_kv_blocks=10, eviction_policy="ghost"),
+    "hash-tiny-pool-lfu": dict(index="hash", block_size=4, num_kv_blocks=40, eviction_policy="lfu"),
+    "radix-tiny-pool-fifo": dict(index="radix", block_size=4, num_kv_blocks=40, eviction_policy="fifo"),
 }
 
 
