@@ -1,14 +1,13 @@
-"""What the radix and the hashed index share: entries, locks, pins, eviction, statistics.
+"""What the radix and the hashed index share: the protocol's methods over *entries*.
 
 An *entry* is a radix node (many blocks) or a hashed block (one block). Entries form a forest:
-each has a ``parent`` (``None`` or a root sentinel at the top). Locks and pins are path-wide:
-locking an entry increments ``lock_ref`` on it and on every ancestor, so an entry with
-``lock_ref == 0`` has no locked descendant on its own path and eviction (leaves only) can never
-strand a locked block. The same holds for ``pin_ref``.
-
-Counters kept incrementally (no scans): cached, locked, pinned and *protected* (locked or
-pinned) blocks. ``num_evictable_blocks = cached - protected`` because every unprotected block
-becomes a leaf once its unprotected descendants are gone.
+each has a ``parent`` (``None`` or a root sentinel at the top). A subclass knows how to walk a
+query (``_walk``), cut an entry at a block boundary (``_cut``), drop an evictable leaf's tail
+blocks (``_drop_tail``) and insert (``_insert``); everything else lives here: match with
+recency and locking, unlock, eviction in policy order, the pin registry and its budget, reset,
+statistics. Path-wide lock/pin counts and the evictable-leaf heap are in
+:mod:`prefixkv.cache.protection`; which block ids the index holds, in
+:mod:`prefixkv.cache.held_ids`.
 
 Thread safety: every public method takes ``self._lock`` (one re-entrant lock per index).
 """
