@@ -50,6 +50,7 @@ class ScenarioResult:
 
     scenario: str
     config: str
+    policy: str
     requests: int
     prompt_tokens: int
     cached_tokens: int
@@ -177,6 +178,7 @@ def run_scenario(name: str, config: str, *, scale: int = 1, seed: int = 0,
     return ScenarioResult(
         scenario=name,
         config=config,
+        policy=llm.engine.kv.cache.policy.name if llm.engine.kv.cache is not None else "-",
         requests=len(requests),
         prompt_tokens=prompt_tokens,
         cached_tokens=cached,
@@ -200,16 +202,17 @@ def _warm_up(llm: Any, sampling_params: Any) -> None:
 
 def format_table(rows: list[ScenarioResult]) -> str:
     """People's view: one line per scenario and configuration."""
-    head = (f"{'scenario':<18}{'config':<12}{'prompt':>8}{'reused':>8}{'blocks':>8}"
+    head = (f"{'scenario':<18}{'config':<12}{'policy':<7}{'prompt':>8}{'reused':>8}{'blocks':>8}"
             f"{'saved':>8}{'q-hit':>7}{'t-hit':>7}{'TTFT ms':>9}{'vs none':>9}")
     lines = [head, "-" * len(head)]
     base = {r.scenario: r.mean_ttft_ms for r in rows if r.config == "no-cache"}
     for r in rows:
-        ratio = base.get(r.scenario, 0.0) / r.mean_ttft_ms if r.mean_ttft_ms else 0.0
+        b = base.get(r.scenario)
+        ratio = f"{b / r.mean_ttft_ms:>8.1f}x" if b and r.mean_ttft_ms else f"{'-':>9}"
         lines.append(
-            f"{r.scenario:<18}{r.config:<12}{r.prompt_tokens:>8}{r.cached_tokens:>8}"
+            f"{r.scenario:<18}{r.config:<12}{r.policy:<7}{r.prompt_tokens:>8}{r.cached_tokens:>8}"
             f"{r.block_cached_tokens:>8}{r.saved_fraction:>8.1%}{r.query_hit_rate:>7.2f}"
-            f"{r.token_hit_rate:>7.2f}{r.mean_ttft_ms:>9.1f}{ratio:>8.1f}x"
+            f"{r.token_hit_rate:>7.2f}{r.mean_ttft_ms:>9.1f}{ratio}"
         )
     return "\n".join(lines)
 
@@ -222,11 +225,14 @@ def plot(rows: list[ScenarioResult], path: str) -> None:
     import matplotlib.pyplot as plt
 
     scenarios = list(dict.fromkeys(r.scenario for r in rows))
-    configs = list(dict.fromkeys(r.config for r in rows))
+    def label(r: ScenarioResult) -> str:
+        return r.config if r.policy in ("-", "lru") else f"{r.config}/{r.policy}"
+
+    configs = list(dict.fromkeys(label(r) for r in rows))
     width = 0.8 / max(1, len(configs))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for j, cfg in enumerate(configs):
-        vals = {r.scenario: r for r in rows if r.config == cfg}
+        vals = {r.scenario: r for r in rows if label(r) == cfg}
         xs = [i + j * width for i in range(len(scenarios))]
         axes[0].bar(xs, [100 * vals[s].saved_fraction if s in vals else 0 for s in scenarios],
                     width, label=cfg)
@@ -250,6 +256,10 @@ def add_arguments(p: Any) -> None:
                    metavar="CONFIG", help=f"cache configurations (default: {list(CONFIGS)})")
     p.add_argument("--scale", type=int, default=4, help="multiply prompt lengths (default 4)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--policies", nargs="+", default=["lru"], metavar="POLICY",
+                   help="eviction policies to compare (default: lru); try with --num-kv-blocks")
+    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV pool size (default: the engine's); small pools force eviction")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart")
 
@@ -260,11 +270,16 @@ def run_from_args(args: Any) -> int:
         raise ValueError("--scale must be >= 1")
     from tqdm import tqdm
 
-    jobs = [(s, c) for s in args.scenarios for c in args.configs]
+    kw: dict[str, Any] = {}
+    if args.num_kv_blocks is not None:
+        kw["num_kv_blocks"] = args.num_kv_blocks
+    jobs = [(s, c, p) for s in args.scenarios for c in args.configs
+            for p in (args.policies if c != "no-cache" else args.policies[:1])]
     rows = []
     t0 = time.perf_counter()
-    for s, c in tqdm(jobs, desc="scenarios", unit="run", disable=None):
-        rows.append(run_scenario(s, c, scale=args.scale, seed=args.seed))
+    for s, c, p in tqdm(jobs, desc="scenarios", unit="run", disable=None):
+        rows.append(run_scenario(s, c, scale=args.scale, seed=args.seed,
+                                 engine_kwargs={**kw, "eviction_policy": p}))
     print(format_table(rows))
     print(f"({len(rows)} runs in {time.perf_counter() - t0:.1f} s; demo model on "
           "CPU, its text is meaningless)")

@@ -47,3 +47,21 @@ def test_unknown_names_are_errors():
     scenarios.add_arguments(p)
     with pytest.raises(ValueError, match="scale"):
         scenarios.run_from_args(p.parse_args(["--scale", "0"]))
+
+
+def test_policies_under_a_small_pool(tmp_path, capsys):
+    """--policies / --num-kv-blocks: one row per policy, the pool forces eviction."""
+    import json
+
+    p = argparse.ArgumentParser()
+    scenarios.add_arguments(p)
+    out = tmp_path / "rows.json"
+    args = p.parse_args(["--scenarios", "multi-turn", "--configs", "radix-bs16", "no-cache",
+                         "--policies", "lru", "ghost", "--num-kv-blocks", "24", "--scale", "1",
+                         "--json", str(out)])
+    assert scenarios.run_from_args(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["config"], r["policy"]) for r in rows] == [
+        ("radix-bs16", "lru"), ("radix-bs16", "ghost"), ("no-cache", "-")]
+    assert all(r["cached_tokens"] > 0 for r in rows[:2])
+    assert "ghost" in capsys.readouterr().out
