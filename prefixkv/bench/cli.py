@@ -164,7 +164,7 @@ def _basename(path: str) -> str:
 
 
 def _progress(total: int, *, disable: bool) -> Any:
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    from tqdm import tqdm
 
     return tqdm(total=total, unit="req", disable=disable or not sys.stderr.isatty(),
                 leave=False, dynamic_ncols=True)

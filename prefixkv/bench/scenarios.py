@@ -108,9 +108,15 @@ class _Conversation:
     def requests(self) -> list[Request]:
         reqs = [Request(self.system + self.turns[0], max_tokens=8)]
         for user in self.turns[1:]:
-            reqs.append(Request(None, max_tokens=8,
-                                follow_up=lambda history, user=user: history + user))
+            reqs.append(Request(None, max_tokens=8, follow_up=_append(user)))
         return reqs
+
+
+def _append(user: list[int]) -> Callable[[list[int]], list[int]]:
+    """The next turn's prompt: the conversation so far plus the user's new message."""
+    def follow_up(history: list[int]) -> list[int]:
+        return history + user
+    return follow_up
 
 
 def _tree_of_thought(rng: random.Random, scale: int) -> list[Request]:

@@ -42,7 +42,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from prefixkv.cache.policies import EvictionPolicy
 
 Namespace = Hashable | None
 """Cache partition key (LoRA id, tenant salt, ...). ``None`` is the default namespace."""
@@ -191,6 +194,11 @@ class PrefixCache(Protocol):
     @property
     def max_blocks(self) -> int:
         """Size of the block-id space; the index holds at most this many blocks."""
+        ...
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy in use (its ``name`` says which)."""
         ...
 
     @property

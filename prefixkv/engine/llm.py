@@ -145,7 +145,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm import tqdm  # type: ignore[import-untyped]
+            from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         wanted = set(ids)
