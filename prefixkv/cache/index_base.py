@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from time import perf_counter_ns
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -191,11 +192,11 @@ class PrefixIndexBase:
         """Longest cached block-aligned prefix of ``token_ids`` (see :class:`PrefixCache`)."""
         tokens = as_token_list(token_ids)
         with self._lock:
+            t0 = perf_counter_ns()
             w = self._walk(tokens, len(tokens), namespace, extra_keys)
             match_length = len(w.ids) * self._bs
             # matched tokens equal cached (validated) keys; check the rest before any change
             check_tokens(tokens[match_length:])
-            self._counters.record_query(len(tokens), match_length, w.partial)
             partial_bid = None
             if w.partial:  # read before any split below moves blocks between nodes
                 partial_bid = w.partial_entry.blocks[w.partial_index]
@@ -216,6 +217,8 @@ class PrefixIndexBase:
                 else:
                     target = None
                 handle = self._take_lock(target, len(w.ids) + (1 if w.partial else 0))
+            self._counters.record_query(len(tokens), match_length, w.partial,
+                                        perf_counter_ns() - t0)
             return PrefixMatch(
                 token_ids=tokens,
                 match_length=match_length,

@@ -151,7 +151,9 @@ class CacheStats:
     """A snapshot of an index's counters (``get_stats``).
 
     ``query_hit_rate`` is seed 004's hit rate: queries with ``match_length > 0`` over queries.
-    ``token_hit_rate`` is matched tokens over queried tokens. ``free_blocks`` counts ids the
+    ``token_hit_rate`` is matched tokens over queried tokens. ``avg_match_us`` is the mean time
+    of a ``match_prefix`` call inside the index (seed 004's "Avg Query Time"; the walk and its
+    bookkeeping, not the lock wait). ``free_blocks`` counts ids the
     index does not hold (free in a pool or private to callers): ``max_blocks - cached_blocks``.
     """
 
@@ -166,6 +168,7 @@ class CacheStats:
     partial_tokens: int
     token_hit_rate: float
     avg_match_length: float
+    avg_match_us: float
     inserts: int
     cached_blocks: int
     pinned_blocks: int

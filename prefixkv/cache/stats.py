@@ -19,10 +19,13 @@ class Counters:
     inserts: int = 0
     evictions: int = 0
     evicted_blocks: int = 0
+    match_ns: int = 0
 
-    def record_query(self, num_tokens: int, match_length: int, partial: int) -> None:
-        """Count one ``match_prefix`` call."""
+    def record_query(self, num_tokens: int, match_length: int, partial: int,
+                     elapsed_ns: int = 0) -> None:
+        """Count one ``match_prefix`` call (``elapsed_ns``: its time inside the index)."""
         self.queries += 1
+        self.match_ns += elapsed_ns
         self.queried_tokens += num_tokens
         if match_length > 0:
             self.hits += 1
@@ -56,6 +59,7 @@ class Counters:
             partial_tokens=self.partial_tokens,
             token_hit_rate=self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0,
             avg_match_length=self.matched_tokens / self.hits if self.hits else 0.0,
+            avg_match_us=self.match_ns / self.queries / 1000 if self.queries else 0.0,
             inserts=self.inserts,
             cached_blocks=cached_blocks,
             pinned_blocks=pinned_blocks,

@@ -245,6 +245,7 @@ def _cache_stats(args: argparse.Namespace) -> int:
             (f"  Hit Rate: {100 * c['query_hit_rate']:.1f}% of lookups, "
              f"{100 * c['token_hit_rate']:.1f}% of tokens ({c['hits']}/{c['queries']} lookups)"),
             f"  Avg Match Length: {c['avg_match_length']:.1f} tokens",
+            f"  Avg Query Time: {c['avg_match_us']:.1f}µs",
             f"  Memory Usage: {_size(c['memory_bytes'])} (index metadata)",
             f"  Evictions: {c['evicted_blocks']} blocks in {c['evictions']} calls",
         ]

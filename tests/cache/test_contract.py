@@ -280,6 +280,7 @@ def test_stats_fields(make):
     assert s.query_hit_rate == 0.5 and s.token_hit_rate == 0.5
     assert s.cached_blocks == 1 and s.free_blocks == 49 and s.evicted_blocks == 1
     assert s.memory_bytes > 0 and s.policy == "lru" and s.index == make.kind
+    assert s.avg_match_us > 0
     cache.reset_stats()
     assert cache.get_stats().queries == 0 and cache.get_hit_rate() == 0.0
 
