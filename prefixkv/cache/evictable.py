@@ -93,13 +93,6 @@ class EvictableHeap:
         """The smallest live key, or ``None`` if empty."""
         return self._heap[0][0] if self._settle_top() else None
 
-    def clear(self) -> None:
-        """Forget every entry (their flags are reset by the caller's teardown)."""
-        for _, _, _, entry in self._heap:
-            entry.in_heap = False
-        self._heap.clear()
-        self._live = 0
-
     def _compact(self) -> None:
         self._heap = [it for it in self._heap if it[3].in_heap and it[2] == it[3].heap_ver]
         heapq.heapify(self._heap)
