@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
-from time import perf_counter_ns
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from time import perf_counter_ns
 from typing import Any
 
 from prefixkv.cache._checks import (
