@@ -10,6 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 
+_MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
+_MAX_SEED = 2**64 - 1
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -58,8 +62,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive int, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not (
+            _is_int(self.seed) and _MIN_SEED <= self.seed and self.seed + self.n - 1 <= _MAX_SEED
+        ):
+            raise ValueError(
+                f"seed must be an int in [{_MIN_SEED}, {_MAX_SEED} - (n - 1)] or None "
+                f"(sample i uses seed + i), got {self.seed!r}"
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):

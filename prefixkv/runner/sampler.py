@@ -61,6 +61,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p  # mass before this token
+        drop_sorted[0] = False  # a top_p that rounds to 0 in float32 still keeps the top token
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -78,5 +79,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
             continue
         scaled = filter_logits(logits[i].float() / row.temperature, row.top_k, row.top_p)
         probs = scaled.softmax(-1)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            # a temperature so small that logits overflow, or non-finite logits: the
+            # distribution has collapsed onto its mode, so take it instead of raising
+            continue
         out[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
     return out

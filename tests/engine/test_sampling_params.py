@@ -17,6 +17,9 @@ from prefixkv.engine import SamplingParams
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"n": 64, "seed": 2**64 - 2}, "seed"),  # issue 9: seed + i overflowed after queueing
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
         ({"stop": [""]}, "stop"),

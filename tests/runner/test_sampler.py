@@ -67,3 +67,20 @@ def test_rejects_bad_arguments():
         SamplingRow(top_p=0.0)
     with pytest.raises(ValueError, match="logits must be"):
         sample(torch.zeros(2, 5), [SamplingRow()])
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-30])
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(top_p):
+    # issue 9: {"top_p": 5e-324} filtered out every token and torch.multinomial raised,
+    # which ended the engine thread
+    logits = torch.tensor([[0.0, 4.0, 1.0], [2.0, 0.0, 1.0]])
+    gen = make_generator(0, "cpu")
+    rows = [SamplingRow(temperature=1.0, top_p=top_p, generator=gen) for _ in range(2)]
+    assert sample(logits, rows) == [1, 0]
+
+
+def test_a_collapsed_distribution_falls_back_to_the_mode_instead_of_raising():
+    logits = torch.tensor([[0.0, 4.0, 1.0], [float("nan")] * 3])
+    rows = [SamplingRow(temperature=1e-300), SamplingRow(temperature=1.0)]
+    assert sample(logits, rows)[0] == 1
+    assert len(sample(logits, rows)) == 2
