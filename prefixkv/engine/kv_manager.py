@@ -67,7 +67,8 @@ class KVManager:
         match = None
         matched: list[int] = []
         cached = partial = 0
-        if self.cache is not None:
+        if self.cache is not None and not (seq.index == 0 and seq.request.needs_prompt_logprobs):
+            # a prompt-logprobs request computes its whole prompt (it still fills the cache)
             match = self.cache.match_prefix(
                 tokens[:-1], namespace=seq.request.namespace, lock=True
             )

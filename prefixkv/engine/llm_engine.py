@@ -17,13 +17,16 @@ from prefixkv.cache.protocol import PinnedPrefix
 from prefixkv.engine.kv_manager import KVManager
 from prefixkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from prefixkv.engine.prompts import PromptInput, render_chat, resolve_prompt
-from prefixkv.engine.sampling import SeqSampler
+from prefixkv.engine.sampling import Pick, SeqSampler
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.scheduler import Scheduler
 from prefixkv.engine.sequence import Request, SequenceStatus
 from prefixkv.engine.sequence import Sequence as Seq
+from prefixkv.engine.structured_output import GrammarCompiler
 from prefixkv.models.tokenizer import IncrementalDetokenizer
+from prefixkv.runner.logits_processors import token_logprobs
 from prefixkv.runner.model_runner import ModelRunner, RunItem
+from prefixkv.runner.prompt_logits import execute_with_prompt_logits
 
 
 class LLMEngine:
@@ -80,11 +83,14 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             clock=clock,
         )
-        self.sampler = SeqSampler(runner, seed)
         eos = set(runner.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self._eos = frozenset(eos)
+        self.sampler = SeqSampler(
+            runner, seed, self._eos, lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
+        )
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -143,13 +149,24 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks; "
                 f"the pool has {self.kv.num_blocks}"
             )
+        self._check_token_ids(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._grammar_compiler()
+            grammar.new_state(params.structured_outputs)  # ValueError now, not in the loop
         namespace = _namespace(cache_salt, lora_id)
         now = self.clock() if arrival_time is None else arrival_time
         req = Request(rid, text, ids, params, max_tokens, namespace, RequestMetrics(now))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         for i in range(params.n):
             sp = params.for_sample(i)
             seq = Seq(next(self._seq_ids), req, i, sp, list(ids), len(ids))
             seq.generator = self.sampler.generator_for(sp)
+            if sp.logprobs is not None:
+                seq.logprobs = []
+            if grammar is not None and sp.structured_outputs is not None:
+                seq.grammar = grammar.new_state(sp.structured_outputs)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=sp.skip_special_tokens
             )
@@ -157,6 +174,19 @@ class LLMEngine:
             self.scheduler.add(seq)
         self._requests[rid] = req
         return rid
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.runner.config.vocab_size
+        bad = [t for t, _ in params.bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad}")
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer.backend.to_str(), self.runner.config.vocab_size, self._eos
+            )
+        return self._grammars
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its final output (``None`` if unknown)."""
@@ -194,15 +224,21 @@ class LLMEngine:
                 )
                 for s in plan.scheduled
             ]
-            logits = self.runner.execute(items)
+            full = [s.seq.index == 0 and s.seq.request.needs_prompt_logprobs for s in plan.scheduled]
+            if any(full):
+                logits, full_logits = execute_with_prompt_logits(self.runner, items, full)
+                for i, all_logits in full_logits.items():
+                    self._record_prompt_logprobs(plan.scheduled[i].seq, all_logits)
+            else:
+                logits = self.runner.execute(items)
             rows, sampled = [], []
             for i, s in enumerate(plan.scheduled):
                 seq = s.seq
                 if seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids):
                     rows.append(i)
                     sampled.append(seq)
-            tokens = self.sampler.sample(logits, rows, sampled) if rows else []
-            new_token = dict(zip((id(s) for s in sampled), tokens))
+            picks = self.sampler.sample(logits, rows, sampled) if rows else []
+            new_token = dict(zip((id(s) for s in sampled), picks))
             now = self.clock()
             for s in plan.scheduled:
                 self._postprocess(s.seq, s.num_new_tokens, new_token.get(id(s.seq)), now)
@@ -216,7 +252,23 @@ class LLMEngine:
                 outs.append(req.snapshot())
         return outs
 
-    def _postprocess(self, seq: Seq, num_new: int, token: int | None, now: float) -> None:
+    def _record_prompt_logprobs(self, seq: Seq, logits: Any) -> None:
+        """Prompt logprobs of the tokens after this chunk's positions (``logits`` row ``p`` is the
+        distribution after position ``start + p``); a recompute after preemption overwrites."""
+        req = seq.request
+        start = seq.num_computed_tokens
+        end = min(start + len(logits), seq.num_prompt_tokens - 1)
+        if end <= start or req.prompt_logprobs is None:
+            return
+        found = token_logprobs(
+            logits[: end - start],
+            seq.token_ids[start + 1 : end + 1],
+            [req.params.prompt_logprobs or 0] * (end - start),
+        )
+        for pos, t in enumerate(found, start + 1):
+            req.prompt_logprobs[pos] = self.sampler.logprob_entry(t)
+
+    def _postprocess(self, seq: Seq, num_new: int, pick: Pick | None, now: float) -> None:
         req = seq.request
         was_prefill = seq.is_prefill
         seq.num_computed_tokens += num_new
@@ -225,11 +277,11 @@ class LLMEngine:
             if seq.index == 0 and done == seq.num_prompt_tokens:
                 req.prompt_prefilled = True
         self.kv.commit(seq)
-        if token is None:
+        if pick is None:
             return
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        seq.append_token(token, self._eos, self.max_model_len)
+        seq.append_token(pick.token_id, self._eos, self.max_model_len, pick.logprobs)
         self._counters["generated"] += 1
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)

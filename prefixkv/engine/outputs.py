@@ -11,6 +11,25 @@ from dataclasses import dataclass, field
 from prefixkv.cache.protocol import CacheStats
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """Log-probability of one token at one position (vLLM's ``Logprob``).
+
+    ``rank`` is the token's place in that position's distribution (1 = most likely);
+    ``decoded_token`` is the token's own text (``tokenizer.decode([id])``).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated token: the chosen id and the top alternatives, each with its :class:`Logprob`."""
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token; the first entry is ``None`` (nothing precedes the first token)."""
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request.
@@ -24,6 +43,10 @@ class CompletionOutput:
         stop_reason: the stop string or stop token id that ended it (``None`` for EOS/length).
         delta_text: text added since the previous report of this request (streaming).
         delta_token_ids: ids added since the previous report of this request.
+        logprobs: with ``SamplingParams.logprobs`` set, one dict per generated token: the
+            chosen id and the top ``logprobs`` ids (so ``logprobs`` or ``logprobs + 1``
+            entries); ``None`` otherwise. ``logprobs[-len(delta_token_ids):]`` are the new ones.
+        cumulative_logprob: the sum of the chosen tokens' log-probabilities (with logprobs).
     """
 
     index: int
@@ -33,6 +56,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -77,6 +102,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens whose KV came from the prefix cache at the request's
             first scheduling (full cached blocks plus copied partial-block rows).
         metrics: timings.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, one entry per prompt
+            token (``None`` for the first); always computed, never read from the prefix cache.
     """
 
     request_id: str
@@ -86,6 +113,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def arrival_time(self) -> float:

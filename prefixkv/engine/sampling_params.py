@@ -6,12 +6,16 @@ object is frozen; ``stop`` and ``stop_token_ids`` are normalised to tuples.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+
+from prefixkv.engine.structured_output import StructuredOutputsParams
 
 
 _MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
 _MAX_SEED = 2**64 - 1
+MAX_LOGIT_BIAS = 100.0
+"""``logit_bias`` values are clamped to ``[-100, 100]`` (OpenAI's range)."""
 
 
 def _is_int(x: object) -> bool:
@@ -38,6 +42,28 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (the id stays in ``token_ids``).
         ignore_eos: keep generating past the EOS token.
         skip_special_tokens: leave special tokens out of the decoded text.
+        presence_penalty: subtracted once from the logit of every token already generated
+            (in ``[-2, 2]``; positive discourages repeats).
+        frequency_penalty: subtracted from a token's logit per time it was generated
+            (in ``[-2, 2]``).
+        repetition_penalty: > 0; tokens seen in the prompt or the output have positive logits
+            divided by it and negative ones multiplied (1 disables it).
+        logit_bias: ``{token_id: bias}`` added to the logits (biases clamped to [-100, 100]).
+        min_p: in ``[0, 1]``: drop tokens less likely than ``min_p`` times the most likely one
+            (after temperature).
+        min_tokens: generate at least this many tokens: EOS and ``stop_token_ids`` are masked
+            and stop strings are not checked until then.
+        logprobs: return the log-probability of each generated token and of the ``logprobs``
+            most likely tokens at that step (0: only the chosen one). Log-probabilities are
+            those of the model's output distribution (after any structured-output mask, before
+            penalties and temperature; vLLM's default ``raw_logprobs``).
+        prompt_logprobs: also return them for every prompt token after the first. A request
+            that asks for them does not read its prompt from the prefix cache (vLLM does the
+            same), so they are computed, never skipped; it still fills the cache for others.
+        include_stop_str_in_output: keep the matched stop string (or the stop token's text)
+            in ``text``.
+        structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
+            a choice or a Lark grammar (see :class:`StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -50,8 +76,19 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _bias: tuple[tuple[int, float], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -97,6 +134,47 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must hold ints >= 0, got {ids!r}")
         object.__setattr__(self, "_stop", stops)
         object.__setattr__(self, "_stop_ids", stop_ids)
+        self._check_extensions()
+
+    def _check_extensions(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(  # noqa: TRY004
+                f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {so!r}")  # noqa: TRY004
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, Mapping):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")  # noqa: TRY004
+        pairs = []
+        for tok, b in bias.items():
+            if not _is_int(tok) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
+            if not _is_number(b) or b != b:
+                raise ValueError(f"logit_bias[{tok}] must be a number, got {b!r}")
+            pairs.append((tok, max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b)))))
+        object.__setattr__(self, "_bias", tuple(pairs))
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +190,16 @@ class SamplingParams:
     def stop_ids(self) -> tuple[int, ...]:
         """``stop_token_ids`` as a tuple (possibly empty)."""
         return self._stop_ids
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token_id, clamped bias)`` pairs (possibly empty)."""
+        return self._bias
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three repetition penalties is active."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of ``n``: same settings, ``seed + index`` if seeded."""

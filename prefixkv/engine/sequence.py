@@ -13,7 +13,13 @@ from enum import Enum
 from typing import Protocol
 
 from prefixkv.cache.protocol import PrefixMatch, PrefixNode
-from prefixkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from prefixkv.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from prefixkv.engine.sampling_params import SamplingParams
 
 
@@ -23,6 +29,14 @@ class TextStream(Protocol):
     def push(self, token_ids: Iterable[int]) -> str: ...
 
     def flush(self) -> str: ...
+
+
+class GrammarLike(Protocol):
+    """A structured-output grammar state (``accept`` a token; ``is_done`` when complete)."""
+
+    def accept(self, token_id: int) -> None: ...
+
+    def is_done(self) -> bool: ...
 
 
 class SequenceStatus(Enum):
@@ -53,6 +67,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     prompt_prefilled: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,6 +89,8 @@ class Request:
                     seq.stop_reason,
                     text[seq.num_reported_chars :],
                     ids[seq.num_reported_tokens :],
+                    None if seq.logprobs is None else list(seq.logprobs),
+                    None if seq.logprobs is None else seq.cumulative_logprob,
                 )
             )
             seq.num_reported_chars, seq.num_reported_tokens = len(text), len(ids)
@@ -86,7 +103,13 @@ class Request:
             self.finished,
             self.num_cached_tokens or 0,
             RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time),
+            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the prompt must still be computed (not read from the cache) for its logprobs."""
+        return self.params.prompt_logprobs is not None and not self.prompt_prefilled
 
 
 @dataclass(slots=True, eq=False)
@@ -117,6 +140,10 @@ class Sequence:
     text: str = ""
     num_reported_tokens: int = 0
     num_reported_chars: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    grammar: GrammarLike | None = None
+    stop_check_from: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -138,20 +165,46 @@ class Sequence:
         """Whether prompt tokens are still uncomputed."""
         return self.num_computed_tokens < self.num_prompt_tokens
 
-    def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> None:
-        """Add a sampled token, extend the text, and set ``finish_reason`` if it must stop."""
+    def append_token(
+        self,
+        token_id: int,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        logprobs: dict[int, Logprob] | None = None,
+    ) -> None:
+        """Add a sampled token, extend the text, and set ``finish_reason`` if it must stop.
+
+        vLLM's rules: no stop (EOS, stop id, stop string) before ``min_tokens`` tokens, and no
+        stop string found in the text of the first ``min_tokens`` tokens; the text of a stop
+        id or EOS (and a matched stop string) is left out unless ``include_stop_str_in_output``.
+        """
         self.token_ids.append(token_id)
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id].logprob
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         params = self.params
+        n_out = self.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in eos_token_ids:
+                self.finish_reason = "stop"
+            elif token_id in params.stop_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
         old_len = len(self.text)
-        if self.detokenizer is not None:
+        if self.detokenizer is not None and (
+            self.finish_reason is None or params.include_stop_str_in_output
+        ):
             self.text += self.detokenizer.push((token_id,))
-        if params.stop_strings and self._check_stop_strings(old_len):
+        if n_out <= params.min_tokens and params.min_tokens:
+            self.stop_check_from = len(self.text)
+        elif self.finish_reason is None and params.stop_strings and self._check_stop_strings(old_len):
             return
-        if not params.ignore_eos and token_id in eos_token_ids:
-            self.finish_reason = "stop"
-        elif token_id in params.stop_ids:
-            self.finish_reason, self.stop_reason = "stop", token_id
-        elif self.num_output_tokens >= self.request.max_tokens or len(self.token_ids) >= max_model_len:
+        if self.finish_reason is None and self.grammar is not None and self.grammar.is_done():
+            self.finish_reason = "stop"  # complete (only a stop token could follow) or failed
+        if self.finish_reason is None and (
+            n_out >= self.request.max_tokens or len(self.token_ids) >= max_model_len
+        ):
             self.finish_reason = "length"
         if self.finish_reason is not None and self.detokenizer is not None:
             self.text += self.detokenizer.flush()  # a character cut by the end comes out as U+FFFD
@@ -166,7 +219,7 @@ class Sequence:
 
     def _check_stop_strings(self, old_len: int) -> bool:
         # Only a match ending in the new text is new: the text before it was checked already.
-        start = max(0, old_len - max(len(s) for s in self.params.stop_strings) + 1)
+        start = max(self.stop_check_from, old_len - max(len(s) for s in self.params.stop_strings) + 1)
         best: tuple[int, str] | None = None
         for s in self.params.stop_strings:
             pos = self.text.find(s, start)
@@ -174,6 +227,7 @@ class Sequence:
                 best = (pos, s)
         if best is None:
             return False
-        self.text = self.text[: best[0]]
+        keep = best[0] + len(best[1]) if self.params.include_stop_str_in_output else best[0]
+        self.text = self.text[:keep]
         self.finish_reason, self.stop_reason = "stop", best[1]
         return True

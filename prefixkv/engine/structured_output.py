@@ -1,0 +1,131 @@
+"""Structured output: grammars that constrain sampling, compiled by llguidance.
+
+    so = StructuredOutputsParams(json={"type": "object", "properties": {...}})
+    SamplingParams(structured_outputs=so)         # vLLM's name and shape
+
+The grammar work (JSON schema, regex, Lark, choice -> token masks) is done by `llguidance`
+(guidance-ai's Rust library, also a vLLM and llama.cpp backend): one small wheel with no
+dependencies that installs on CPU-only machines (xgrammar pulls triton; outlines-core would do
+too but has no Lark grammars). This module owns only the mapping from request parameters to an
+llguidance grammar and a per-sample :class:`GrammarState`; the runner turns a state into a
+logits mask (:mod:`prefixkv.runner.logits_processors`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+"""Compact JSON (no free whitespace between tokens), as vLLM's ``disable_any_whitespace``."""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """One constraint on the generated text (vLLM's ``StructuredOutputsParams``); set exactly one.
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text): the output is a JSON value matching it.
+        json_object: ``True``: the output is some JSON object.
+        regex: the output matches this regular expression (Rust ``regex`` syntax).
+        choice: the output is exactly one of these strings.
+        grammar: a Lark grammar (llguidance's dialect; GBNF is converted).
+    """
+
+    json: str | Mapping[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "json_object", "regex", "choice", "grammar")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, Mapping)):
+            raise ValueError(f"structured_outputs.json must be a schema dict or str, got {self.json!r}")  # noqa: TRY004
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty str, got {v!r}")
+        if self.choice is not None and (
+            isinstance(self.choice, str)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs.choice must be a list of non-empty str, got {self.choice!r}")
+
+    def to_grammar(self) -> str:
+        """The llguidance grammar text of this constraint (``ValueError`` if malformed)."""
+        try:
+            if self.json is not None:
+                schema = json.loads(self.json) if isinstance(self.json, str) else dict(self.json)
+                return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS))  # type: ignore[arg-type]
+            if self.json_object:
+                return str(
+                    llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+                )
+            if self.regex is not None:
+                return str(llguidance.LLMatcher.grammar_from_regex(self.regex))
+            if self.choice is not None:
+                return str(llguidance.grammar_from("choice", json.dumps(list(self.choice))))  # type: ignore[arg-type]
+            return str(llguidance.grammar_from("grammar", self.grammar or ""))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"structured_outputs: {exc}") from exc
+
+
+class GrammarState:
+    """The grammar state of one sample: which tokens may come next; advanced per token.
+
+    ``matcher`` is the llguidance ``LLMatcher`` (the runner fills a token mask from it).
+    """
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token (one the mask allowed)."""
+        self.matcher.consume_token(token_id)
+
+    def is_done(self) -> bool:
+        """Whether the grammar is complete (only a stop token could follow) or failed."""
+        return bool(self.matcher.is_stopped() or self.matcher.is_error())
+
+
+class GrammarCompiler:
+    """Builds :class:`GrammarState` objects for one tokenizer (the llguidance vocabulary is built once).
+
+    Args:
+        tokenizer_json: the Hugging Face ``tokenizers`` JSON of the model's tokenizer.
+        vocab_size: the model's vocabulary (logits width), which may exceed the tokenizer's.
+        eos_token_ids: the ids that end a sequence; a complete grammar allows only these.
+    """
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        eos = sorted(set(eos_token_ids))
+        self.vocab_size = vocab_size
+        self._tok = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=eos if eos else None
+        )
+
+    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A fresh state at the start of the output; ``ValueError`` if the grammar is invalid."""
+        matcher = llguidance.LLMatcher(self._tok, params.to_grammar(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: invalid grammar: {matcher.get_error()}")
+        return GrammarState(matcher)

@@ -1,0 +1,57 @@
+"""One model step that also returns the logits of every new position of chosen items.
+
+Prompt log-probabilities (``SamplingParams.prompt_logprobs``, the OpenAI ``echo`` +
+``logprobs``) need the distribution after each prompt token, not only after the last one.
+:func:`execute_with_prompt_logits` is :meth:`ModelRunner.execute` plus, for the items flagged
+in ``full``, the logits of all their new tokens. Only flagged items pay for the extra
+``[tokens, vocab]`` logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+
+from prefixkv.runner.attention import PagedAttention
+from prefixkv.runner.model_runner import ModelRunner, RunItem
+
+
+def execute_with_prompt_logits(
+    runner: ModelRunner, items: list[RunItem], full: Sequence[bool]
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """``(last-token logits [len(items), vocab], {i: logits [len(items[i].token_ids), vocab]})``.
+
+    Row ``p`` of ``full_logits[i]`` is the distribution of the token after position
+    ``items[i].start_pos + p``. Same contract and validation as :meth:`ModelRunner.execute`.
+    """
+    if not items:
+        raise ValueError("items must not be empty")
+    if len(full) != len(items):
+        raise ValueError(f"full has {len(full)} flags for {len(items)} items")
+    tokens: list[int] = []
+    positions: list[int] = []
+    for i, item in enumerate(items):
+        runner._validate(i, item)
+        tokens.extend(item.token_ids)
+        positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
+    with torch.inference_mode():
+        attention = PagedAttention(
+            runner.kv_pool,
+            start_positions=[it.start_pos for it in items],
+            query_lens=[len(it.token_ids) for it in items],
+            block_tables=[it.block_table for it in items],
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=runner.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=runner.device)
+        hidden = runner.model(input_ids, pos, attention)
+        ends = list(accumulate(len(it.token_ids) for it in items))
+        last = torch.tensor(ends, device=runner.device) - 1
+        last_logits = runner.model.compute_logits(hidden[last]).float()
+        per_item: dict[int, torch.Tensor] = {}
+        for i, flag in enumerate(full):
+            if flag:
+                start = ends[i] - len(items[i].token_ids)
+                per_item[i] = runner.model.compute_logits(hidden[start : ends[i]]).float()
+    return last_logits, per_item
