@@ -6,6 +6,7 @@ object is frozen; ``stop`` and ``stop_token_ids`` are normalised to tuples.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -171,8 +172,8 @@ class SamplingParams:
         for tok, b in bias.items():
             if not _is_int(tok) or tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
-            if not _is_number(b) or b != b:
-                raise ValueError(f"logit_bias[{tok}] must be a number, got {b!r}")
+            if not _is_number(b) or not math.isfinite(b):
+                raise ValueError(f"logit_bias values must be finite numbers, got {b!r} for token {tok}")
             pairs.append((tok, max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b)))))
         object.__setattr__(self, "_bias", tuple(pairs))
 

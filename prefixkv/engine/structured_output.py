@@ -81,7 +81,7 @@ class StructuredOutputsParams:
             if self.regex is not None:
                 return str(llguidance.LLMatcher.grammar_from_regex(self.regex))
             if self.choice is not None:
-                return str(llguidance.grammar_from("choice", json.dumps(list(self.choice))))  # type: ignore[arg-type]
+                return str(llguidance.grammar_from("choice", json.dumps(list(self.choice))))
             return str(llguidance.grammar_from("grammar", self.grammar or ""))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"structured_outputs: {exc}") from exc

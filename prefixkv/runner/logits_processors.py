@@ -80,13 +80,14 @@ def apply_grammar_mask(logits: torch.Tensor, matchers: Sequence[Any | None]) -> 
     Rows whose matcher is ``None`` or in an error state pass through unchanged (the engine
     ends such a sequence).
     """
-    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_error()]
-    if not rows:
+    live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
+    if not live:
         return logits
+    rows = [i for i, _ in live]
     vocab = logits.shape[-1]
     bitmask = allocate_token_bitmask(len(rows), vocab)
-    for j, i in enumerate(rows):
-        fill_next_token_bitmask(matchers[i], bitmask, j)
+    for j, (_, m) in enumerate(live):
+        fill_next_token_bitmask(m, bitmask, j)
     shifts = torch.arange(32, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     out = logits.clone()

@@ -1,0 +1,98 @@
+"""Logprobs and prompt logprobs through ``LLM``: shapes, ranks, agreement between the decode
+and prefill paths, and prompt logprobs that equal a cold run when the prompt is cached."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from prefixkv.engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model: Any) -> LLM:
+    return LLM(demo_model, num_kv_blocks=128)
+
+
+def _vals(entries: list[Any]) -> list[Any]:
+    return [None if e is None else {t: round(lp.logprob, 4) for t, lp in e.items()} for e in entries]
+
+
+def test_logprobs_per_generated_token(llm: LLM) -> None:
+    out = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids) == 6
+    for tok, entry in zip(c.token_ids, c.logprobs):
+        assert next(iter(entry)) == tok  # the chosen id first
+        assert entry[tok].rank == 1  # greedy picks the most likely token
+        assert 3 <= len(entry) <= 4
+        ranks = sorted(lp.rank for t, lp in entry.items() if t != tok or lp.rank == 1)
+        assert ranks[:3] == [1, 2, 3]
+        assert all(lp.logprob <= 0 for lp in entry.values())
+        assert entry[tok].decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    none = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0]
+    assert none.logprobs is None and none.cumulative_logprob is None
+
+
+def test_sampled_token_outside_top_n_is_still_reported(llm: LLM) -> None:
+    sp = SamplingParams(temperature=5.0, seed=3, max_tokens=12, logprobs=0, ignore_eos=True)
+    c = llm.generate("abc", sp)[0].outputs[0]
+    assert c.logprobs is not None
+    assert all(list(e) == [t] for t, e in zip(c.token_ids, c.logprobs))  # logprobs=0: only the chosen
+    assert any(e[t].rank > 1 for t, e in zip(c.token_ids, c.logprobs))  # hot sampling leaves rank 1
+
+
+def test_decode_logprobs_equal_prompt_logprobs_of_the_same_text(llm: LLM) -> None:
+    """The logprob of generated token i equals the prompt logprob of the same token when
+    prompt + output is fed back as a prompt (decode path == prefill path)."""
+    prompt = llm.tokenizer.encode("The quick brown fox")
+    c = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True))[0].outputs[0]
+    again = llm.generate(
+        {"prompt_token_ids": prompt + c.token_ids}, SamplingParams(max_tokens=1, prompt_logprobs=2)
+    )[0]
+    assert again.prompt_logprobs is not None and again.prompt_logprobs[0] is None
+    for i, tok in enumerate(c.token_ids):
+        got = again.prompt_logprobs[len(prompt) + i]
+        assert got is not None and c.logprobs is not None
+        assert got[tok].logprob == pytest.approx(c.logprobs[i][tok].logprob, abs=1e-4)
+        assert got[tok].rank == c.logprobs[i][tok].rank
+
+
+def test_full_vocab_logprobs_are_a_distribution(llm: LLM) -> None:
+    vocab = llm.engine.runner.config.vocab_size
+    c = llm.generate("x", SamplingParams(temperature=0, max_tokens=1, logprobs=vocab))[0].outputs[0]
+    assert c.logprobs is not None and len(c.logprobs[0]) == vocab
+    assert sum(math.exp(lp.logprob) for lp in c.logprobs[0].values()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_prompt_logprobs_on_a_cached_prompt_equal_a_cold_run(demo_model: Any, helpers: Any) -> None:
+    prompt = helpers.tokens(7, 150)  # 9 full blocks + a partial one
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4, logprobs=2)
+    cold = LLM(demo_model, num_kv_blocks=64, enable_prefix_caching=False)
+    ref = cold.generate({"prompt_token_ids": prompt}, sp)[0]
+    warm = LLM(demo_model, num_kv_blocks=64, max_num_batched_tokens=32)  # chunked prefill too
+    warm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    assert warm.engine.is_prefix_cached(prompt)
+    got = warm.generate({"prompt_token_ids": prompt}, sp)[0]
+    assert got.num_cached_tokens == 0  # computed, not read from the cache
+    assert ref.prompt_logprobs is not None and got.prompt_logprobs is not None
+    assert len(got.prompt_logprobs) == len(prompt)
+    assert _vals(got.prompt_logprobs) == _vals(ref.prompt_logprobs)
+    assert [{t: lp.rank for t, lp in e.items()} for e in got.prompt_logprobs[1:] if e] == [
+        {t: lp.rank for t, lp in e.items()} for e in ref.prompt_logprobs[1:] if e
+    ]
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    # it still filled the cache: a plain request hits it
+    hit = warm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))[0]
+    assert hit.num_cached_tokens >= 144
+    helpers.assert_no_leak(warm)
+
+
+def test_prompt_logprobs_with_n_samples(llm: LLM) -> None:
+    out = llm.generate("Shared prompt here", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=3, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert all(e is not None for e in out.prompt_logprobs[1:])
+    assert len(out.outputs) == 3
