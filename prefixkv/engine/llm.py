@@ -28,8 +28,11 @@ def build_engine(
     block_size: int = 16,
     num_kv_blocks: int | None = None,
     kv_cache_memory_bytes: int | None = None,
+    kv_cache_memory: int | str | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    max_model_len: int | None = None,
+    tokenizer: str | Path | None = None,
     index: str = "radix",
     eviction_policy: str = "lru",
     hash_algo: str = "sha256",
@@ -42,9 +45,18 @@ def build_engine(
 
     The prefix index always uses the engine's ``block_size`` (radix with ``block_size=1`` is
     SGLang-style token granularity). Bad arguments raise ``ValueError`` naming them.
+    vLLM's names work too: ``max_model_len`` (shrinks the context), ``tokenizer`` (another
+    tokenizer directory), ``dtype="auto"`` (the device default), ``kv_cache_memory`` (bytes
+    or a size such as ``"2GiB"``, an alias of ``kv_cache_memory_bytes``).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if kv_cache_memory is not None:
+        if kv_cache_memory_bytes is not None:
+            raise ValueError("give kv_cache_memory or kv_cache_memory_bytes, not both")
+        kv_cache_memory_bytes = parse_size(kv_cache_memory, "kv_cache_memory")
+    if dtype == "auto":
+        dtype = None
     if model is None:
         from prefixkv.models.demo import ensure_demo_model
 
@@ -58,6 +70,8 @@ def build_engine(
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         device=device,
         dtype=dtype,
+        max_model_len=max_model_len,
+        tokenizer=tokenizer,
     )
     return LLMEngine(
         runner,
@@ -71,6 +85,29 @@ def build_engine(
         seed=seed,
         model_name=name,
     )
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(value: int | str, name: str) -> int:
+    """Bytes from an int or a size such as ``"512MiB"``, ``"2GiB"``, ``"1.5G"`` (``ValueError`` naming ``name``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(num):]
+        try:
+            size = int(float(num) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}") from None
+    else:
+        raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}")
+    if size < 1:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return size
 
 
 class LLM:

@@ -47,6 +47,8 @@ class ModelRunner:
     ``num_kv_blocks`` sizes the pool directly; otherwise ``kv_cache_memory_bytes`` gives a budget
     in bytes; with neither, the pool holds ``DEFAULT_MAX_SEQS_IN_POOL`` sequences of
     ``max_model_len`` tokens, capped by ``DEFAULT_KV_CACHE_BYTES`` for the device type.
+    ``max_model_len`` (default: the model's ``max_position_embeddings``) may only shrink the
+    context; ``tokenizer`` is a directory to load the tokenizer from instead of the model's.
     """
 
     def __init__(
@@ -58,6 +60,8 @@ class ModelRunner:
         kv_cache_memory_bytes: int | None = None,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
+        max_model_len: int | None = None,
+        tokenizer: str | Path | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -67,9 +71,16 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_model(model_path, device=self.device, dtype=self.dtype)
         self.config: ModelConfig = self.model.config
-        self.tokenizer = Tokenizer.from_dir(model_path)
+        self.tokenizer = Tokenizer.from_dir(model_path if tokenizer is None else tokenizer)
         self.block_size = block_size
         self.max_model_len = self.config.max_position_embeddings
+        if max_model_len is not None:
+            if not isinstance(max_model_len, int) or not 1 <= max_model_len <= self.max_model_len:
+                raise ValueError(
+                    f"max_model_len must be an int in [1, {self.max_model_len}] (the model's "
+                    f"max_position_embeddings), got {max_model_len!r}"
+                )
+            self.max_model_len = max_model_len
         cfg = self.config
         per_block = KVPool.bytes_per_block(
             num_layers=cfg.num_hidden_layers,
