@@ -53,6 +53,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     prompt_prefilled: bool = False
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,6 +87,7 @@ class Request:
             self.finished,
             self.num_cached_tokens or 0,
             RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time),
+            self.error,
         )
 
 
