@@ -9,7 +9,13 @@ from __future__ import annotations
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.llm import LLM, build_engine
 from prefixkv.engine.llm_engine import LLMEngine
-from prefixkv.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from prefixkv.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestFailedError,
+    RequestMetrics,
+    RequestOutput,
+)
 from prefixkv.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -19,6 +25,7 @@ __all__ = [
     "EngineStats",
     "LLMEngine",
     "RequestMetrics",
+    "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
     "build_engine",

@@ -24,12 +24,25 @@ Usage (inside an event loop)::
 a duplicate ``request_id`` or a request that can never fit. Leaving the ``async for`` early
 (break, cancellation, client disconnect) aborts the request. The final yield has
 ``finished=True`` and each sample's ``finish_reason`` (``"stop"``, ``"length"``, ``"abort"``).
+A request that fails on its own (the model or sampler raised for it, or it can never be
+scheduled) raises :class:`RequestFailedError` from the ``async for``; the engine goes on.
+
+Prompts are tokenized (and chat templates rendered, via ``chat_prompt_async``) on a worker
+thread, never on the engine thread or the event loop, so a huge prompt stalls neither the
+running requests nor ``/health``.
+
+The engine thread survives every failure it can attribute: a request's failure ends that
+request (``LLMEngine`` isolates it). If a step raises outside that isolation, every request in
+flight fails with the error and the loop goes on; only when that recovery itself raises, or
+``MAX_CONSECUTIVE_STEP_FAILURES`` steps in a row raise, is the engine declared dead
+(``is_running`` turns false and the server's ``/health`` answers 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import uuid
 from collections import deque
@@ -37,12 +50,17 @@ from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from prefixkv.cache.protocol import PinError, PinnedPrefix
-from prefixkv.engine.llm_engine import LLMEngine
-from prefixkv.engine.outputs import EngineStats, RequestOutput
+from prefixkv.engine.llm_engine import PIN_ATTEMPTS, PIN_PREFILL, LLMEngine
+from prefixkv.engine.outputs import EngineStats, RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+"""Steps in a row that may raise outside per-request isolation before the engine is dead."""
 _Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 
 
@@ -89,6 +107,14 @@ class AsyncEngine:
         """
         return self.engine.chat_prompt(messages, add_generation_prompt, **kwargs)
 
+    async def chat_prompt_async(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> dict[str, Any]:
+        """:meth:`chat_prompt` on a worker thread (keeps the event loop free)."""
+        return await asyncio.to_thread(
+            self.engine.chat_prompt, messages, add_generation_prompt, **kwargs
+        )
+
     @property
     def max_model_len(self) -> int:
         """Context length of the model."""
@@ -118,12 +144,14 @@ class AsyncEngine:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        text, ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+        resolved = {"prompt": text, "prompt_token_ids": ids}
 
         def submit(engine: LLMEngine) -> None:
             if rid in self._sinks:
                 raise ValueError(f"request_id {rid!r} is already running")
             engine.add_request(
-                prompt, sampling_params, request_id=rid, cache_salt=cache_salt, lora_id=lora_id
+                resolved, sampling_params, request_id=rid, cache_salt=cache_salt, lora_id=lora_id
             )
             self._sinks[rid] = (loop, queue)
 
@@ -169,6 +197,10 @@ class AsyncEngine:
         """Drop every cached block not in use by a running request."""
         return await self.call(lambda e: e.reset_prefix_cache())
 
+    async def reset_prefix_cache_blocks(self) -> int | None:
+        """:meth:`reset_prefix_cache`, returning the blocks freed (``None``: caching off)."""
+        return await self.call(lambda e: e.reset_prefix_cache_blocks())
+
     async def pin_prefix(
         self,
         prompt: PromptInput,
@@ -182,25 +214,25 @@ class AsyncEngine:
         Raises ``ValueError`` (:class:`PinError`) when it cannot be pinned: prefix caching off,
         shorter than a block, or over the pinned-block budget.
         """
-        _, ids = self.engine.tokenize(prompt)
+        _, ids = await asyncio.to_thread(self.engine.tokenize, prompt)
         ns: dict[str, Any] = {"cache_salt": cache_salt, "lora_id": lora_id}
-        error = PinError("prefix could not be pinned")
-        for _attempt in range(2):  # the prefilled blocks may be evicted before the pin lands
-            if not await self.call(lambda e: e.is_prefix_cached(ids, **ns)):
-                params = SamplingParams(max_tokens=1, temperature=0.0)
-                async for _ in self.generate({"prompt_token_ids": ids}, params, **ns):
+        error: PinError | None = None
+        for _attempt in range(PIN_ATTEMPTS):  # the same steps as LLM.pin_prefix
+            if await self.call(lambda e: e.prepare_pin(ids, **ns)):
+                async for _ in self.generate({"prompt_token_ids": ids}, PIN_PREFILL, **ns):
                     pass
             try:
                 return await self.call(lambda e: e.pin_prefix(ids, description=description, **ns))
             except PinError as exc:
                 error = exc
+        assert error is not None
         raise error
 
     async def unpin_prefix(
         self, prompt: PromptInput, *, cache_salt: Hashable | None = None, lora_id: Hashable | None = None
     ) -> bool:
         """Unpin a prefix pinned before; ``False`` if it was not pinned."""
-        _, ids = self.engine.tokenize(prompt)
+        _, ids = await asyncio.to_thread(self.engine.tokenize, prompt)
         return await self.call(lambda e: e.unpin_prefix(ids, cache_salt=cache_salt, lora_id=lora_id))
 
     async def list_pinned(self) -> list[PinnedPrefix]:
@@ -247,6 +279,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        failures = 0
         try:
             while True:
                 with self._wake:
@@ -263,8 +296,18 @@ class AsyncEngine:
                         except BaseException as exc:  # noqa: BLE001 - handed to the caller
                             fut.set_exception(exc)
                 if engine.has_unfinished_requests():
-                    self._dispatch(engine.step())
-        except BaseException as exc:  # noqa: BLE001 - a model failure: fail every stream, stop
+                    try:
+                        outs = engine.step()
+                        failures = 0
+                    except Exception as exc:  # noqa: BLE001 - not attributable to one request
+                        failures += 1
+                        logger.exception("engine step failed (%d in a row)", failures)
+                        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                            raise
+                        outs = engine.fail_all_requests(exc)  # raising here ends the engine
+                    self._dispatch(outs)
+        except BaseException as exc:  # noqa: BLE001 - unrecoverable: fail every stream, stop
+            logger.critical("the engine thread stopped: %r", exc)
             self._error = exc
         self._fail_all(self._error or RuntimeError("the engine was shut down"))
 
@@ -274,10 +317,14 @@ class AsyncEngine:
             if sink is None:
                 continue
             loop, queue = sink
+            item: RequestOutput | BaseException = out
             if out.finished:
                 del self._sinks[out.request_id]
+                if out.error is not None:
+                    caused = any(o.finish_reason == "error" for o in out.outputs)
+                    item = RequestFailedError(out.request_id, out.error, request_caused=caused)
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+                loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the consumer's loop is closed
                 pass
 

@@ -143,24 +143,25 @@ class KVManager:
         seq.num_indexed_blocks = 0
         seq.num_computed_tokens = 0
 
-    def _require_cache(self) -> PrefixCache:
+    def require_cache(self) -> PrefixCache:
+        """The prefix index; ``ValueError`` with prefix caching off."""
         if self.cache is None:
             raise ValueError("prefix caching is disabled (enable_prefix_caching=False)")
         return self.cache
 
     def is_cached(self, token_ids: list[int], namespace: Hashable | None) -> bool:
         """Whether every full block of ``token_ids`` is cached (counts as an index query)."""
-        cache = self._require_cache()
+        cache = self.require_cache()
         full = len(token_ids) // self.block_size * self.block_size
         return cache.match_prefix(token_ids, namespace=namespace).match_length >= full
 
     def pin(self, token_ids: list[int], namespace: Hashable | None, description: str | None) -> PinnedPrefix:
         """Pin the cached full blocks of ``token_ids``; :class:`PinError` says why not."""
-        return self._require_cache().pin(token_ids, namespace=namespace, description=description)  # type: ignore[attr-defined, no-any-return]
+        return self.require_cache().pin(token_ids, namespace=namespace, description=description)  # type: ignore[attr-defined, no-any-return]
 
     def unpin(self, token_ids: list[int], namespace: Hashable | None) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""
-        return bool(self._require_cache().unpin_prefix(token_ids, namespace=namespace))
+        return bool(self.require_cache().unpin_prefix(token_ids, namespace=namespace))
 
     def reset_cache(self) -> int:
         """Drop every unlocked cached block back into the pool; returns how many."""

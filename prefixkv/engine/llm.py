@@ -11,8 +11,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixkv.cache.protocol import CacheStats, PinnedPrefix
-from prefixkv.engine.llm_engine import LLMEngine
+from prefixkv.cache.protocol import CacheStats, PinError, PinnedPrefix
+from prefixkv.engine.llm_engine import PIN_ATTEMPTS, PIN_PREFILL, LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
@@ -37,6 +37,7 @@ def build_engine(
     eviction_policy: str = "lru",
     hash_algo: str = "sha256",
     max_pinned_blocks: int | None = None,
+    max_pinned_blocks_per_tenant: int | None = None,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 4096,
     seed: int = 0,
@@ -80,6 +81,7 @@ def build_engine(
         eviction_policy=eviction_policy,
         hash_algo=hash_algo,
         max_pinned_blocks=max_pinned_blocks,
+        max_pinned_blocks_per_tenant=max_pinned_blocks_per_tenant,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         seed=seed,
@@ -222,16 +224,20 @@ class LLM:
     ) -> PinnedPrefix:
         """Pin a prefix, prefilling it first (``max_tokens=1``) if it is not cached yet.
 
-        Raises ``ValueError`` (``PinError``) if it cannot be pinned.
+        Raises ``ValueError`` (``PinError``) if it cannot be pinned; a pin that the budget
+        refuses is refused before anything is computed (``LLMEngine.prepare_pin``).
         """
         _, ids = self.engine.tokenize(prompt)
-        if not self.engine.is_prefix_cached(ids, cache_salt=cache_salt):
-            self.generate(
-                {"prompt_token_ids": ids},
-                SamplingParams(max_tokens=1, temperature=0.0),
-                cache_salt=cache_salt,
-            )
-        return self.engine.pin_prefix(ids, cache_salt=cache_salt, description=description)
+        error: PinError | None = None
+        for _attempt in range(PIN_ATTEMPTS):
+            if self.engine.prepare_pin(ids, cache_salt=cache_salt):
+                self.generate({"prompt_token_ids": ids}, PIN_PREFILL, cache_salt=cache_salt)
+            try:
+                return self.engine.pin_prefix(ids, cache_salt=cache_salt, description=description)
+            except PinError as exc:  # evicted between the prefill and the pin: once more
+                error = exc
+        assert error is not None
+        raise error
 
     def unpin_prefix(self, prompt: PromptInput, *, cache_salt: Hashable | None = None) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""

@@ -3,17 +3,23 @@
 Not thread safe: one thread drives it (``LLM`` in the caller's thread, ``AsyncEngine`` on its
 engine thread). It owns the scheduler, the KV manager (pool + prefix index) and the requests;
 the runner owns the model and the KV tensors.
+
+Failure isolation: when the model or the sampler raises in a step, the step is retried one
+sequence at a time (K/V writes are idempotent: a sequence only writes its own private slots),
+so only the request(s) that still fail alone end, with ``finish_reason="error"`` and
+``RequestOutput.error``; their blocks are freed and every other request goes on.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from prefixkv.cache import make_cache
-from prefixkv.cache.protocol import PinnedPrefix
+from prefixkv.cache.protocol import PinError, PinnedPrefix
 from prefixkv.engine.kv_manager import KVManager
 from prefixkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from prefixkv.engine.prompts import PromptInput, render_chat, resolve_prompt
@@ -23,6 +29,19 @@ from prefixkv.engine.scheduler import Scheduler
 from prefixkv.engine.sequence import Request, SequenceStatus
 from prefixkv.engine.sequence import Sequence as Seq
 from prefixkv.engine.structured_output import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+PIN_ATTEMPTS = 2
+"""Pin = prefill if not cached, then pin; the prefilled blocks may be evicted before the pin
+lands, so both ``LLM.pin_prefix`` and ``AsyncEngine.pin_prefix`` try this many times."""
+PIN_PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
+"""How a pin computes a prefix that is not cached yet."""
+
+FaultHook = Callable[[str, Sequence[Seq]], None]
+"""``hook(phase, seqs)``, called with ``phase`` ``"model"`` before the model runs ``seqs`` and
+``"sample"`` before their next tokens are sampled; whatever it raises is handled exactly like
+a failure of the model or the sampler. For fault-injection tests and chaos drills."""
 from prefixkv.models.tokenizer import IncrementalDetokenizer
 from prefixkv.runner.logits_processors import token_logprobs
 from prefixkv.runner.model_runner import ModelRunner, RunItem
@@ -37,7 +56,10 @@ class LLMEngine:
         enable_prefix_caching: with ``False`` there is no index: blocks go straight back to the
             pool when a request finishes.
         index / eviction_policy / hash_algo / max_pinned_blocks: the prefix index
-            (``make_cache``); its block size is the runner's.
+            (``make_cache``); its block size is the runner's. ``max_pinned_blocks=None`` is
+            20% of the pool.
+        max_pinned_blocks_per_tenant: most blocks one namespace (``cache_salt``) may keep
+            pinned (``None``: only the global budget).
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: token budget of one step (prefill chunk size).
         seed: seeds the generator of unseeded sampling requests.
@@ -54,6 +76,7 @@ class LLMEngine:
         eviction_policy: str = "lru",
         hash_algo: str = "sha256",
         max_pinned_blocks: int | None = None,
+        max_pinned_blocks_per_tenant: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 4096,
         seed: int = 0,
@@ -94,12 +117,39 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
-        self._counters = {"finished": 0, "prompt": 0, "cached": 0, "generated": 0, "steps": 0}
+        self._counters = {"finished": 0, "prompt": 0, "cached": 0, "generated": 0, "steps": 0,
+                          "failed": 0}
+        self.fault_hook: FaultHook | None = None
+        if max_pinned_blocks_per_tenant is not None and (
+            not isinstance(max_pinned_blocks_per_tenant, int) or max_pinned_blocks_per_tenant < 0
+        ):
+            raise ValueError(
+                f"max_pinned_blocks_per_tenant must be an int >= 0 or None, "
+                f"got {max_pinned_blocks_per_tenant!r}"
+            )
+        self.max_pinned_blocks_per_tenant = max_pinned_blocks_per_tenant
+        self._max_chars: int | None = None
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """Resolve a prompt to ``(text or None, token ids)``; ``ValueError`` if malformed."""
-        return resolve_prompt(self.tokenizer, self.runner.config.vocab_size, prompt)
+        """Resolve a prompt to ``(text or None, token ids)``; ``ValueError`` if malformed or
+        too long for the context. Thread safe (the tokenizer only).
+
+        A text so long that even if every token covered the longest string in the vocabulary
+        (twice over, for normalizers) it would not fit ``max_model_len`` is refused before
+        it is tokenized: a 10 MB prompt costs a length check, not seconds of CPU.
+        """
+        return resolve_prompt(self.tokenizer, self.runner.config.vocab_size, prompt,
+                              max_chars=self._max_prompt_chars())
+
+    def _max_prompt_chars(self) -> int | None:
+        if self._max_chars is None:
+            backend = getattr(self.tokenizer, "backend", None)
+            if backend is None or not hasattr(backend, "get_vocab"):
+                return None
+            longest = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1)
+            self._max_chars = 2 * max(longest, 1) * self.max_model_len
+        return self._max_chars
 
     def chat_prompt(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -159,7 +209,7 @@ class LLMEngine:
         req = Request(rid, text, ids, params, max_tokens, namespace, RequestMetrics(now))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
-        for i in range(params.n):
+        for i in range(params.n):  # everything that can fail happens before anything is queued
             sp = params.for_sample(i)
             seq = Seq(next(self._seq_ids), req, i, sp, list(ids), len(ids))
             seq.generator = self.sampler.generator_for(sp)
@@ -171,6 +221,7 @@ class LLMEngine:
                 self.tokenizer, skip_special_tokens=sp.skip_special_tokens
             )
             req.seqs.append(seq)
+        for seq in req.seqs:
             self.scheduler.add(seq)
         self._requests[rid] = req
         return rid
@@ -193,10 +244,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
-        for seq in req.seqs:
-            if seq.status is not SequenceStatus.FINISHED:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+        self._finish_all(req, "abort")
         return self._finish_request(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -208,40 +256,35 @@ class LLMEngine:
         """Run one step; returns a snapshot of every request that changed (``finished`` marks the last)."""
         plan = self.scheduler.schedule()
         changed: dict[str, Request] = {}
-        for seq in plan.aborted:  # can never fit: the whole request goes
-            changed[seq.request.request_id] = seq.request
-            for sib in seq.request.seqs:
-                if sib.status is not SequenceStatus.FINISHED:
-                    sib.finish_reason = "abort"
-                    self.scheduler.finish(sib)
+        for seq in plan.aborted:  # can never fit: the whole request goes, with the reason
+            req = seq.request
+            pinned = self.kv.cache.get_stats().pinned_blocks if self.kv.cache is not None else 0
+            req.error = (
+                f"request cannot be scheduled: it needs more KV blocks than the pool can ever "
+                f"free ({pinned} of its {self.kv.num_blocks} blocks are pinned)"
+            )
+            changed[req.request_id] = req
+            self._finish_all(req, "abort")
         if plan.scheduled:
             self._counters["steps"] += 1
-            items = [
-                RunItem(
-                    s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens],
-                    s.seq.num_computed_tokens,
-                    s.seq.block_table,
-                )
-                for s in plan.scheduled
-            ]
-            full = [s.seq.index == 0 and s.seq.request.needs_prompt_logprobs for s in plan.scheduled]
-            if any(full):
-                logits, full_logits = execute_with_prompt_logits(self.runner, items, full)
-                for i, all_logits in full_logits.items():
-                    self._record_prompt_logprobs(plan.scheduled[i].seq, all_logits)
-            else:
-                logits = self.runner.execute(items)
+            seqs = [s.seq for s in plan.scheduled]
+            ran, logits = self._run_model(seqs, [s.num_new_tokens for s in plan.scheduled], changed)
             rows, sampled = [], []
             for i, s in enumerate(plan.scheduled):
                 seq = s.seq
-                if seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids):
-                    rows.append(i)
+                if i in ran and seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids):
+                    rows.append(ran[i])
                     sampled.append(seq)
-            picks = self.sampler.sample(logits, rows, sampled) if rows else []
-            new_token = dict(zip((id(s) for s in sampled), picks))
+            new_token = self._sample(logits, rows, sampled, changed)
             now = self.clock()
-            for s in plan.scheduled:
-                self._postprocess(s.seq, s.num_new_tokens, new_token.get(id(s.seq)), now)
+            for i, s in enumerate(plan.scheduled):
+                if i not in ran or s.seq.status is SequenceStatus.FINISHED:
+                    continue  # failed this step (already reported) or finished with a sibling
+                try:
+                    self._postprocess(s.seq, s.num_new_tokens, new_token.get(id(s.seq)), now)
+                except Exception as exc:  # noqa: BLE001 - e.g. detokenizing: fail it alone
+                    self._fail(s.seq.request, exc, changed)
+                    continue
                 changed[s.seq.request.request_id] = s.seq.request
         outs = []
         for req in changed.values():
@@ -251,6 +294,56 @@ class LLMEngine:
             else:
                 outs.append(req.snapshot())
         return outs
+
+    def _run_model(
+        self, seqs: list[Seq], num_new: list[int], changed: dict[str, Request]
+    ) -> tuple[dict[int, int], Any]:
+        """Run the model over ``seqs``; returns ``({index in seqs: logits row}, logits)``.
+
+        If the batch raises, each sequence runs alone and those that still raise fail.
+        """
+        items = [
+            RunItem(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n],
+                    seq.num_computed_tokens, seq.block_table)
+            for seq, n in zip(seqs, num_new)
+        ]
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("model", seqs)
+            return {i: i for i in range(len(seqs))}, self._execute(seqs, items)
+        except Exception as exc:  # noqa: BLE001 - isolate the culprit below
+            if len(seqs) == 1:
+                self._fail(seqs[0].request, exc, changed)
+                return {}, None
+        ran: dict[int, int] = {}
+        rows = []
+        for i, (seq, item) in enumerate(zip(seqs, items)):
+            if seq.status is SequenceStatus.FINISHED:  # a sibling failed before it
+                continue
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("model", [seq])
+                rows.append(self._execute([seq], [item]))
+            except Exception as exc:  # noqa: BLE001 - this sequence's request fails alone
+                self._fail(seq.request, exc, changed)
+                continue
+            ran[i] = len(rows) - 1
+        if not rows:
+            return {}, None
+        import torch  # the runner's tensors; the engine only concatenates them here
+
+        return ran, torch.cat(rows)
+
+    def _execute(self, seqs: list[Seq], items: list[RunItem]) -> Any:
+        """The runner's last-token logits; also records the prompt logprobs of the items whose
+        request asked for them (their whole prompt is computed: see ``KVManager.admit``)."""
+        full = [seq.index == 0 and seq.request.needs_prompt_logprobs for seq in seqs]
+        if not any(full):
+            return self.runner.execute(items)
+        logits, full_logits = execute_with_prompt_logits(self.runner, items, full)
+        for i, all_logits in full_logits.items():
+            self._record_prompt_logprobs(seqs[i], all_logits)
+        return logits
 
     def _record_prompt_logprobs(self, seq: Seq, logits: Any) -> None:
         """Prompt logprobs of the tokens after this chunk's positions (``logits`` row ``p`` is the
@@ -267,6 +360,54 @@ class LLMEngine:
         )
         for pos, t in enumerate(found, start + 1):
             req.prompt_logprobs[pos] = self.sampler.logprob_entry(t)
+
+    def _sample(
+        self, logits: Any, rows: list[int], seqs: list[Seq], changed: dict[str, Request]
+    ) -> dict[int, Pick]:
+        """``{id(seq): next token}``; a sequence whose sampling raises fails alone."""
+        if not rows:
+            return {}
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("sample", seqs)
+            return dict(zip((id(s) for s in seqs), self.sampler.sample(logits, rows, seqs)))
+        except Exception:  # noqa: BLE001 - retry one by one below
+            pass
+        out: dict[int, Pick] = {}
+        for row, seq in zip(rows, seqs):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("sample", [seq])
+                out[id(seq)] = self.sampler.sample(logits, [row], [seq])[0]
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self._fail(seq.request, exc, changed)
+        return out
+
+    def _fail(self, req: Request, exc: BaseException, changed: dict[str, Request]) -> None:
+        """End ``req`` with ``finish_reason="error"``: its blocks are freed now."""
+        if req.error is None:
+            logger.warning("request %s failed: %r", req.request_id, exc, exc_info=exc)
+            req.error = f"{type(exc).__name__}: {exc}"
+            self._counters["failed"] += 1
+        self._finish_all(req, "error")
+        changed[req.request_id] = req
+
+    def _finish_all(self, req: Request, reason: str) -> None:
+        for seq in req.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+
+    def fail_all_requests(self, exc: BaseException) -> list[RequestOutput]:
+        """End every request with ``exc`` as its error (the engine loop's last resort when a
+        step raised outside the per-request isolation); frees every block they hold."""
+        changed: dict[str, Request] = {}
+        for req in list(self._requests.values()):
+            self._fail(req, exc, changed)
+        self._requests.clear()
+        return [self._finish_request(req) for req in changed.values()]
 
     def _postprocess(self, seq: Seq, num_new: int, pick: Pick | None, now: float) -> None:
         req = seq.request
@@ -310,6 +451,7 @@ class LLMEngine:
             block_size=self.block_size,
             enable_prefix_caching=cache is not None,
             num_requests_finished=c["finished"],
+            num_requests_failed=c["failed"],
             num_prompt_tokens=c["prompt"],
             num_cached_prompt_tokens=c["cached"],
             num_generated_tokens=c["generated"],
@@ -321,16 +463,59 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; ``False`` with prefix caching off."""
+        return self.reset_prefix_cache_blocks() is not None
+
+    def reset_prefix_cache_blocks(self) -> int | None:
+        """Unpin everything and drop every cached block not in use; returns how many blocks
+        went back to the pool (``None`` with prefix caching off)."""
         if self.kv.cache is None:
-            return False
-        self.kv.reset_cache()
-        return True
+            return None
+        return self.kv.reset_cache()
 
     def is_prefix_cached(
         self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None, lora_id: Hashable | None = None
     ) -> bool:
         """Whether every full block of ``token_ids`` is in the index (``ValueError`` if caching is off)."""
         return self.kv.is_cached(list(token_ids), _namespace(cache_salt, lora_id))
+
+    def prepare_pin(
+        self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None,
+        lora_id: Hashable | None = None,
+    ) -> bool:
+        """Refuse a pin that cannot succeed *before* anything is computed for it; returns
+        whether its blocks must be prefilled first.
+
+        Raises ``ValueError`` with prefix caching off, and :class:`~prefixkv.cache.PinError`
+        when the prefix is shorter than a block, or when pinning it needs more blocks than
+        the global budget (``max_pinned_blocks``) or its tenant's budget
+        (``max_pinned_blocks_per_tenant``, counting that namespace's other pins) has left.
+        Uncached blocks are certainly unpinned, so they count against the budget now.
+        """
+        cache = self.kv.require_cache()
+        ids = list(token_ids)
+        ns = _namespace(cache_salt, lora_id)
+        nb = len(ids) // self.block_size
+        if nb == 0:
+            raise PinError(f"prefix of {len(ids)} tokens is shorter than one block ({self.block_size})")
+        cached = min(nb, cache.match_prefix(ids, namespace=ns).match_length // self.block_size)
+        budget = getattr(cache, "max_pinned_blocks", None)
+        pinned = cache.get_stats().pinned_blocks
+        if budget is not None and pinned + (nb - cached) > budget:
+            raise PinError(
+                f"pinning this prefix needs at least {nb - cached} more pinned blocks; "
+                f"{pinned} of max_pinned_blocks={budget} are pinned"
+            )
+        cap = self.max_pinned_blocks_per_tenant
+        if cap is not None:
+            key = ids[: nb * self.block_size]
+            used = sum(p.num_blocks for p in cache.list_pinned()
+                       if p.namespace == ns and p.token_ids != key)
+            if used + nb > cap:
+                raise PinError(
+                    f"pinning this prefix ({nb} blocks) would exceed this tenant's budget "
+                    f"max_pinned_blocks_per_tenant={cap} ({used} pinned)"
+                )
+        return cached < nb
 
     def pin_prefix(
         self,
@@ -343,8 +528,9 @@ class LLMEngine:
         """Pin the cached full blocks of ``token_ids`` (they must be cached: see ``LLM.pin_prefix``).
 
         Raises :class:`~prefixkv.cache.PinError` (a ``ValueError``) when not cached, shorter than
-        a block or over the pinned-block budget.
+        a block or over the global or the tenant's pinned-block budget (:meth:`prepare_pin`).
         """
+        self.prepare_pin(token_ids, cache_salt=cache_salt, lora_id=lora_id)
         return self.kv.pin(list(token_ids), _namespace(cache_salt, lora_id), description)
 
     def unpin_prefix(

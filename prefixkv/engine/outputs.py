@@ -39,7 +39,8 @@ class CompletionOutput:
         text: the decoded text so far (cumulative; stop strings cut off).
         token_ids: the generated ids so far (cumulative).
         finish_reason: ``None`` while running, else ``"stop"`` (EOS, stop string or stop token),
-            ``"length"`` (max_tokens or the context limit) or ``"abort"``.
+            ``"length"`` (max_tokens or the context limit), ``"abort"`` (aborted by the caller)
+            or ``"error"`` (the request failed: see :attr:`RequestOutput.error`).
         stop_reason: the stop string or stop token id that ended it (``None`` for EOS/length).
         delta_text: text added since the previous report of this request (streaming).
         delta_token_ids: ids added since the previous report of this request.
@@ -102,6 +103,9 @@ class RequestOutput:
         num_cached_tokens: prompt tokens whose KV came from the prefix cache at the request's
             first scheduling (full cached blocks plus copied partial-block rows).
         metrics: timings.
+        error: why the request failed (finished, every sample's ``finish_reason`` is
+            ``"error"``), else ``None``. A failure is the request's alone: its blocks are freed
+            and every other request goes on.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, one entry per prompt
             token (``None`` for the first); always computed, never read from the prefix cache.
     """
@@ -113,6 +117,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
     @property
@@ -136,6 +141,19 @@ class RequestOutput:
         return self.metrics.time_to_first_token
 
 
+class RequestFailedError(RuntimeError):
+    """A request failed on its own (the model or sampler raised for it, or it can never be
+    scheduled); the engine and every other request go on. ``request_id`` names it and
+    ``request_caused`` says whether the request itself is the cause (the server reports these
+    as 500 marked request-caused, so a router does not retry them elsewhere) or the failure
+    was capacity (e.g. pinned blocks fill the pool: worth retrying on another worker)."""
+
+    def __init__(self, request_id: str, message: str, *, request_caused: bool = True) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.request_caused = request_caused
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of the engine: queues, KV blocks and counters since start.
@@ -153,6 +171,7 @@ class EngineStats:
     block_size: int
     enable_prefix_caching: bool
     num_requests_finished: int
+    num_requests_failed: int
     num_prompt_tokens: int
     num_cached_prompt_tokens: int
     num_generated_tokens: int

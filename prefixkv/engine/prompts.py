@@ -5,6 +5,7 @@ Thread safe (tokenizer only), so callers may resolve prompts outside the engine 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,14 +13,34 @@ PromptInput = str | Sequence[int] | Mapping[str, Any]
 """A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
 
 
-def resolve_prompt(tokenizer: Any, vocab_size: int, prompt: PromptInput) -> tuple[str | None, list[int]]:
+def check_text(text: str, what: str = "prompt", max_chars: int | None = None) -> None:
+    """``ValueError`` naming ``what`` if ``text`` is not valid Unicode text (a lone surrogate
+    such as ``"\\ud800"`` cannot be encoded) or longer than ``max_chars`` characters."""
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(
+            f"{what} has {len(text)} characters: far more than the model's context can hold "
+            f"(at most {max_chars} characters could fit)"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} is not valid Unicode: {exc.reason} at character {exc.start}"
+        ) from None
+
+
+def resolve_prompt(
+    tokenizer: Any, vocab_size: int, prompt: PromptInput, *, max_chars: int | None = None
+) -> tuple[str | None, list[int]]:
     """``(text or None, token ids)`` of a prompt; ``ValueError`` naming ``prompt`` if malformed.
 
     Text is encoded with the tokenizer's special tokens (e.g. BOS); ids must lie in
-    ``[0, vocab_size)`` and there must be at least one.
+    ``[0, vocab_size)`` and there must be at least one. Text longer than ``max_chars`` or
+    with lone surrogates is refused before tokenizing (see :func:`check_text`).
     """
     text: str | None = None
     if isinstance(prompt, str):
+        check_text(prompt, max_chars=max_chars)
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
@@ -27,6 +48,7 @@ def resolve_prompt(tokenizer: Any, vocab_size: int, prompt: PromptInput) -> tupl
             text = prompt.get("prompt")
         elif isinstance(prompt.get("prompt"), str):
             text = prompt["prompt"]
+            check_text(text, max_chars=max_chars)
             ids = tokenizer.encode(text)
         else:
             raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
@@ -51,9 +73,62 @@ def render_chat(
 ) -> dict[str, Any]:
     """Render a conversation with the chat template: ``{"prompt": text, "prompt_token_ids": ids}``.
 
-    The text is tokenized without adding special tokens (the template writes them).
+    The text is tokenized without adding special tokens (the template writes them). Special
+    tokens typed *inside message content* (``"<|im_start|>"`` in a user's text) are plain text,
+    never control tokens, so a user cannot forge a turn or a system message: content that
+    contains a special token's string is tokenized literally, the template's own text with its
+    special tokens. (Content without such strings is tokenized with the whole rendered text,
+    exactly as before.) ``ValueError`` for content that is not valid Unicode.
     """
-    text = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=add_generation_prompt, **kwargs
-    )
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    msgs = [dict(m) for m in messages]
+    specials = _special_strings(tokenizer)
+    marked: dict[str, str] = {}
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        if not isinstance(content, str):
+            continue
+        check_text(content, f"messages[{i}].content")
+        if any(sp in content for sp in specials):
+            mark = f"\x00prefixkv-content-{i}\x00"
+            marked[mark] = content
+            m["content"] = mark
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+    if not marked:
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    pieces = re.split("(" + "|".join(re.escape(k) for k in marked) + ")", text)
+    if sorted(p for p in pieces if p in marked) != sorted(marked):
+        raise ValueError(
+            "messages: content with special-token strings needs a chat template that inserts "
+            "each message's content verbatim, once"
+        )
+    literal = _literal_encoder(tokenizer)
+    ids: list[int] = []
+    for piece in pieces:
+        if piece in marked:
+            ids.extend(literal.encode(marked[piece], add_special_tokens=False).ids)
+        elif piece:
+            ids.extend(tokenizer.encode(piece, add_special_tokens=False))
+    return {"prompt": "".join(marked.get(p, p) for p in pieces), "prompt_token_ids": ids}
+
+
+def _special_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The strings of the tokenizer's special added tokens (``()`` if it cannot say)."""
+    cached = getattr(tokenizer, "_prefixkv_specials", None)
+    if cached is None:
+        backend = getattr(tokenizer, "backend", None)
+        decoder = getattr(backend, "get_added_tokens_decoder", None)
+        cached = tuple(t.content for t in decoder().values() if t.special) if decoder else ()
+        tokenizer._prefixkv_specials = cached
+    return cached  # type: ignore[no-any-return]
+
+
+def _literal_encoder(tokenizer: Any) -> Any:
+    """A copy of the tokenizer's backend that encodes special-token strings as plain text."""
+    enc = getattr(tokenizer, "_prefixkv_literal", None)
+    if enc is None:
+        import tokenizers
+
+        enc = tokenizers.Tokenizer.from_str(tokenizer.backend.to_str())
+        enc.encode_special_tokens = True
+        tokenizer._prefixkv_literal = enc
+    return enc

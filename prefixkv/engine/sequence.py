@@ -67,6 +67,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     prompt_prefilled: bool = False
+    error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
     @property
@@ -103,7 +104,8 @@ class Request:
             self.finished,
             self.num_cached_tokens or 0,
             RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time),
-            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            error=self.error,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
     @property

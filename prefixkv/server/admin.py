@@ -11,7 +11,15 @@
 A prefix that is not cached yet is computed first (a one-token prefill through the engine),
 then pinned. Only whole blocks are cached, so a pin covers ``len(prefix) // block_size``
 blocks; a prefix shorter than one block is a 400. Errors: 400 for a bad body or a prefix that
-cannot be pinned (over ``--max-pinned-blocks``, longer than the pool), 409 with caching off.
+cannot be pinned (over ``--max-pinned-blocks`` or ``--max-pinned-blocks-per-tenant``: refused
+before anything is computed; longer than the pool), 409 with caching off.
+
+Who may call them (``admin_dependency``): these routes show every tenant's pinned token ids and
+``cache_salt``s and can drop everyone's cache, so they are the operator's, not the tenants'.
+With ``--admin-api-key`` they need ``Authorization: Bearer <admin key>`` (the inference
+``--api-key`` is not enough: 403). Without one, they answer only clients on the loopback
+interface that did not come through a proxy (no ``Forwarded`` / ``X-Forwarded-For`` header),
+and need the inference key too when ``--api-key`` is set; anyone else gets 403.
 """
 
 from __future__ import annotations
@@ -20,17 +28,59 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter
+import hmac
+import ipaddress
+
+from fastapi import APIRouter, Request
 
 from prefixkv.cache.protocol import PinnedPrefix
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import EngineStats
 from prefixkv.server.errors import APIError
 from prefixkv.server.protocol import PinRequest, PrefixSpec, UnpinRequest
-from prefixkv.server.serving import render_chat
 
 
-def _prompt(engine: AsyncEngine, spec: PrefixSpec) -> list[int] | str | dict[str, Any]:
+def _bearer(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _is_local(request: Request) -> bool:
+    """A direct client on the loopback interface (not relayed by a proxy on this host)."""
+    if "forwarded" in request.headers or "x-forwarded-for" in request.headers:
+        return False
+    host = request.client.host if request.client is not None else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def admin_dependency(admin_api_key: str | None, api_key: str | None) -> Any:
+    """The check in front of every cache admin route (see the module docstring)."""
+
+    async def check(request: Request) -> None:
+        token = _bearer(request)
+        if admin_api_key is not None:
+            if token is None:
+                raise APIError("cache admin routes need 'Authorization: Bearer <admin key>'",
+                               status=401, code="invalid_api_key")
+            if not hmac.compare_digest(token, admin_api_key):
+                raise APIError("this key may not use the cache admin routes (they need the "
+                               "admin key)", status=403, code="admin_only")
+            return
+        if not _is_local(request):
+            raise APIError("cache admin routes are served to loopback clients only; start the "
+                           "server with --admin-api-key to manage the cache remotely",
+                           status=403, code="admin_only")
+        if api_key is not None and (token is None or not hmac.compare_digest(token, api_key)):
+            raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           status=401, code="invalid_api_key")
+
+    return check
+
+
+async def _prompt(engine: AsyncEngine, spec: PrefixSpec) -> list[int] | str | dict[str, Any]:
     """The engine prompt a prefix spec names (token ids, text, or rendered messages)."""
     if spec.token_ids is not None:
         return list(spec.token_ids)
@@ -39,7 +89,7 @@ def _prompt(engine: AsyncEngine, spec: PrefixSpec) -> list[int] | str | dict[str
     assert spec.messages is not None
     msgs = [{"role": m.role, "content": m.text()} for m in spec.messages]
     try:
-        return render_chat(engine, msgs, add_generation_prompt=False)
+        return await engine.chat_prompt_async(msgs, False)
     except ValueError as exc:
         raise APIError(f"cannot render messages: {exc}", param="messages") from exc
 
@@ -66,8 +116,8 @@ def _stats_dict(s: EngineStats) -> dict[str, Any]:
 
 
 def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[[], Awaitable[dict[str, Any]]]]:
-    """The ``/cache`` router (mounted under ``/v1``) and the reset handler (also served at
-    ``/reset_prefix_cache``)."""
+    """The ``/cache`` router (mounted under ``/v1`` behind :func:`admin_dependency`) and the
+    reset handler (also served at ``/reset_prefix_cache``)."""
     router = APIRouter(prefix="/cache")
 
     async def require_caching() -> None:
@@ -84,7 +134,7 @@ def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[[], Awa
     async def pin(body: PinRequest) -> dict[str, Any]:
         await require_caching()
         try:
-            pinned = await engine.pin_prefix(_prompt(engine, body), cache_salt=body.cache_salt,
+            pinned = await engine.pin_prefix(await _prompt(engine, body), cache_salt=body.cache_salt,
                                              description=body.description)
         except ValueError as exc:
             raise APIError(str(exc), param=_param(body)) from exc
@@ -94,7 +144,7 @@ def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[[], Awa
     async def unpin(body: UnpinRequest) -> dict[str, Any]:
         await require_caching()
         try:
-            ok = await engine.unpin_prefix(_prompt(engine, body), cache_salt=body.cache_salt)
+            ok = await engine.unpin_prefix(await _prompt(engine, body), cache_salt=body.cache_salt)
         except ValueError as exc:
             raise APIError(str(exc), param=_param(body)) from exc
         if not ok:
@@ -108,10 +158,8 @@ def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[[], Awa
 
     @router.post("/reset")
     async def reset() -> dict[str, Any]:
-        before = (await engine.get_stats()).num_cached_blocks
-        done = await engine.reset_prefix_cache()
-        after = (await engine.get_stats()).num_cached_blocks
-        return {"reset": done, "freed_blocks": max(0, before - after)}
+        freed = await engine.reset_prefix_cache_blocks()
+        return {"reset": freed is not None, "freed_blocks": freed or 0}
 
     return router, reset
 

@@ -11,8 +11,14 @@ shuts it down) to HTTP. Routes::
     /v1/cache/...                     cache admin (see admin.py)
     POST /reset_prefix_cache          vLLM's name for POST /v1/cache/reset
 
-With ``api_key`` set, every ``/v1/*`` route and ``/reset_prefix_cache`` need
-``Authorization: Bearer <api_key>`` (else 401); ``/health`` and ``/metrics`` stay open.
+With ``api_key`` set, every ``/v1/*`` inference route needs ``Authorization: Bearer
+<api_key>`` (else 401); ``/health`` and ``/metrics`` stay open. The cache admin routes
+(``/v1/cache/*``, ``/reset_prefix_cache``) are the operator's: ``admin_api_key``, or loopback
+only without one (see ``admin.py``). ``limits`` caps what one request may ask (body size,
+``n``, prompts per batch, chat's default length; see ``limits.py``).
+
+Errors are 4xx/5xx with OpenAI-style bodies; the OpenAPI schema says so (validation errors
+are 400s with that body, not FastAPI's 422).
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import EngineStats
-from prefixkv.server.admin import build_admin_router
+from prefixkv.server.admin import admin_dependency, build_admin_router
 from prefixkv.server.errors import APIError, install_error_handlers
+from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.serving import OpenAIServing
@@ -71,6 +78,7 @@ def _auth_dependency(api_key: str | None) -> Any:
 
 
 def create_app(engine: AsyncEngine, *, api_key: str | None = None,
+               admin_api_key: str | None = None, limits: ServerLimits | None = None,
                model_name: str = DEFAULT_MODEL_NAME, model_aliases: tuple[str, ...] = (),
                on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """Build the app for ``engine`` (not owned: the caller shuts it down).
@@ -91,9 +99,11 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
 
     app = FastAPI(title="prefixkv", version="0.1.0", docs_url="/docs", redoc_url=None,
                   lifespan=lifespan)
+    limits = limits if limits is not None else ServerLimits()
+    app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
     metrics = ServerMetrics(model_name)
     install_error_handlers(app, on_error=metrics.observe_error)
-    serving = OpenAIServing(engine, model_name, metrics)
+    serving = OpenAIServing(engine, model_name, metrics, limits)
     known_models = {model_name, *model_aliases}
     created = int(time.time())
     app.state.engine = engine
@@ -136,9 +146,44 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         check_model(body.model)
         return await serving.chat(body, request.is_disconnected)
 
-    admin, reset = build_admin_router(engine)
-    v1.include_router(admin)
     app.include_router(v1)
-    app.add_api_route("/reset_prefix_cache", reset, methods=["POST"],
-                      dependencies=[Depends(_auth_dependency(api_key))])
+    admin, reset = build_admin_router(engine)
+    admin_check = [Depends(admin_dependency(admin_api_key, api_key))]
+    app.include_router(admin, prefix="/v1", dependencies=admin_check)
+    app.add_api_route("/reset_prefix_cache", reset, methods=["POST"], dependencies=admin_check)
+    app.openapi = lambda: _openapi_with_error_bodies(app)  # type: ignore[method-assign]
     return app
+
+
+_ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]},
+        "code": {"type": ["string", "integer", "null"]}}}},
+}
+
+
+def _openapi_with_error_bodies(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with what the server really answers on errors: 400 (not 422) and the
+    OpenAI error body on every error status an operation can return."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    for path, ops in schema.get("paths", {}).items():
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            codes = ["400", "413", "500", "503"] if method == "post" else ["500", "503"]
+            if path.startswith("/v1") or path == "/reset_prefix_cache":
+                codes += ["401", "403", "404"]
+            for code in codes:
+                responses.setdefault(code, {"description": "error", **error})
+    comps = schema.get("components", {}).get("schemas", {})
+    comps.pop("HTTPValidationError", None)
+    comps.pop("ValidationError", None)
+    app.openapi_schema = schema
+    return schema

@@ -20,6 +20,7 @@ import socket
 from typing import Any
 
 from prefixkv.cache.policies import POLICIES
+from prefixkv.server.limits import ServerLimits
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -51,7 +52,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hash-algo", choices=("sha256", "xxhash", "builtin"), default="sha256",
                    help="block hash for --index hash (default sha256)")
     g.add_argument("--max-pinned-blocks", type=int, default=None,
-                   help="most blocks that may be pinned (default: no limit)")
+                   help="most blocks that may be pinned (default: 20%% of the pool)")
+    g.add_argument("--max-pinned-blocks-per-tenant", type=int, default=None,
+                   help="most blocks one cache_salt may keep pinned (default: only the global "
+                        "budget)")
     g.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default by device)")
 
@@ -68,6 +72,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "eviction_policy": args.eviction_policy,
         "hash_algo": args.hash_algo,
         "max_pinned_blocks": args.max_pinned_blocks,
+        "max_pinned_blocks_per_tenant": args.max_pinned_blocks_per_tenant,
     }
 
 
@@ -85,6 +90,19 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     g.add_argument("--api-key", default=os.environ.get("PREFIXKV_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes "
                         "(default: $PREFIXKV_API_KEY, else open)")
+    g.add_argument("--admin-api-key", default=os.environ.get("PREFIXKV_ADMIN_API_KEY"),
+                   help="key for the cache admin routes /v1/cache/* (default: "
+                        "$PREFIXKV_ADMIN_API_KEY; without one they answer loopback clients only)")
+    lim = ServerLimits()
+    g.add_argument("--max-request-body-bytes", type=int, default=lim.max_body_bytes,
+                   help=f"largest request body; 413 above it (default {lim.max_body_bytes})")
+    g.add_argument("--max-n", type=int, default=lim.max_n,
+                   help=f"most samples (n) per request (default {lim.max_n})")
+    g.add_argument("--max-prompts-per-request", type=int, default=lim.max_prompts,
+                   help=f"most prompts in one completions batch (default {lim.max_prompts})")
+    g.add_argument("--default-chat-max-tokens", type=int, default=lim.default_chat_max_tokens,
+                   help="max_tokens of a chat request that sets none, capped by the room left "
+                        f"in the context (default {lim.default_chat_max_tokens})")
     g.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: the directory name, or prefixkv-demo)")
     g.add_argument("--log-level", default="info",
@@ -113,6 +131,9 @@ def _serve(args: argparse.Namespace) -> int:
     from prefixkv.engine.async_engine import AsyncEngine
     from prefixkv.server.app import DEFAULT_MODEL_NAME, create_app
 
+    limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+                          max_prompts=args.max_prompts_per_request,
+                          default_chat_max_tokens=args.default_chat_max_tokens)
     sock = _listen(args.host, args.port)
     name = args.served_model_name or (
         os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME)
@@ -128,7 +149,8 @@ def _serve(args: argparse.Namespace) -> int:
         print("prefixkv: engine stopped", flush=True)
 
     try:
-        app = create_app(engine, api_key=args.api_key, model_name=name, model_aliases=aliases,
+        app = create_app(engine, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                         limits=limits, model_name=name, model_aliases=aliases,
                          on_shutdown=stop_engine)
         print(f"prefixkv: serving {name!r} on http://{args.host}:{args.port} "
               f"(prefix caching {'on' if args.enable_prefix_caching else 'off'})", flush=True)
@@ -153,8 +175,10 @@ def _register_cache(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     def common(q: argparse.ArgumentParser) -> None:
         q.add_argument("--url", default=os.environ.get("PREFIXKV_BASE_URL", DEFAULT_URL),
                        help=f"server base URL (default: $PREFIXKV_BASE_URL or {DEFAULT_URL})")
-        q.add_argument("--api-key", default=os.environ.get("PREFIXKV_API_KEY"),
-                       help="API key (default: $PREFIXKV_API_KEY)")
+        q.add_argument("--api-key", default=os.environ.get("PREFIXKV_ADMIN_API_KEY")
+                       or os.environ.get("PREFIXKV_API_KEY"),
+                       help="the server's admin key, or its API key when it has no admin key "
+                            "(default: $PREFIXKV_ADMIN_API_KEY, else $PREFIXKV_API_KEY)")
         q.add_argument("--json", action="store_true", help="print the raw JSON response")
         q.add_argument("--timeout", type=float, default=600.0,
                        help="seconds to wait for the server (default 600)")

@@ -3,8 +3,15 @@
 Every error the server returns has the body
 ``{"error": {"message": str, "type": str, "param": str | None, "code": int | str | None}}``.
 Status codes: 400 bad request (invalid JSON, wrong or unknown fields, values out of range, a
-prompt too long for the context or the KV pool), 401 missing or wrong API key, 404 unknown model
-or route, 405 wrong method, 500 an engine failure (the server keeps serving).
+prompt too long for the context or the KV pool), 401 missing or wrong API key, 403 an admin
+route without admin rights, 404 unknown model or route, 405 wrong method, 413 a body over
+``--max-request-body-bytes``, 500 a request that failed on its own (the server keeps serving;
+the response carries ``X-Prefixkv-Error-Cause: request``), 503 the engine cannot take the
+request (not running, or no KV room it could ever free).
+
+A router must not retry a 4xx, nor a 5xx carrying ``ERROR_CAUSE_HEADER: request``: the same
+request would fail the same way on every worker. Other 5xx and connection failures are the
+worker's, and worth retrying elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
+
+ERROR_CAUSE_HEADER = "X-Prefixkv-Error-Cause"
+"""Set to ``"request"`` on a 5xx caused by the request itself (do not retry it elsewhere)."""
 
 _TYPES = {
     400: "invalid_request_error",
@@ -44,6 +54,7 @@ class APIError(Exception):
         param: str | None = None,
         code: int | str | None = None,
         type: str | None = None,
+        request_caused: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -51,6 +62,7 @@ class APIError(Exception):
         self.param = param
         self.code = code if code is not None else status
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.request_caused = request_caused
 
     def body(self) -> dict[str, Any]:
         """The JSON body ``{"error": {...}}``."""
@@ -58,7 +70,9 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The error as a JSON response."""
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.request_caused:
+            headers[ERROR_CAUSE_HEADER] = "request"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -120,6 +134,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         msg = "request body must be a JSON object"
     elif kind == "extra_forbidden":
         msg = f"unsupported field {param!r}"
+    elif kind == "missing" and param is None:
+        msg = "request body is required: a JSON object"
     elif kind == "missing":
         msg = f"missing required field {param!r}"
     elif hint is not None:

@@ -4,9 +4,12 @@ One HTTP request becomes one engine request per prompt (a completions batch has 
 engine's ``n`` samples of a prompt become choices ``prompt_index * n + sample_index``.
 
 Lifetime: a submission error (a prompt too long for the context or the KV pool, a bad
-sampling value) is found before any byte is sent and answered as a 400. After that, the engine
-requests belong to the response: when it ends early (a client that disconnects mid-stream, a
-cancelled handler) every unfinished engine request is aborted, which frees its KV blocks.
+sampling value, ``n`` or a batch over ``ServerLimits``) is found before anything is queued
+and answered as a 400. After that, the engine requests belong to the response: when it ends
+early (a client that disconnects mid-stream, a cancelled handler) every unfinished engine
+request is aborted, which frees its KV blocks. A request that fails in the engine is a 500
+marked request-caused (``X-Prefixkv-Error-Cause: request``) or, if it can never get KV room,
+a 503; streamed, it ends with an error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixkv.engine.async_engine import AsyncEngine
-from prefixkv.engine.outputs import RequestOutput
+from prefixkv.engine.outputs import RequestFailedError, RequestOutput
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError
+from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -35,7 +39,18 @@ DISCONNECT_POLL_S = 0.5
 """How often a non-streaming request checks for a client that went away."""
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-"""OpenAI's default for ``/v1/completions``; chat defaults to the room left in the context."""
+"""OpenAI's default for ``/v1/completions``; chat's is ``ServerLimits.default_chat_max_tokens``
+(capped by the room left in the context)."""
+
+
+def engine_failure(exc: BaseException) -> APIError:
+    """The HTTP error for a request the engine failed or could not take."""
+    if isinstance(exc, RequestFailedError):
+        if exc.request_caused:
+            return APIError(f"the request failed: {exc}", status=500, code="request_failed",
+                            request_caused=True)
+        return APIError(str(exc), status=503, code="insufficient_kv_capacity")
+    return APIError(f"the engine is not running: {exc}", status=503, code="engine_unavailable")
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None) -> SamplingParams:
@@ -60,6 +75,32 @@ def render_chat(engine: AsyncEngine, messages: list[dict[str, str]], *,
     """Chat messages as an engine prompt (``{"prompt", "prompt_token_ids"}``), rendered with
     the model's chat template exactly as ``LLM.chat`` renders them."""
     return engine.chat_prompt(messages, add_generation_prompt)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body generator the moment the client goes away.
+
+    Starlette leaves an abandoned body generator to the garbage collector (and notices a
+    disconnect only at the next write), so the engine requests behind a cut stream could run
+    on for seconds. Here a listener waits for ``http.disconnect`` beside the writer, and the
+    generator is closed on every exit, which aborts its unfinished engine requests at once.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        writer = asyncio.ensure_future(self.stream_response(send))
+        listener = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, listener):
+                task.cancel()
+            await asyncio.gather(writer, listener, return_exceptions=True)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if not writer.cancelled() and isinstance(writer.exception(), Exception) and not (
+                isinstance(writer.exception(), OSError)):
+            raise writer.exception()  # type: ignore[misc]
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:
@@ -88,29 +129,43 @@ class OpenAIServing:
     ``engine`` is the shared ``AsyncEngine`` (not owned).
     """
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.limits = limits if limits is not None else ServerLimits()
         self._pool_tokens: int | None = None
+
+    def _check_limits(self, req: SamplingRequest, num_prompts: int) -> None:
+        lim = self.limits
+        if req.n > lim.max_n:
+            raise APIError(f"n must be at most {lim.max_n} (--max-n), got {req.n}", param="n")
+        if num_prompts > lim.max_prompts:
+            raise APIError(f"a request may hold at most {lim.max_prompts} prompts "
+                           f"(--max-prompts-per-request), got {num_prompts}", param="prompt")
 
     async def completions(self, req: CompletionRequest,
                           is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
         """``POST /v1/completions``."""
+        prompts = req.prompts()
+        self._check_limits(req, len(prompts))
         params = sampling_params(req, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await self._run(rid, req.prompts(), params, req, is_disconnected, chat=False)
+        return await self._run(rid, prompts, params, req, is_disconnected, chat=False)
 
     async def chat(self, req: ChatCompletionRequest,
                    is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
         """``POST /v1/chat/completions``."""
+        self._check_limits(req, 1)
         try:
-            prompt = render_chat(self.engine, req.plain_messages(), add_generation_prompt=True)
+            prompt = await self.engine.chat_prompt_async(req.plain_messages(), True)
         except ValueError as exc:
             raise APIError(f"cannot render messages: {exc}", param="messages") from exc
         max_tokens = req.effective_max_tokens
         if max_tokens is None:
-            max_tokens = await self._room_left(len(prompt["prompt_token_ids"]))
+            room = await self._room_left(len(prompt["prompt_token_ids"]))
+            max_tokens = None if room is None else min(room, self.limits.default_chat_max_tokens)
         params = sampling_params(req, max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await self._run(rid, [prompt], params, req, is_disconnected, chat=True)
@@ -131,7 +186,7 @@ class OpenAIServing:
         jobs = await self._submit(rid, prompts, params, req, chat=chat, t0=t0)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
+            return EngineStreamingResponse(
                 self._stream(rid, jobs, params.n, chat=chat, include_usage=include_usage, t0=t0),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -150,12 +205,15 @@ class OpenAIServing:
                 if not task.done() and await is_disconnected():
                     task.cancel()
                     raise APIError("client disconnected", status=499, code="client_closed")
-            task.result()
+            try:
+                task.result()
+            except RuntimeError as exc:  # RequestFailedError, or the engine stopped
+                raise engine_failure(exc) from exc
         finally:
             if not task.done():
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await self._abort_unfinished(jobs)
+            await self._abort_unfinished(jobs, t0)
         return JSONResponse(self._final_body(rid, jobs, params.n, chat=chat))
 
     async def _submit(self, rid: str, prompts: list[Any], params: SamplingParams,
@@ -173,6 +231,8 @@ class OpenAIServing:
                 first = await stream.__anext__()
             except ValueError as exc:
                 raise APIError(str(exc), param=param) from exc
+            except RuntimeError as exc:
+                raise engine_failure(exc) from exc
             except StopAsyncIteration as exc:
                 raise APIError("the engine returned no output", status=500) from exc
             return _Job(stream=stream, request_id=sub_id, first=first, last=first)
@@ -195,6 +255,9 @@ class OpenAIServing:
         except StopAsyncIteration:
             job.done = True
             return job.last
+        except Exception:  # the request failed (its stream is over): not an abort
+            job.done = True
+            raise
         self._observe(job, out, t0, first_report=False)
         return out
 
@@ -211,13 +274,19 @@ class OpenAIServing:
                 sum(len(o.token_ids) for o in out.outputs),
                 [o.finish_reason or "unknown" for o in out.outputs], job.ttft, now - t0)
 
-    async def _abort_unfinished(self, jobs: list[_Job]) -> None:
+    async def _abort_unfinished(self, jobs: list[_Job], t0: float | None = None) -> None:
         """Abort every engine request of ``jobs`` that has not finished (frees its blocks):
-        closing an unfinished ``AsyncEngine.generate`` stream aborts its request."""
+        closing an unfinished ``AsyncEngine.generate`` stream aborts its request. With ``t0``
+        (the response had started) each one counts as finished with reason ``"abort"``."""
         for job in jobs:
             if not job.done:
                 job.done = True
                 await job.stream.aclose()  # type: ignore[attr-defined]
+                if t0 is not None:
+                    outs = job.last.outputs
+                    self.metrics.observe_finished(
+                        sum(len(o.token_ids) for o in outs), ["abort"] * len(outs), job.ttft,
+                        time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ bodies
 
@@ -318,8 +387,9 @@ class OpenAIServing:
                 yield chunk([], self._usage(jobs))
             yield sse("[DONE]")
         except (ValueError, RuntimeError) as exc:  # the engine failed after the stream started
-            yield sse({"error": {"message": str(exc), "type": "internal_server_error",
-                                 "param": None, "code": 500}})
+            err = engine_failure(exc)
+            self.metrics.observe_error(err.status)
+            yield sse(err.body())
             yield sse("[DONE]")
         finally:
             # Runs on normal end, on client disconnect (cancellation) and on aclose().
@@ -327,4 +397,4 @@ class OpenAIServing:
                 task.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
-            await self._abort_unfinished(jobs)
+            await self._abort_unfinished(jobs, t0)

@@ -1,0 +1,96 @@
+"""What one request may ask of the server: body size, samples, prompts, default lengths.
+
+``ServerLimits`` is built once (``prefixkv serve`` flags) and handed to ``create_app``;
+``BodySizeLimit`` is the ASGI middleware that enforces ``max_body_bytes`` before the body is
+parsed: a declared ``Content-Length`` over the limit is answered 413 without reading the
+body, and a chunked body is cut off (413) as soon as it passes the limit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import HTTPException
+
+from prefixkv.server.errors import error_body
+
+Scope = dict[str, Any]
+ASGIApp = Any
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Per-request caps; ``ValueError`` naming the field for a bad value.
+
+    Attributes:
+        max_body_bytes: largest request body (413 above it).
+        max_n: most samples (``n``) one request may ask for.
+        max_prompts: most prompts in one ``/v1/completions`` batch.
+        default_chat_max_tokens: a chat request without ``max_tokens`` generates at most this
+            many tokens (and never more than the room left in the context or the pool), like
+            SGLang's default ``max_new_tokens``; completions default to OpenAI's 16.
+    """
+
+    max_body_bytes: int = 16 << 20
+    max_n: int = 64
+    max_prompts: int = 256
+    default_chat_max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_n", "max_prompts", "default_chat_max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` when a streamed body passes the limit (answered 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the {limit}-byte limit (--max-request-body-bytes)")
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 with an OpenAI-style body for bodies over ``limit`` bytes."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > self.limit:
+                    await self._reject(send)
+                    return
+        seen = 0
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal seen
+            message: dict[str, Any] = await receive()
+            if message.get("type") == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _reject(self, send: Any) -> None:
+        body = json.dumps(error_body(
+            f"request body exceeds the {self.limit}-byte limit (--max-request-body-bytes)",
+            type="invalid_request_error", code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
