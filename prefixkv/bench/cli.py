@@ -22,6 +22,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("scenarios", "prefixkv.bench.scenarios"),
     ("engine", "prefixkv.bench.engine"),
     ("route", "prefixkv.router.bench"),
+    ("load", "prefixkv.bench.load"),
 )
 """(subcommand, module) pairs added after ``trace``, in ``--help`` order."""
 

@@ -119,7 +119,7 @@ def _special_strings(tokenizer: Any) -> tuple[str, ...]:
         decoder = getattr(backend, "get_added_tokens_decoder", None)
         cached = tuple(t.content for t in decoder().values() if t.special) if decoder else ()
         tokenizer._prefixkv_specials = cached
-    return cached  # type: ignore[no-any-return]
+    return cached
 
 
 def _literal_encoder(tokenizer: Any) -> Any:

@@ -120,7 +120,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
             raise APIError("the engine is not running", status=503, code="engine_dead")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE: {}}}})
     async def prometheus() -> Response:
         gauges = engine_gauges(await engine.get_stats())
         return Response(metrics.render(gauges), media_type=CONTENT_TYPE)
