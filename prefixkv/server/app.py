@@ -5,9 +5,12 @@ shuts it down) to HTTP. Routes::
 
     GET  /health                      200 {"status": "ok"}
     GET  /metrics                     Prometheus text (see metrics.py)
-    GET  /v1/models                   the served model
-    POST /v1/completions              OpenAI completions (stream, n, stop, ...)
-    POST /v1/chat/completions         OpenAI chat completions
+    GET  /v1/models                   the served model names (with max_model_len)
+    GET  /v1/models/{id}              one of them
+    POST /v1/completions              OpenAI completions (stream, n, stop, logprobs, echo, ...)
+    POST /v1/chat/completions         OpenAI chat completions (logprobs, response_format, tools)
+    POST /tokenize, /detokenize       vLLM's tokenizer routes (see tokenizer_routes.py)
+    GET  /tokenizer_info, /version
     /v1/cache/...                     cache admin (see admin.py)
     POST /reset_prefix_cache          vLLM's name for POST /v1/cache/reset
 
@@ -36,10 +39,12 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import EngineStats
 from prefixkv.server.admin import admin_dependency, build_admin_router
 from prefixkv.server.errors import APIError, install_error_handlers
+from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.serving import OpenAIServing
+from prefixkv.server.tokenizer_routes import build_tokenizer_router
 
 DEFAULT_MODEL_NAME = "prefixkv-demo"
 
@@ -80,11 +85,15 @@ def _auth_dependency(api_key: str | None) -> Any:
 def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                admin_api_key: str | None = None, limits: ServerLimits | None = None,
                model_name: str = DEFAULT_MODEL_NAME, model_aliases: tuple[str, ...] = (),
+               served_model_names: tuple[str, ...] = (), strict_fields: bool = False,
                on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """Build the app for ``engine`` (not owned: the caller shuts it down).
 
-    ``model_name`` is what ``/v1/models`` lists and responses report; requests may name it or
-    one of ``model_aliases`` (e.g. the model's path), anything else is a 404.
+    ``model_name`` is what responses report; ``/v1/models`` lists it and the other
+    ``served_model_names`` (vLLM's several ``--served-model-name``). Requests may name any of
+    them or one of ``model_aliases`` (e.g. the model's path); anything else is a 404.
+    Unknown request fields are ignored with one warning per name, or refused with
+    ``strict_fields`` (see ``fields.py``).
     ``on_shutdown`` runs when the ASGI server shuts the app down (``prefixkv serve`` stops the
     engine thread there, before uvicorn re-raises SIGTERM).
     """
@@ -104,7 +113,10 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     metrics = ServerMetrics(model_name)
     install_error_handlers(app, on_error=metrics.observe_error)
     serving = OpenAIServing(engine, model_name, metrics, limits)
-    known_models = {model_name, *model_aliases}
+    listed = tuple(dict.fromkeys((model_name, *served_model_names)))
+    known_models = {*listed, *model_aliases}
+    policy = FieldPolicy(strict=strict_fields)
+    app.state.field_policy = policy
     created = int(time.time())
     app.state.engine = engine
     app.state.metrics = metrics
@@ -112,7 +124,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     def check_model(name: str | None) -> None:
         if name is not None and name not in known_models:
             raise APIError(f"the model {name!r} does not exist; this server serves "
-                           f"{model_name!r}", status=404, param="model", code="model_not_found")
+                           f"{list(listed)}", status=404, param="model", code="model_not_found")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -128,26 +140,39 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "prefixkv",
+                "root": model_name, "parent": None, "max_model_len": engine.max_model_len,
+                "permission": []}
+
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "prefixkv",
-            "root": model_name, "parent": None,
-        }]}
+        return {"object": "list", "data": [card(name) for name in listed]}
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id not in known_models:
+            raise APIError(f"the model {model_id!r} does not exist; this server serves "
+                           f"{list(listed)}", status=404, param="model", code="model_not_found")
+        return card(model_id)
 
     @v1.post("/completions", response_model=None)
     async def completions(body: CompletionRequest,
                           request: Request) -> JSONResponse | StreamingResponse:
+        policy.check(body)
         check_model(body.model)
         return await serving.completions(body, request.is_disconnected)
 
     @v1.post("/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest,
                                request: Request) -> JSONResponse | StreamingResponse:
+        policy.check(body)
         check_model(body.model)
         return await serving.chat(body, request.is_disconnected)
 
     app.include_router(v1)
+    app.include_router(build_tokenizer_router(engine, check_model, policy),
+                       dependencies=[Depends(_auth_dependency(api_key))])
     admin, reset = build_admin_router(engine)
     admin_check = [Depends(admin_dependency(admin_api_key, api_key))]
     app.include_router(admin, prefix="/v1", dependencies=admin_check)
@@ -165,6 +190,9 @@ _ERROR_SCHEMA = {
 }
 
 
+_AUTHED_PATHS = {"/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version"}
+
+
 def _openapi_with_error_bodies(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema, with what the server really answers on errors: 400 (not 422) and the
     OpenAI error body on every error status an operation can return."""
@@ -179,7 +207,7 @@ def _openapi_with_error_bodies(app: FastAPI) -> dict[str, Any]:
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             codes = ["400", "413", "500", "503"] if method == "post" else ["500", "503"]
-            if path.startswith("/v1") or path == "/reset_prefix_cache":
+            if path.startswith("/v1") or path in _AUTHED_PATHS:
                 codes += ["401", "403", "404"]
             for code in codes:
                 responses.setdefault(code, {"description": "error", **error})

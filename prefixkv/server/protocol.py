@@ -1,12 +1,16 @@
 """Request and response bodies of the HTTP API (OpenAI's shapes, vLLM's extensions).
 
-Every request model forbids unknown fields, so a field we do not implement is a 400 that
-names it instead of being silently ignored. A few OpenAI fields that clients commonly send
-with their neutral value (``echo=false``, ``logprobs=null``, ``presence_penalty=0``, ...)
-are accepted at that value only; any other value is a 400 saying it is not supported.
+Strict about values, tolerant about extensions: every known field is type- and
+range-checked (a bad value is a 400 naming it), while an unknown field is kept aside in the
+model's ``model_extra`` and ignored with one logged warning per name (see ``fields.py``;
+``--strict-fields`` turns them into 400s). Fields we accept but cannot honour at every value
+(``best_of`` above ``n``, ``suffix``) are 400s at those values, never silently dropped.
 
-Extensions, as in vLLM: ``top_k``, ``stop_token_ids`` and ``cache_salt`` (a tenant key:
-requests with different salts never share cached KV).
+vLLM's extension fields: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``prompt_logprobs``, ``structured_outputs`` / ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``, ``stream_options.continuous_usage_stats`` and
+``cache_salt`` (a tenant key: requests with different salts never share cached KV).
 """
 
 from __future__ import annotations
@@ -15,72 +19,95 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-# Fields accepted only at their neutral value: name -> allowed values.
-_NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "parallel_tool_calls": (None, False, True),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-}
+MAX_LOGPROBS = 20
+"""Most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
+default ``max_logprobs``)."""
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 TokenId = Annotated[int, Field(strict=True, ge=0)]
+NumLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class _Strict(BaseModel):
-    """Base of request bodies: unknown fields are errors."""
+class _Body(BaseModel):
+    """Base of request bodies: unknown fields are kept in ``model_extra`` (see ``fields.py``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` (no choices)."""
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` (no choices);
+    ``continuous_usage_stats`` (vLLM) puts the running ``usage`` in every chunk."""
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
-class SamplingRequest(_Strict):
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: the schema the output must match."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class SamplingRequest(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
     n: PositiveInt = 1
+    best_of: PositiveInt | None = None
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(strict=True)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    prompt_logprobs: NumLogprobs | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     user: str | None = None
-    # OpenAI fields accepted only at their neutral value (see _NEUTRAL_ONLY).
-    echo: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    best_of: Any = None
-
-    @field_validator(
-        "echo", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-        "logit_bias", "best_of", check_fields=False,
-    )
-    @classmethod
-    def _neutral_only(cls, value: Any, info: Any) -> Any:
-        if value not in _NEUTRAL_ONLY[info.field_name]:
-            raise ValueError(f"{info.field_name}={value!r} is not supported by this server")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -90,11 +117,37 @@ class SamplingRequest(_Strict):
             raise ValueError("stop strings must be non-empty")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (as strings), got {key!r}")
+        return value
+
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingRequest:
+    def _checks(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Cross-field errors as ``(param, message)`` (the server answers the first as a 400)."""
+        out = []
+        if self.best_of is not None and self.best_of != self.n:
+            out.append(("best_of", f"best_of={self.best_of} is not supported: only best_of == n ({self.n})"))
+        if isinstance(self, CompletionRequest) and self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "max_tokens must be >= 1 (0 only with echo)"))
+        if isinstance(self, ChatCompletionRequest):
+            if self.top_logprobs and not self.logprobs:
+                out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
+            choice = self.tool_choice
+            names = [t.function.name for t in self.tools or []]
+            if (isinstance(choice, NamedToolChoice) or choice == "required") and not names:
+                out.append(("tool_choice", "tool_choice needs tools"))
+            elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                out.append(("tool_choice", f"tool_choice names {choice.function.name!r}, not one of the tools {names}"))
+        return out
 
     @property
     def stop_list(self) -> list[str]:
@@ -103,17 +156,30 @@ class SamplingRequest(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with int keys."""
+        return None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``. ``prompt``: a string, token ids, or a batch of either."""
+    """``POST /v1/completions``. ``prompt``: a string, token ids, or a batch of either.
+
+    ``echo`` puts the prompt before the completion (with ``logprobs``, the prompt tokens' too,
+    the first one ``null``): what lm-eval's loglikelihood tasks read. ``max_tokens=0`` is
+    allowed with ``echo`` (only the prompt's logprobs).
+    """
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    suffix: Any = None
+    max_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None
+    echo: StrictBool = False
+    logprobs: NumLogprobs | None = None
+    suffix: str | None = None
 
     @field_validator("suffix")
     @classmethod
-    def _no_suffix(cls, value: Any) -> Any:
-        if value not in _NEUTRAL_ONLY["suffix"]:
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
             raise ValueError("suffix is not supported by this server")
         return value
 
@@ -136,47 +202,87 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(_Strict):
+class TextPart(_Body):
     """One ``{"type": "text", "text": ...}`` element of a message's content list."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
-    """A chat message. Content is a string or a list of text parts (no images)."""
+class ChatMessage(_Body):
+    """A chat message. Content is a string or a list of text parts (no images); assistant
+    messages may carry ``tool_calls`` and ``tool`` messages a ``tool_call_id``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
 
+class FunctionDef(_Body):
+    """A tool's function: name, description, JSON-schema parameters."""
+
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    """``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(_Body):
+    """``{"type": "function", "function": {"name": ...}}``: call exactly this tool."""
+
+    class _Name(_Body):
+        name: str
+
+    type: Literal["function"] = "function"
+    function: _Name
+
+
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``.
+
+    ``tools`` go to the chat template. ``tool_choice``: ``"none"`` / ``"auto"`` generate text
+    (this server has no tool-call parser, so ``auto`` never returns ``tool_calls``);
+    ``"required"`` or a named function constrain the output (structured outputs) to a call's
+    arguments and return ``tool_calls``, as vLLM does.
+    """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
-    parallel_tool_calls: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
+    logprobs: StrictBool = False
+    top_logprobs: NumLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("parallel_tool_calls", "tools", "tool_choice", "response_format")
-    @classmethod
-    def _chat_neutral_only(cls, value: Any, info: Any) -> Any:
-        if value not in _NEUTRAL_ONLY[info.field_name]:
-            raise ValueError(f"{info.field_name} is not supported by this server")
-        return value
-
-    def plain_messages(self) -> list[dict[str, str]]:
-        """Messages as ``{"role", "content"}`` dicts for the chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def plain_messages(self) -> list[dict[str, Any]]:
+        """Messages as ``{"role", "content", ...}`` dicts for the chat template."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            out.append(msg)
+        return out
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -185,6 +291,12 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # ---------------------------------------------------------------- cache admin
+
+
+class _Strict(BaseModel):
+    """Base of the cache admin bodies (ours alone, so an unknown field there is a 400)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class PrefixSpec(_Strict):

@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -30,7 +30,10 @@ from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
+from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from prefixkv.server.render import ChoiceRenderer
+from prefixkv.server.tools import structured_outputs
 
 Disconnected = Callable[[], Awaitable[bool]]
 """``await is_disconnected()``: whether the HTTP client has gone away."""
@@ -53,7 +56,9 @@ def engine_failure(exc: BaseException) -> APIError:
     return APIError(f"the engine is not running: {exc}", status=503, code="engine_unavailable")
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's sampling params for a validated request body."""
     try:
         return SamplingParams(
@@ -61,10 +66,22 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None) -> SamplingPar
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
+            min_p=req.min_p or 0.0,
             seed=req.seed,
             max_tokens=max_tokens,
             stop=req.stop_list or None,
             stop_token_ids=req.stop_token_ids,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.bias,
+            min_tokens=req.min_tokens if max_tokens is None else min(req.min_tokens, max_tokens),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
         )
     except ValueError as exc:
         raise APIError(str(exc)) from exc
@@ -75,6 +92,16 @@ def render_chat(engine: AsyncEngine, messages: list[dict[str, str]], *,
     """Chat messages as an engine prompt (``{"prompt", "prompt_token_ids"}``), rendered with
     the model's chat template exactly as ``LLM.chat`` renders them."""
     return engine.chat_prompt(messages, add_generation_prompt)
+
+
+def _param_of(message: str, default: str) -> str | None:
+    """The request field an engine ``ValueError`` is about (``default``: the prompt)."""
+    word = message.split(" ", 1)[0]
+    if word == "logit_bias":
+        return "logit_bias"
+    if word == "structured_outputs:":
+        return None  # response_format, tool_choice, guided_* or structured_outputs
+    return default
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -119,8 +146,6 @@ class _Job:
     last: RequestOutput
     done: bool = False
     ttft: float | None = None
-    sent_text: dict[int, int] = field(default_factory=dict)
-    sent_finish: set[int] = field(default_factory=set)
 
 
 class OpenAIServing:
@@ -138,6 +163,9 @@ class OpenAIServing:
         self._pool_tokens: int | None = None
 
     def _check_limits(self, req: SamplingRequest, num_prompts: int) -> None:
+        problems = req.problems()
+        if problems:
+            raise APIError(problems[0][1], param=problems[0][0])
         lim = self.limits
         if req.n > lim.max_n:
             raise APIError(f"n must be at most {lim.max_n} (--max-n), got {req.n}", param="n")
@@ -150,25 +178,49 @@ class OpenAIServing:
         """``POST /v1/completions``."""
         prompts = req.prompts()
         self._check_limits(req, len(prompts))
-        params = sampling_params(req, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        structured, _ = structured_outputs(req)
+        echo_only = req.max_tokens == 0  # echo the prompt (and its logprobs) only
+        prompt_lp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, req.logprobs)
+        params = sampling_params(
+            req, 1 if echo_only else (req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS),
+            logprobs=req.logprobs, prompt_logprobs=prompt_lp, structured=structured)
+        view = self._renderer(chat=False, num_logprobs=req.logprobs, echo=req.echo,
+                              echo_only=echo_only, prompt_logprobs=req.prompt_logprobs is not None)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await self._run(rid, prompts, params, req, is_disconnected, chat=False)
+        return await self._run(rid, prompts, params, req, is_disconnected, view)
+
+    def _renderer(self, **kwargs: Any) -> ChoiceRenderer:
+        tok = self.engine.tokenizer
+        return ChoiceRenderer(
+            decode=lambda t: tok.decode([t], skip_special_tokens=False),
+            decode_ids=lambda ids: tok.decode(ids, skip_special_tokens=False), **kwargs)
 
     async def chat(self, req: ChatCompletionRequest,
                    is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
         """``POST /v1/chat/completions``."""
         self._check_limits(req, 1)
+        structured, tool_mode = structured_outputs(req)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            template_kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in req.tools])
         try:
-            prompt = await self.engine.chat_prompt_async(req.plain_messages(), True)
+            prompt = await self.engine.chat_prompt_async(
+                req.plain_messages(), req.add_generation_prompt, **template_kwargs)
         except ValueError as exc:
             raise APIError(f"cannot render messages: {exc}", param="messages") from exc
         max_tokens = req.effective_max_tokens
         if max_tokens is None:
             room = await self._room_left(len(prompt["prompt_token_ids"]))
             max_tokens = None if room is None else min(room, self.limits.default_chat_max_tokens)
-        params = sampling_params(req, max_tokens)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(req, max_tokens, logprobs=num_logprobs,
+                                 prompt_logprobs=req.prompt_logprobs, structured=structured)
+        view = self._renderer(chat=True, num_logprobs=num_logprobs, tool_mode=tool_mode,
+                              prompt_logprobs=req.prompt_logprobs is not None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._run(rid, [prompt], params, req, is_disconnected, chat=True)
+        return await self._run(rid, [prompt], params, req, is_disconnected, view)
 
     async def _room_left(self, prompt_tokens: int) -> int | None:
         """Chat's default ``max_tokens`` (vLLM's): the room the prompt leaves in the context,
@@ -180,14 +232,17 @@ class OpenAIServing:
         return room if room >= 1 else None
 
     async def _run(self, rid: str, prompts: list[Any], params: SamplingParams,
-                   req: SamplingRequest, is_disconnected: Disconnected, *,
-                   chat: bool) -> JSONResponse | StreamingResponse:
+                   req: SamplingRequest, is_disconnected: Disconnected,
+                   view: ChoiceRenderer) -> JSONResponse | StreamingResponse:
         t0 = time.perf_counter()
+        chat = view.chat
         jobs = await self._submit(rid, prompts, params, req, chat=chat, t0=t0)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            opts = req.stream_options
             return EngineStreamingResponse(
-                self._stream(rid, jobs, params.n, chat=chat, include_usage=include_usage, t0=t0),
+                self._stream(rid, jobs, params.n, view, t0=t0,
+                             include_usage=bool(opts and opts.include_usage),
+                             continuous_usage=bool(opts and opts.continuous_usage_stats)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -214,7 +269,7 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await self._abort_unfinished(jobs, t0)
-        return JSONResponse(self._final_body(rid, jobs, params.n, chat=chat))
+        return JSONResponse(self._final_body(rid, jobs, params.n, view))
 
     async def _submit(self, rid: str, prompts: list[Any], params: SamplingParams,
                       req: SamplingRequest, *, chat: bool, t0: float) -> list[_Job]:
@@ -230,7 +285,7 @@ class OpenAIServing:
             try:
                 first = await stream.__anext__()
             except ValueError as exc:
-                raise APIError(str(exc), param=param) from exc
+                raise APIError(str(exc), param=_param_of(str(exc), param)) from exc
             except RuntimeError as exc:
                 raise engine_failure(exc) from exc
             except StopAsyncIteration as exc:
@@ -290,9 +345,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ bodies
 
-    def _usage(self, jobs: list[_Job]) -> dict[str, Any]:
+    def _usage(self, jobs: list[_Job], view: ChoiceRenderer) -> dict[str, Any]:
         prompt = sum(len(j.last.prompt_token_ids) for j in jobs)
-        completion = sum(len(o.token_ids) for j in jobs for o in j.last.outputs)
+        completion = sum(view.num_generated(o) for j in jobs for o in j.last.outputs)
         cached = sum(j.last.num_cached_tokens for j in jobs)
         return {
             "prompt_tokens": prompt,
@@ -301,70 +356,40 @@ class OpenAIServing:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _final_body(self, rid: str, jobs: list[_Job], n: int, *, chat: bool) -> dict[str, Any]:
-        choices = []
-        for p, job in enumerate(jobs):
-            for o in job.last.outputs:
-                choice: dict[str, Any] = {"index": p * n + o.index, "logprobs": None,
-                                          "finish_reason": o.finish_reason}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": o.text}
-                else:
-                    choice["text"] = o.text
-                choice["stop_reason"] = o.stop_reason
-                choices.append(choice)
+    def _final_body(self, rid: str, jobs: list[_Job], n: int, view: ChoiceRenderer
+                    ) -> dict[str, Any]:
+        choices = [view.final(p * n + o.index, job.last, o)
+                   for p, job in enumerate(jobs) for o in job.last.outputs]
         return {
             "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
+            "object": "chat.completion" if view.chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": self._usage(jobs),
+            "usage": self._usage(jobs, view),
         }
 
-    async def _stream(self, rid: str, jobs: list[_Job], n: int, *, chat: bool,
-                      include_usage: bool, t0: float) -> AsyncIterator[bytes]:
-        """SSE chunks: per-choice deltas, then (``include_usage``) a usage chunk, then
-        ``[DONE]``. Closing this generator early aborts the unfinished engine requests."""
+    async def _stream(self, rid: str, jobs: list[_Job], n: int, view: ChoiceRenderer, *,
+                      include_usage: bool, continuous_usage: bool, t0: float
+                      ) -> AsyncIterator[bytes]:
+        """SSE chunks: per-choice deltas (with ``continuous_usage`` each carries the usage so
+        far), then (``include_usage``) a usage chunk, then ``[DONE]``. Closing this generator
+        early aborts the unfinished engine requests."""
         created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        obj = "chat.completion.chunk" if view.chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
                   ) -> bytes:
             body: dict[str, Any] = {"id": rid, "object": obj, "created": created,
                                     "model": self.model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
+            if include_usage or continuous_usage:
+                body["usage"] = self._usage(jobs, view) if continuous_usage and usage is None else usage
             return sse(body)
 
         def deltas(p: int, out: RequestOutput, job: _Job) -> list[dict[str, Any]]:
-            """Choices for the text each sample added since the last chunk sent."""
-            choices: list[dict[str, Any]] = []
-            for o in out.outputs:
-                index = p * n + o.index
-                sent = job.sent_text.get(o.index)
-                first = sent is None
-                sent = sent or 0
-                text = o.text[sent:]
-                job.sent_text[o.index] = max(sent, len(o.text))
-                finish = o.finish_reason if o.index not in job.sent_finish else None
-                if finish:
-                    job.sent_finish.add(o.index)
-                if not (text or finish or (first and chat)):
-                    continue
-                piece: dict[str, Any] = {"index": index, "logprobs": None,
-                                         "finish_reason": finish}
-                if chat:
-                    # The first chunk of a choice carries the role (OpenAI's convention).
-                    delta = {"role": "assistant", "content": text} if first else {}
-                    if text:
-                        delta["content"] = text
-                    piece["delta"] = delta
-                else:
-                    piece["text"] = text
-                    piece["stop_reason"] = o.stop_reason if finish else None
-                choices.append(piece)
-            return choices
+            """Choices for what each sample added since the last chunk sent."""
+            pieces = (view.delta(p * n + o.index, out, o) for o in out.outputs)
+            return [piece for piece in pieces if piece is not None]
 
         pending: dict[asyncio.Future[RequestOutput], tuple[int, _Job]] = {}
         try:
@@ -384,7 +409,7 @@ class OpenAIServing:
                     if not job.done:
                         pending[asyncio.ensure_future(self._advance(job, t0))] = (p, job)
             if include_usage:
-                yield chunk([], self._usage(jobs))
+                yield chunk([], self._usage(jobs, view))
             yield sse("[DONE]")
         except (ValueError, RuntimeError) as exc:  # the engine failed after the stream started
             err = engine_failure(exc)

@@ -1,0 +1,85 @@
+"""OpenAI logprobs objects from the engine's :class:`~prefixkv.engine.outputs.Logprob` records.
+
+Completions (legacy shape, what lm-eval reads)::
+
+    {"tokens": [str], "token_logprobs": [float | None], "top_logprobs": [{str: float} | None],
+     "text_offset": [int]}
+
+Chat::
+
+    {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+
+``-inf`` (a token a grammar or ``logit_bias`` ruled out) is reported as -9999.0, as vLLM does,
+since JSON has no infinity. With ``echo``, the first prompt token has ``null`` entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prefixkv.engine.outputs import Logprob
+
+FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, FLOOR)
+
+
+def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The ``num`` most likely tokens of ``entry`` by rank."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+    return ranked[:num]
+
+
+class CompletionLogprobs:
+    """Accumulates the completions ``logprobs`` object (text offsets run across calls)."""
+
+    def __init__(self, num_top: int, text_offset: int = 0) -> None:
+        self.num_top = num_top
+        self.offset = text_offset
+
+    def build(
+        self, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None],
+        decode: Any,
+    ) -> dict[str, Any]:
+        """The object for ``token_ids`` (``entries[i]`` is ``None`` for a first prompt token)."""
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for tok, entry in zip(token_ids, entries):
+            text = entry[tok].decoded_token if entry is not None and tok in entry else None
+            text = text if text is not None else decode(tok)
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+            if entry is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(_lp(entry[tok].logprob))
+            top = {text: _lp(entry[tok].logprob)}  # the chosen token, then the top ones
+            for t, lp in _top(entry, self.num_top):
+                top.setdefault(lp.decoded_token if lp.decoded_token is not None else decode(t), _lp(lp.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], num_top: int, decode: Any
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object for generated ``token_ids``."""
+    content = []
+    for tok, entry in zip(token_ids, entries):
+        known = entry[tok].decoded_token
+        text = str(known if known is not None else decode(tok))
+        top = []
+        for t, lp in _top(entry, num_top):
+            s = lp.decoded_token if lp.decoded_token is not None else decode(t)
+            top.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode("utf-8", "replace"))})
+        content.append({"token": text, "logprob": _lp(entry[tok].logprob),
+                        "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top})
+    return {"content": content}
