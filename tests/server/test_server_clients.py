@@ -1,0 +1,126 @@
+"""Replays what real clients and routers send (tests/server/fixtures/*.json) against a live
+server: every request must succeed, and streamed ones must be well-formed SSE. Where a client
+is installed (the optional test below), it is also run for real."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_live import MODEL, LiveServer, start_server
+
+from prefixkv.engine import AsyncEngine
+
+FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
+
+
+def _requests() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in FIXTURES:
+        for i, req in enumerate(json.loads(path.read_text())["requests"]):
+            out.append((f"{path.stem}#{i}", req))
+    return out
+
+
+def _check_stream(text: str, body: dict[str, Any]) -> None:
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks and all("error" not in c for c in chunks)
+    opts = body.get("stream_options") or {}
+    if opts.get("continuous_usage_stats"):
+        with_choices = [c for c in chunks if c["choices"]]
+        assert all(c["usage"]["prompt_tokens"] > 0 for c in with_choices)
+    if opts.get("include_usage"):
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize(("name", "req"), _requests(), ids=[n for n, _ in _requests()])
+def test_client_request_is_served(http: httpx.Client, name: str, req: dict[str, Any]) -> None:
+    body = req["body"]
+    r = http.request(req["method"], req["path"], json=body)
+    assert r.status_code == 200, r.text
+    if body and body.get("stream"):
+        _check_stream(r.text, body)
+        return
+    data = r.json()
+    if req["path"] == "/tokenize":
+        assert data["tokens"] and data["count"] == len(data["tokens"])
+        return
+    choice = data["choices"][0]
+    if body.get("ignore_eos") and body.get("max_tokens"):
+        assert data["usage"]["completion_tokens"] == body["max_tokens"]
+    if body.get("echo") and body.get("logprobs") is not None:
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(body["prompt"])
+        assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == data["usage"]["prompt_tokens"] + 1
+        assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+
+
+def test_unknown_fields_warn_once_per_name(http: httpx.Client, server: LiveServer,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "no_stop_trim": True, "frob_x": {"a": 1},
+            "stream": True, "stream_options": {"include_usage": True, "frob_y": 1}}
+    with caplog.at_level(logging.WARNING, logger="prefixkv.server.fields"):
+        for _ in range(3):
+            assert http.post("/v1/completions", json=body).status_code == 200
+    warned = [r.getMessage() for r in caplog.records if "frob_" in r.getMessage()]
+    assert len(warned) == 2 and any("stream_options.frob_y" in w for w in warned)
+
+
+@pytest.fixture(scope="module")
+def strict_server(engine: AsyncEngine) -> Any:
+    live = start_server(engine, model_name=MODEL, strict_fields=True)
+    yield live
+    live.stop()
+
+
+def test_strict_fields_refuse_unknown_fields(strict_server: LiveServer) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "no_stop_trim": False}
+    r = httpx.post(strict_server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "no_stop_trim"
+    body.pop("no_stop_trim")
+    assert httpx.post(strict_server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+LC_SCRIPT = """
+import sys
+from langchain_openai import ChatOpenAI, OpenAI
+url = sys.argv[1]
+chat = ChatOpenAI(base_url=url + "/v1", api_key="x", model="prefixkv-demo", max_tokens=6, temperature=0)
+assert chat.invoke("Hello").usage_metadata["input_token_details"]["cache_read"] >= 0
+assert len(list(chat.stream("Hi"))) > 1 and len(chat.batch(["a", "b"])) == 2
+lp = chat.bind(logprobs=True, top_logprobs=2).invoke("Hi")
+assert len(lp.response_metadata["logprobs"]["content"]) == 6
+from pydantic import BaseModel
+class Answer(BaseModel):
+    ok: bool
+print(ChatOpenAI(base_url=url + "/v1", api_key="x", model="prefixkv-demo", max_tokens=40).with_structured_output(Answer).invoke("?"))
+OpenAI(base_url=url + "/v1", api_key="x", model="prefixkv-demo", max_tokens=4).invoke("Hello")
+print("ok")
+"""
+
+
+def _client_python() -> str | None:
+    """A Python that has langchain-openai (this one, or $PREFIXKV_CLIENTS_PYTHON)."""
+    candidate = os.environ.get("PREFIXKV_CLIENTS_PYTHON", sys.executable)
+    if shutil.which(candidate) is None and not Path(candidate).is_file():
+        return None
+    ok = subprocess.run([candidate, "-c", "import langchain_openai"], capture_output=True, timeout=60)
+    return candidate if ok.returncode == 0 else None
+
+
+def test_langchain_openai_for_real(server: LiveServer) -> None:
+    python = _client_python()
+    if python is None:
+        pytest.skip("langchain-openai is not installed (set PREFIXKV_CLIENTS_PYTHON to a Python that has it)")
+    r = subprocess.run([python, "-c", LC_SCRIPT, server.url], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

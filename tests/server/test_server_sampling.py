@@ -1,0 +1,156 @@
+"""The sampling features through the ``openai`` client against a live server: logprobs, echo
+with prompt logprobs (equal on a cached prompt and a cold server), penalties, structured
+outputs and forced tool calls, continuous usage, and vLLM's tokenizer and model routes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_live import MODEL, LiveServer, start_server
+
+from prefixkv.engine import AsyncEngine
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == 5
+    assert all(len(t) >= 3 for t in lp.top_logprobs)
+    assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))  # greedy
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_echo_logprobs_on_a_cached_prompt_equal_a_cold_server(client: openai.OpenAI, server: LiveServer) -> None:
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)  # caches the prompt
+    warm = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    cold_engine = AsyncEngine.from_args(None, block_size=16, num_kv_blocks=64, enable_prefix_caching=False)
+    cold_server = start_server(cold_engine, model_name=MODEL)
+    try:
+        cold_client = openai.OpenAI(base_url=cold_server.url + "/v1", api_key="x", max_retries=0)
+        cold = cold_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    finally:
+        cold_server.stop()
+        cold_engine.shutdown()
+    w, c = warm.choices[0], cold.choices[0]
+    assert w.text == c.text and w.text.startswith(PROMPT)
+    assert w.logprobs.tokens == c.logprobs.tokens
+    assert w.logprobs.token_logprobs[0] is None
+    assert w.logprobs.token_logprobs[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-4)
+    assert warm.usage.prompt_tokens_details.cached_tokens == 0  # computed, not read from cache
+
+
+def test_echo_with_max_tokens_zero(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="abc def", max_tokens=0, echo=True, logprobs=1)
+    assert r.choices[0].text == "abc def" and r.usage.completion_tokens == 0
+    assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens
+
+
+def test_streamed_logprobs_and_continuous_usage(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=6, temperature=0, logprobs=1, stream=True, echo=True,
+        stream_options={"include_usage": True}, extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    with_text = [c for c in chunks if c.choices]
+    assert with_text[0].choices[0].text.startswith("Hi")
+    tokens = [t for c in with_text for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    assert len(tokens) == 2 + 6  # the echoed prompt "Hi" (2 byte tokens), then 6 generated
+    assert all(c.usage is not None for c in with_text)
+    assert [c.usage.completion_tokens for c in with_text] == sorted(c.usage.completion_tokens for c in with_text)
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_chat_logprobs_streamed_and_whole(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "Hello"}]
+    whole = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    streamed = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    tokens = [c.token for ch in streamed if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert tokens == [c.token for c in content]
+
+
+def test_penalties_bias_and_stop_fields(client: openai.OpenAI) -> None:
+    base = client.completions.create(model=MODEL, prompt="Hello", max_tokens=32, temperature=0)
+    assert len(set(base.choices[0].text)) < 32  # it repeats itself, so penalties bite
+    z = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(ord("z")): 100})
+    assert z.choices[0].text == "zzzz"
+    pen = client.completions.create(model=MODEL, prompt="Hello", max_tokens=32, temperature=0, presence_penalty=2.0, frequency_penalty=2.0,
+                                    extra_body={"repetition_penalty": 2.0, "min_p": 0.1, "top_k": 5})
+    assert pen.choices[0].text != base.choices[0].text
+    stop = base.choices[0].text[2:4]
+    kept = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith(stop)
+    eos = client.completions.create(model=MODEL, prompt="Hello", max_tokens=9, temperature=0,
+                                    extra_body={"ignore_eos": True, "min_tokens": 9, "skip_special_tokens": False})
+    assert eos.usage.completion_tokens == 9
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
+          "required": ["ok", "size"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_object(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON"}], max_tokens=40,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+    assert json.loads(r.choices[0].message.content)["size"] in {"S", "M", "L"}
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in {"yes", "no"}
+
+
+def test_forced_tool_calls(client: openai.OpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "set_size", "parameters": SCHEMA}},
+             {"type": "function", "function": {"name": "other", "parameters": {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}}}]
+    msgs = [{"role": "user", "content": "call it"}]
+    named = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "set_size"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "set_size" and json.loads(call.function.arguments)["size"] in {"S", "M", "L"}
+    req = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, tools=tools, tool_choice="required",
+                                         parallel_tool_calls=False)
+    assert req.choices[0].finish_reason == "tool_calls"
+    assert req.choices[0].message.tool_calls[0].function.name in {"set_size", "other"}
+    streamed = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, tools=tools, stream=True,
+                                                   tool_choice={"type": "function", "function": {"name": "set_size"}}))
+    calls = [tc for ch in streamed if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and json.loads(calls[0].function.arguments)["ok"] in {True, False}
+    auto = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, tools=tools, tool_choice="auto")
+    assert auto.choices[0].message.content is not None
+
+
+def test_tokenizer_routes(http: httpx.Client, server: LiveServer) -> None:
+    t = http.post("/tokenize", json={"prompt": "héllo", "add_special_tokens": False, "return_token_strs": True}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == server.engine.max_model_len
+    assert http.post("/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+    info = http.get("/tokenizer_info").json()
+    assert "eos_token" in info and info["chat_template"]
+    assert http.get("/version").json()["version"]
+    assert http.post("/detokenize", json={"tokens": [10**7]}).status_code == 400
+    assert http.post("/tokenize", json={}).status_code == 400
+
+
+def test_models_routes(http: httpx.Client, engine: AsyncEngine) -> None:
+    live = start_server(engine, model_name=MODEL, served_model_names=("alias-a", "alias-b"))
+    try:
+        data = httpx.get(live.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in data] == [MODEL, "alias-a", "alias-b"]
+        assert all(m["max_model_len"] == engine.max_model_len for m in data)
+        assert httpx.get(live.url + "/v1/models/alias-b").json()["id"] == "alias-b"
+        assert httpx.get(live.url + "/v1/models/nope").status_code == 404
+        r = httpx.post(live.url + "/v1/completions", json={"model": "alias-a", "prompt": "x", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        live.stop()
+
+
+def _unused(x: Any) -> Any:  # keep imports used when tests are deselected
+    return x
