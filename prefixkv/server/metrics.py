@@ -1,5 +1,9 @@
 """Prometheus metrics for ``GET /metrics`` (vLLM's names, with a ``prefixkv:`` prefix).
 
+The series that mean what vLLM's mean are also exported under vLLM's own names
+(``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, ... see ``VLLM_ALIASES``), so existing vLLM dashboards work.
+
 Each app owns one :class:`ServerMetrics` with its own ``CollectorRegistry``, so several apps in
 one process (tests) never share counters. Two kinds of series:
 
@@ -26,6 +30,14 @@ _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )
+
+
+VLLM_ALIASES = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+    "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+)
+"""Our ``prefixkv:<name>`` series that are also exported as ``vllm:<name>``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +137,8 @@ class ServerMetrics:
         r.register(_HitRateCollector(self, model_name))
         self._engine = _EngineCollector(model_name)
         r.register(self._engine)
+        self._aliases = CollectorRegistry()
+        self._aliases.register(_VllmAliases(self.registry))
 
     def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         """One sequence's prompt was looked up: ``cached_tokens`` of ``prompt_tokens`` hit."""
@@ -156,7 +170,7 @@ class ServerMetrics:
     def render(self, gauges: EngineGauges) -> bytes:
         """The exposition text for ``GET /metrics``, with ``gauges`` as the engine state."""
         self._engine.snapshot = gauges
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self._aliases)
 
 
 class _HitRateCollector(Collector):
@@ -173,3 +187,21 @@ class _HitRateCollector(Collector):
             labels=["model_name"])
         g.add_metric([self._model], self._metrics.hit_rate)
         yield g
+
+
+class _VllmAliases(Collector):
+    """The ``VLLM_ALIASES`` series of ``source`` again, renamed ``prefixkv:`` -> ``vllm:``."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+        self._names = {f"prefixkv:{n}" for n in VLLM_ALIASES}
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            if family.name not in self._names:
+                continue
+            renamed = Metric(family.name.replace("prefixkv:", "vllm:", 1), family.documentation,
+                             family.type, family.unit)
+            renamed.samples = [s._replace(name=s.name.replace("prefixkv:", "vllm:", 1))
+                               for s in family.samples]
+            yield renamed

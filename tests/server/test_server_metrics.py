@@ -69,3 +69,17 @@ def test_errors_are_counted(http: httpx.Client) -> None:
     before = errors_400()
     http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert errors_400() == before + 1
+
+
+def test_vllm_metric_names_for_existing_dashboards(http: httpx.Client, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="metrics under vLLM names", max_tokens=2)
+    text = http.get("/metrics").text
+    values = {line.split("{")[0]: line for line in text.splitlines() if line.startswith("vllm:")}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert name in values, name
+    ours = {line.split("{")[0].replace("prefixkv:", "vllm:"): line.rsplit(" ", 1)[1]
+            for line in text.splitlines() if line.startswith("prefixkv:prefix_cache_queries_total")}
+    assert values["vllm:prefix_cache_queries_total"].rsplit(" ", 1)[1] == ours["vllm:prefix_cache_queries_total"]
