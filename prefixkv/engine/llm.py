@@ -16,6 +16,7 @@ from prefixkv.engine.llm_engine import PIN_ATTEMPTS, PIN_PREFILL, LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.models.tokenizer import Tokenizer
 from prefixkv.runner.model_runner import ModelRunner
 
 Messages = Sequence[Mapping[str, Any]]
@@ -33,6 +34,7 @@ def build_engine(
     dtype: str | None = None,
     max_model_len: int | None = None,
     tokenizer: str | Path | None = None,
+    chat_template: str | Path | None = None,
     index: str = "radix",
     eviction_policy: str = "lru",
     hash_algo: str = "sha256",
@@ -48,7 +50,8 @@ def build_engine(
     SGLang-style token granularity). Bad arguments raise ``ValueError`` naming them.
     vLLM's names work too: ``max_model_len`` (shrinks the context), ``tokenizer`` (another
     tokenizer directory), ``dtype="auto"`` (the device default), ``kv_cache_memory`` (bytes
-    or a size such as ``"2GiB"``, an alias of ``kv_cache_memory_bytes``).
+    or a size such as ``"2GiB"``, an alias of ``kv_cache_memory_bytes``), ``chat_template``
+    (a file or the template text, replacing the tokenizer's).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -74,6 +77,8 @@ def build_engine(
         max_model_len=max_model_len,
         tokenizer=tokenizer,
     )
+    if chat_template is not None:
+        runner.tokenizer = _with_template(runner.tokenizer, chat_template)
     return LLMEngine(
         runner,
         enable_prefix_caching=enable_prefix_caching,
@@ -87,6 +92,13 @@ def build_engine(
         seed=seed,
         model_name=name,
     )
+
+
+def _with_template(tok: Tokenizer, template: str | Path) -> Tokenizer:
+    """``tok`` with another chat template (a file path or the template text)."""
+    path = Path(template)
+    text = path.read_text(encoding="utf-8") if len(str(template)) < 4096 and path.is_file() else str(template)
+    return Tokenizer(tok.backend, bos_token=tok.bos_token, eos_token=tok.eos_token, chat_template=text)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,

@@ -28,6 +28,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``serve``, ``cache`` and ``generate`` to the ``prefixkv`` parser."""
     _register_serve(sub)
+    _register_engine(sub)
     _register_cache(sub)
     _register_generate(sub)
 
@@ -57,7 +58,32 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="most blocks one cache_salt may keep pinned (default: only the global "
                         "budget)")
     g.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default by device)")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default by device)")
+    _add_vllm_flags(p)
+
+
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags, same names and meaning (so vLLM launch scripts run unchanged)."""
+    g = p.add_argument_group("vLLM-compatible engine flags")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences running at once (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, the prefill chunk size (default 4096)")
+    g.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling (default 0)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template: a file or the template text (default: the tokenizer's)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size in bytes or like '2GiB' (instead of --num-kv-blocks)")
+
+
+def _vllm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM-compatible flags that were given, as ``build_engine`` arguments."""
+    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "tokenizer",
+             "chat_template", "kv_cache_memory")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,6 +99,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "hash_algo": args.hash_algo,
         "max_pinned_blocks": args.max_pinned_blocks,
         "max_pinned_blocks_per_tenant": args.max_pinned_blocks_per_tenant,
+        **_vllm_kwargs(args),
     }
 
 
@@ -84,6 +111,39 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        description="Serve MODEL over an OpenAI-compatible HTTP API with prefix "
                                    "caching, cache admin routes and Prometheus metrics.")
     _add_engine_flags(p)
+    _add_server_flags(p)
+
+
+def _register_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Seed 004's spelling: ``prefixkv engine start MODEL --prefix-cache-size N
+    --prefix-cache-enable --eviction-policy lru`` is ``prefixkv serve`` (the cache size is the
+    KV pool in blocks, ``--num-kv-blocks``)."""
+    p = sub.add_parser("engine", help="seed 004's alias: 'engine start' = serve")
+    start = p.add_subparsers(dest="engine_command", metavar="ACTION", required=True).add_parser(
+        "start", help="start the server (same as 'prefixkv serve')",
+        description="Alias of 'prefixkv serve' with seed 004's flag names.")
+    _add_engine_flags(start)
+    _add_server_flags(start)
+    g = start.add_argument_group("seed 004 names")
+    g.add_argument("--prefix-cache-size", type=int, default=None, metavar="N",
+                   help="KV blocks the cache may hold (= --num-kv-blocks)")
+    g.add_argument("--prefix-cache-enable", action="store_true",
+                   help="prefix caching on (the default; --no-enable-prefix-caching turns it off)")
+    g.add_argument("--engine-kind", choices=("llm",), default="llm", help="only 'llm'")
+    start.set_defaults(func=_engine_start)
+
+
+def _engine_start(args: argparse.Namespace) -> int:
+    if args.prefix_cache_size is not None:
+        if args.num_kv_blocks is not None and args.num_kv_blocks != args.prefix_cache_size:
+            raise ValueError("give --prefix-cache-size or --num-kv-blocks, not both")
+        args.num_kv_blocks = args.prefix_cache_size
+    if args.prefix_cache_enable:
+        args.enable_prefix_caching = True
+    return _serve(args)
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -103,8 +163,12 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     g.add_argument("--default-chat-max-tokens", type=int, default=lim.default_chat_max_tokens,
                    help="max_tokens of a chat request that sets none, capped by the room left "
                         f"in the context (default {lim.default_chat_max_tokens})")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: the directory name, or prefixkv-demo)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) in the API; the first is reported in responses, all are "
+                        "listed and accepted (default: the directory name, or prefixkv-demo)")
+    g.add_argument("--strict-fields", action="store_true",
+                   help="refuse unknown request fields with a 400 (default: ignore them, with "
+                        "one logged warning per field name, as vLLM does)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_serve)
@@ -135,7 +199,8 @@ def _serve(args: argparse.Namespace) -> int:
                           max_prompts=args.max_prompts_per_request,
                           default_chat_max_tokens=args.default_chat_max_tokens)
     sock = _listen(args.host, args.port)
-    name = args.served_model_name or (
+    names = list(args.served_model_name or [])
+    name = names[0] if names else (
         os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME)
     aliases = (args.model,) if args.model else ()
     try:
@@ -151,6 +216,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, api_key=args.api_key, admin_api_key=args.admin_api_key,
                          limits=limits, model_name=name, model_aliases=aliases,
+                         served_model_names=tuple(names[1:]),
+                         strict_fields=getattr(args, "strict_fields", False),
                          on_shutdown=stop_engine)
         print(f"prefixkv: serving {name!r} on http://{args.host}:{args.port} "
               f"(prefix caching {'on' if args.enable_prefix_caching else 'off'})", flush=True)
@@ -291,9 +358,21 @@ def _cache_pin(args: argparse.Namespace) -> int:
     body = _prefix_body(args)
     if args.description is not None:
         body["description"] = args.description
-    d = _request(args, "POST", "/v1/cache/pin", body)
+    try:
+        d = _request(args, "POST", "/v1/cache/pin", body)
+    except RuntimeError as exc:
+        if "shorter than one block" not in str(exc):
+            raise
+        raise RuntimeError(f"{exc}. The prefix cache keeps KV in whole blocks only, so a prefix "
+                         "shorter than one block has nothing that can be pinned: give at least "
+                         "one block of tokens (the server's --block-size)") from None
+    note = ""
+    sent = len(body.get("token_ids") or [])
+    if sent > d["num_tokens"]:
+        note = (f"; the last {sent - d['num_tokens']} of the {sent} tokens were not pinned "
+                "(a partial block: only whole blocks are cached)")
     return _show(args, d, f"pinned {d['num_tokens']} tokens ({d['num_blocks']} blocks)"
-                 + (f": {d['description']}" if d.get("description") else ""))
+                 + (f": {d['description']}" if d.get("description") else "") + note)
 
 
 def _cache_unpin(args: argparse.Namespace) -> int:

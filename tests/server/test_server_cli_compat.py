@@ -1,0 +1,71 @@
+"""vLLM's serve flags and seed 004's ``engine start`` spelling, on a real process; the
+``cache pin`` messages about partial blocks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixkv.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_engine_start_with_vllm_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[[{{ m['content'] }}]]{% endfor %}")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixkv.cli", "engine", "start", "--port", str(port),
+         "--prefix-cache-size", "64", "--prefix-cache-enable", "--eviction-policy", "lru",
+         "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+         "--seed", "3", "--dtype", "auto", "--chat-template", str(template),
+         "--served-model-name", "a", "b", "--strict-fields", "--log-level", "warning"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["a", "b"] and models[0]["max_model_len"] == 512
+        stats = httpx.get(url + "/v1/cache/stats").json()
+        assert stats["num_kv_blocks"] == 64
+        tok = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "[[hi]]"
+        r = httpx.post(url + "/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 1, "frob": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "frob"  # --strict-fields
+        too_long = httpx.post(url + "/v1/completions", json={"prompt": "y" * 600, "max_tokens": 1})
+        assert too_long.status_code == 400 and "512" in too_long.json()["error"]["message"]
+        assert main(["cache", "pin", "--url", url, "--tokens", "1,2,3,4,5"]) == 1
+        assert "whole blocks only" in capsys.readouterr().err
+        assert main(["cache", "pin", "--url", url, "--tokens", ",".join(str(i + 1) for i in range(21))]) == 0
+        assert "the last 5 of the 21 tokens were not pinned" in capsys.readouterr().out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
