@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "prefixkv.server.cli",
     "prefixkv.router.cli",
     "prefixkv.bench.cli",
+    "prefixkv.bench.compare",
 )
 
 
