@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixkv.cache.protocol import CacheStats, PinError, PinnedPrefix
-from prefixkv.engine.llm_engine import PIN_ATTEMPTS, PIN_PREFILL, LLMEngine
+from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
+from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-
 _MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
 _MAX_SEED = 2**64 - 1
 
