@@ -23,6 +23,7 @@ All of a request's blocks get the request's time, the deeper ones first in line 
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -130,8 +131,17 @@ def parse_trace(lines: Iterable[str], *, block_size: int = 512, source: str = "t
 
 
 def load_trace(path: str | Path, *, block_size: int = 512) -> list[TraceRequest]:
-    """Read a Mooncake-format JSONL file (see :func:`parse_trace` for the checks)."""
+    """Read a Mooncake-format JSONL file, gzipped if its name ends in ``.gz`` (see
+    :func:`parse_trace` for the checks; a corrupt gzip file is a ``ValueError`` too)."""
     p = Path(path)
+    if p.suffix == ".gz":
+        try:
+            with gzip.open(p, "rt", encoding="utf-8") as f:
+                return parse_trace(f, block_size=block_size, source=str(p))
+        except (OSError, EOFError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise ValueError(f"{p}: not a readable gzip file ({exc})") from None
     with p.open(encoding="utf-8") as f:
         return parse_trace(f, block_size=block_size, source=str(p))
 
