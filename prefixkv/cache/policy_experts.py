@@ -46,7 +46,7 @@ from typing import Any
 
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
-EXPERTS = ("lru", "tail", "ghost", "lru2")
+EXPERTS = ("lru", "tail", "ghost", "lru2", "s2")
 _ROOT = hash("prefixkv.policy_experts.root")
 _GAP_MIN_WEIGHT = 1e-4  # running mean of revisit gaps for the first 10,000, then EMA
 _V, _T, _TP, _INTERIOR, _DEPTH = range(5)  # fields of a ghost-table record
@@ -125,6 +125,7 @@ class ExpertsPolicy(EvictionPolicy):
         self._shadows = [_Shadow() for _ in self.experts]
         self.scores = [0.0] * len(self.experts)
         self._sampled_visits = 0
+        self._types: dict[type, bool] = {}
         self._known: dict[int, Any] = {}  # id(entry) -> entry, for entries not yet evicted
         self._since_count = 0
         self.resident_max = 0
@@ -152,7 +153,7 @@ class ExpertsPolicy(EvictionPolicy):
         if id(e) not in known:
             known[id(e)] = e
         self._since_count += 1
-        if self._since_count >= max(64, len(known)):
+        if self.resident_max and self._since_count >= max(64, len(known)):
             self._count_resident()
         idents = self._identities(e)
         if not idents:
@@ -200,6 +201,8 @@ class ExpertsPolicy(EvictionPolicy):
             table.popitem(last=False)
 
     def on_evict(self, entry: CacheEntry) -> None:
+        if self.resident_max == 0:  # the first eviction: the real cache is full now
+            self._count_resident()
         self._known.pop(id(entry), None)
 
     # ---------------------------------------------------------------- queries
@@ -209,8 +212,11 @@ class ExpertsPolicy(EvictionPolicy):
         return 0.0 if rec is None else self._offset(expert, rec, entry.last_access_time)
 
     @property
-    def shadow_size(self) -> int:
-        """Blocks each shadow cache may hold now (sampled identities)."""
+    def shadow_size(self) -> int | None:
+        """Blocks each shadow cache may hold now (sampled identities); ``None`` (no limit)
+        until the real cache first evicts."""
+        if not self.resident_max:
+            return None
         return max(1, self.resident_max // self.sample_every)
 
     @property
@@ -236,15 +242,30 @@ class ExpertsPolicy(EvictionPolicy):
             if dead_tail:
                 return -g
             return g * math.log2(rec[_V]) if rec[_V] > 1 else 0.0
-        # lru2: the previous visit's time (a single visit: G before the last)
-        return rec[_TP] - t if rec[_V] > 1 else -g
+        if expert == "lru2":  # the previous visit's time (a single visit: G before the last)
+            return rec[_TP] - t if rec[_V] > 1 else -g
+        return -g if rec[_V] == 1 else 0.0  # s2: second-touch admission
 
     def _record(self, entry: Any) -> list[Any] | None:
-        h = getattr(entry, "hash", None)
-        if h is not None:
-            return self._table.get(h)
+        """The ghost-table record of ``entry``'s deepest block (``None`` if unknown)."""
+        if self._hashed(entry):
+            return self._table.get(entry.hash)
+        memo = self._memo.get(entry)
+        if memo is not None:  # fast path: no list slicing (a leaf is trimmed block by block)
+            start, idents = memo
+            j = entry.start_depth - start + entry.num_blocks - 1
+            if 0 <= j < len(idents) and entry.num_blocks:
+                return self._table.get(idents[j])
         idents = self._identities(entry)
         return self._table.get(idents[-1]) if idents else None
+
+    def _hashed(self, entry: Any) -> bool:
+        """Whether ``entry`` is a hashed block (its ``hash`` is its identity), cached by type."""
+        kind = type(entry)
+        got = self._types.get(kind)
+        if got is None:
+            got = self._types[kind] = hasattr(entry, "hash")
+        return got
 
     def _mark_interior(self, ident: Hashable, rec: list[Any]) -> None:
         """A deeper block followed ``ident`` in one touch: not a dead tail; re-key shadows."""
@@ -261,13 +282,14 @@ class ExpertsPolicy(EvictionPolicy):
 
     def _visit_shadows(self, ident: Hashable, rec: list[Any], now: float) -> None:
         size = self.shadow_size
-        decay = 1.0 - 1.0 / (self.window * size)
+        decay = 1.0 - 1.0 / (self.window * (size or len(self._shadows[0].where) + 1))
         scores = self.scores
         for k, (expert, shadow) in enumerate(zip(self.experts, self._shadows)):
             hit = ident in shadow.where
             scores[k] = scores[k] * decay + (1.0 if hit else 0.0)
             shadow.put(ident, now + self._offset(expert, rec, now), rec[_DEPTH])
-            shadow.shrink(size)
+            if size is not None:
+                shadow.shrink(size)
         self._sampled_visits += 1
         if self._sampled_visits % 16 == 0:
             self._choose(now)
@@ -287,9 +309,8 @@ class ExpertsPolicy(EvictionPolicy):
 
     def _identities(self, entry: Any) -> list[Any]:
         """Identities of ``entry``'s blocks, shallowest first (see policy_ghost)."""
-        h = getattr(entry, "hash", None)
-        if h is not None:
-            return [h]
+        if self._hashed(entry):
+            return [entry.hash]
         if not entry.num_blocks:
             return []
         chain = []
