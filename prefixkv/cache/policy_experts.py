@@ -46,10 +46,11 @@ from typing import Any
 
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
-EXPERTS = ("lru", "tail", "ghost", "lru2", "s2")
+EXPERTS = ("lru", "tail", "ghost", "lru2", "s2", "rate", "hit")
 _ROOT = hash("prefixkv.policy_experts.root")
 _GAP_MIN_WEIGHT = 1e-4  # running mean of revisit gaps for the first 10,000, then EMA
-_V, _T, _TP, _INTERIOR, _DEPTH = range(5)  # fields of a ghost-table record
+# fields of a ghost-table record (_HIT: the block was cached when last visited)
+_V, _T, _TP, _INTERIOR, _DEPTH, _T0, _HIT = range(7)
 
 
 class _Shadow:
@@ -91,7 +92,7 @@ class ExpertsPolicy(EvictionPolicy):
         min_gap: clock units between two touches for them to count as separate visits (>= 0).
     """
 
-    name = "experts"
+    name: str = "experts"
 
     def __init__(self, experts: tuple[str, ...] = EXPERTS, *, sample_every: int = 8,
                  window: float = 8.0, margin: float = 0.02, ghost_capacity: int = 65536,
@@ -165,18 +166,19 @@ class ExpertsPolicy(EvictionPolicy):
         tail = table.get(idents[-1])
         if tail is not None and now - tail[_T] < self.min_gap:
             for ident in idents[:-1]:
-                rec = table.get(ident)
-                if rec is not None and not rec[_INTERIOR]:
-                    self._mark_interior(ident, rec)
+                seen = table.get(ident)
+                if seen is not None and not seen[_INTERIOR]:
+                    self._mark_interior(ident, seen)
             self._pending = (entry.tick, idents[-1], tail)
             return  # this touch belongs to a visit already counted
         depth0 = entry.depth - len(idents)
         last = len(idents) - 1
+        was_cached = entry.access_count > 1  # a new entry's first touch is its insert
         rec: list[Any] | None = None
         for j, ident in enumerate(idents):
             rec = table.get(ident)
             if rec is None:
-                rec = [1, now, now, j < last, depth0 + j + 1]
+                rec = [1, now, now, j < last, depth0 + j + 1, now, was_cached]
                 table[ident] = rec
             else:
                 gap = now - rec[_T]
@@ -185,6 +187,7 @@ class ExpertsPolicy(EvictionPolicy):
                         self._mark_interior(ident, rec)
                     continue
                 rec[_V] += 1
+                rec[_HIT] = was_cached
                 rec[_TP] = rec[_T]
                 rec[_T] = now
                 if j < last:
@@ -224,12 +227,6 @@ class ExpertsPolicy(EvictionPolicy):
         """Block identities remembered now."""
         return len(self._table)
 
-    def state_bytes(self) -> int:
-        """Approximate bytes of side state: the ghost table, memo and shadows."""
-        per_record = 56 + 5 * 8 + 100  # list + fields + ordered-dict slot
-        shadows = sum(len(s.where) * 100 + len(s.heap) * 100 for s in self._shadows)
-        return len(self._table) * per_record + len(self._memo) * 120 + shadows
-
     # ---------------------------------------------------------------- internals
     def _offset(self, expert: str, rec: list[Any], t: float) -> float:
         g = self.gap
@@ -244,7 +241,11 @@ class ExpertsPolicy(EvictionPolicy):
             return g * math.log2(rec[_V]) if rec[_V] > 1 else 0.0
         if expert == "lru2":  # the previous visit's time (a single visit: G before the last)
             return rec[_TP] - t if rec[_V] > 1 else -g
-        return -g if rec[_V] == 1 else 0.0  # s2: second-touch admission
+        if expert == "s2":  # second-touch admission
+            return -g if rec[_V] == 1 else 0.0
+        if expert == "rate":  # the mean gap between the block's visits (LRU-K's rate)
+            return (rec[_T0] - t) / (rec[_V] - 1) if rec[_V] > 1 else -g
+        return 0.0 if rec[_HIT] else -g  # hit: cached when last visited (ARC's T2), else T1
 
     def _record(self, entry: Any) -> list[Any] | None:
         """The ghost-table record of ``entry``'s deepest block (``None`` if unknown)."""
@@ -287,7 +288,11 @@ class ExpertsPolicy(EvictionPolicy):
         for k, (expert, shadow) in enumerate(zip(self.experts, self._shadows)):
             hit = ident in shadow.where
             scores[k] = scores[k] * decay + (1.0 if hit else 0.0)
-            shadow.put(ident, now + self._offset(expert, rec, now), rec[_DEPTH])
+            if expert == "hit":  # cached in *this* shadow, not in the real cache
+                off = 0.0 if hit else -self.gap
+            else:
+                off = self._offset(expert, rec, now)
+            shadow.put(ident, now + off, rec[_DEPTH])
             if size is not None:
                 shadow.shrink(size)
         self._sampled_visits += 1
