@@ -172,7 +172,8 @@ def run_trace(args: argparse.Namespace) -> int:
         from prefixkv.bench.plots import plot_expert_history
 
         end = clock_times(requests, args.clock)[-1]
-        plot_expert_history(rows, args.experts_plot, end_time=end,
+        xlabel = "trace time (s)" if args.clock == "timestamp" else "request index"
+        plot_expert_history(rows, args.experts_plot, end_time=end, xlabel=xlabel,
                             title=f"{_basename(args.file)}: expert chosen over time "
                                   f"(block {args.block_size}, {args.index} index)")
         print(f"wrote {args.experts_plot}")

@@ -63,7 +63,7 @@ def plot_hit_rates(rows: Sequence[TraceRow], path: str | Path, *, title: str | N
 
 
 def plot_expert_history(rows: Sequence[TraceRow], path: str | Path, *, end_time: float,
-                        title: str | None = None) -> Path:
+                        title: str | None = None, xlabel: str = "clock") -> Path:
     """Write a PNG of the expert an adaptive policy chose over time, one panel per row that has
     an ``expert_history`` (clock time on x, from 0 to ``end_time``); returns the path.
 
@@ -77,7 +77,10 @@ def plot_expert_history(rows: Sequence[TraceRow], path: str | Path, *, end_time:
     rows = [r for r in rows if r.expert_history]
     if not rows:
         raise ValueError("rows: no row has an expert_history (run an adaptive policy)")
-    names = list(dict.fromkeys(e for r in rows for _, e in (r.expert_history or ())))
+    from prefixkv.cache.policy_experts import EXPERTS
+
+    seen = {e for r in rows for _, e in (r.expert_history or ())}
+    names = [e for e in EXPERTS if e in seen] + sorted(seen - set(EXPERTS))
     out = Path(path)
     fig, axes = plt.subplots(len(rows), 1, figsize=(8.0, 1.2 + 1.1 * len(rows)), dpi=120,
                              sharex=True, squeeze=False)
@@ -96,7 +99,7 @@ def plot_expert_history(rows: Sequence[TraceRow], path: str | Path, *, end_time:
             ax.set_title(f"{r.policy} @ {cap} tokens: hit rate {r.hit_rate:.4f} ({share})",
                          fontsize=9, loc="left")
             ax.grid(True, alpha=0.3)
-        axes[-1, 0].set_xlabel("trace time (index clock units)")
+        axes[-1, 0].set_xlabel(xlabel)
         fig.suptitle(title or "expert chosen over time", fontsize=10)
         fig.tight_layout()
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,36 +1,47 @@
 """ExpertsPolicy: online choice among prefix-aware eviction experts, by shadow-cache hits.
 
 Why (issue 12): each fixed policy fixes one way LRU fails and breaks another (ghost wins on
-chat conversations and loses on agentic sessions; LRU-2 wins small caches and loses large
-ones). As in ARC, LeCaR and Cacheus, this policy does not guess: it runs every expert in a
-small *shadow cache* that holds metadata only (identities and keys, no KV) and lets the real
-cache use the expert whose shadow hit most recently.
+chat conversations and loses on agentic sessions; LRU-2 wins on agentic sessions and small
+caches, and loses to ghost on conversations). As in ARC, LeCaR and Cacheus, this policy does
+not guess: it runs every expert in a small *shadow cache* that holds metadata only (identities
+and keys, no KV) and lets the real cache use the expert whose shadow hit most recently.
 
-Experts. Each is a *key offset* in clock units added to the last access time, so all keys
-read as "virtual eviction times" and an entry keyed under one expert still compares sensibly
+Experts. Each is a *key offset* in clock units added to the last access time, so every key
+reads as a "virtual last use" and an entry keyed under one expert still compares sensibly
 with entries keyed under another after a switch. ``G`` is the mean gap between two visits of
-a block (measured online); ``v`` the block's visits, remembered after eviction (a bounded
-ghost table, as :mod:`prefixkv.cache.policy_ghost`):
+a block (measured online), ``v`` the block's visits, remembered after eviction in a bounded
+ghost table (as :mod:`prefixkv.cache.policy_ghost`):
 
-* ``lru``: 0 (plain LRU, the safe default and the choice while evidence is lacking);
-* ``tail``: ``-G`` for a *dead tail*, a block seen once that never had a deeper block in the
-  same touch (a request's last, partial block; 1-11% of them are reused), else 0;
-* ``ghost``: ``G * log2(v)``, plus the ``tail`` rule (seen-before bonus: chat conversations);
-* ``lru2``: the previous visit instead of the last (``-G`` for a single visit): LRU-2's
-  second-touch admission (long sessions cycling through a cache too small for all of them).
+* ``lru``: 0 (plain LRU: the starting choice, kept while no expert does better);
+* ``tail``: ``-G`` for a *dead tail* (a block seen once that never had a deeper block in the
+  same touch: a request's last, partial block, rarely reused), else 0;
+* ``ghost``: ``G * log2(v)`` (seen-before bonus: conversations that came back come back
+  again), plus the ``tail`` rule;
+* ``lru2``: ``-(last gap)``, i.e. the key is the previous visit (LRU-2); ``-G`` for one visit;
+* ``s2``: ``-G`` for a block seen once, else 0 (second-touch admission, as S3-FIFO's small
+  queue);
+* ``rate``: ``-(mean gap between the block's visits)`` (LRU-K's rate); ``-G`` for one visit;
+* ``hit``: ``-G`` unless the block was cached when last visited (ARC's T1 / T2 split).
 
 Shadows. A block is *sampled* when its identity hash is ``0 mod sample_every``; each expert
 keeps the sampled blocks of a simulated cache of ``resident / sample_every`` blocks (SHARDS-
-style spatial sampling), where ``resident`` is the most blocks the real index has held. On
-each counted visit of a sampled block every shadow scores a hit if it holds it, then re-keys
-it and evicts down to its size. Scores are exponential averages over ``window * shadow
-size`` sampled visits. The real cache switches to the best expert when its score beats the
-current one's by ``margin`` (relative); ties stay put, so a workload where no expert helps
-stays on LRU.
+style spatial sampling), where ``resident`` is the most blocks the real index has held (no
+limit before its first eviction). On each counted visit of a sampled block every shadow
+scores a hit if it holds it, then re-keys it and evicts down to its size (``hit`` asks its
+own shadow whether the block was cached). Scores are exponential averages over ``window``
+shadow sizes of sampled visits; every 16 sampled visits the real cache switches to the best
+expert if its score beats the current one's by ``margin`` (relative), so a workload where
+no expert helps stays on LRU. Keys already in the index's heap are refreshed when touched or
+when they reach the top (the heap re-asks a top entry's key), so a switch takes effect
+gradually.
 
 Identity, visits and the ghost table work as in :mod:`prefixkv.cache.policy_ghost` (a
 hashed block's chained hash; a radix node's per-block hashes folded from the root, memoized).
-The table holds at least ``ghost_capacity`` identities and grows to 8x the resident blocks.
+The table holds ``max(ghost_capacity, 8 * resident)`` identities, about 200 bytes each.
+
+Cost: while ``lru`` is chosen, :meth:`key` is LRU's key; otherwise one memo and one table
+lookup. A counted visit is O(blocks on the path) dict updates plus, for the ``1 /
+sample_every`` sampled blocks, one heap push per expert.
 
 A policy instance keeps per-index state: give each index its own instance.
 """
@@ -39,7 +50,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
@@ -119,15 +129,15 @@ class ExpertsPolicy(EvictionPolicy):
         self._gaps_seen = 0
         # identity -> [visits, last counted visit, previous counted visit, interior, depth]
         self._table: OrderedDict[Hashable, list[Any]] = OrderedDict()
-        self._memo: weakref.WeakKeyDictionary[Any, tuple[int, list[int]]] = (
-            weakref.WeakKeyDictionary())
         # (tick, identity, record) of the deepest block of the touch in progress
         self._pending: tuple[int, Hashable, list[Any] | None] = (-1, None, None)
         self._shadows = [_Shadow() for _ in self.experts]
         self.scores = [0.0] * len(self.experts)
         self._sampled_visits = 0
         self._types: dict[type, bool] = {}
-        self._known: dict[int, Any] = {}  # id(entry) -> entry, for entries not yet evicted
+        # id(entry) -> [entry, start depth when memoized, its blocks' identities or None], for
+        # every entry seen and not evicted (entries leave an index only through eviction)
+        self._entries: dict[int, list[Any]] = {}
         self._since_count = 0
         self.resident_max = 0
         self.history: list[tuple[float, str]] = [(float("-inf"), self.experts[0])]
@@ -150,11 +160,11 @@ class ExpertsPolicy(EvictionPolicy):
     def on_access(self, entry: CacheEntry) -> None:
         now = entry.last_access_time
         e: Any = entry
-        known = self._known
-        if id(e) not in known:
-            known[id(e)] = e
+        entries = self._entries
+        if id(e) not in entries:
+            entries[id(e)] = [e, 0, None]
         self._since_count += 1
-        if self.resident_max and self._since_count >= max(64, len(known)):
+        if self.resident_max and self._since_count >= max(64, len(entries)):
             self._count_resident()
         idents = self._identities(e)
         if not idents:
@@ -206,7 +216,7 @@ class ExpertsPolicy(EvictionPolicy):
     def on_evict(self, entry: CacheEntry) -> None:
         if self.resident_max == 0:  # the first eviction: the real cache is full now
             self._count_resident()
-        self._known.pop(id(entry), None)
+        self._entries.pop(id(entry), None)
 
     # ---------------------------------------------------------------- queries
     def expert_offset(self, expert: str, entry: CacheEntry) -> float:
@@ -251,9 +261,9 @@ class ExpertsPolicy(EvictionPolicy):
         """The ghost-table record of ``entry``'s deepest block (``None`` if unknown)."""
         if self._hashed(entry):
             return self._table.get(entry.hash)
-        memo = self._memo.get(entry)
-        if memo is not None:  # fast path: no list slicing (a leaf is trimmed block by block)
-            start, idents = memo
+        memo = self._entries.get(id(entry))
+        if memo is not None and memo[2] is not None:  # no list slicing: leaves are trimmed
+            _, start, idents = memo                    # block by block, each asking the key
             j = entry.start_depth - start + entry.num_blocks - 1
             if 0 <= j < len(idents) and entry.num_blocks:
                 return self._table.get(idents[j])
@@ -309,7 +319,7 @@ class ExpertsPolicy(EvictionPolicy):
 
     def _count_resident(self) -> None:
         self._since_count = 0
-        resident = sum(e.num_blocks for e in self._known.values())
+        resident = sum(r[0].num_blocks for r in self._entries.values())
         self.resident_max = max(self.resident_max, resident)
 
     def _identities(self, entry: Any) -> list[Any]:
@@ -339,14 +349,14 @@ class ExpertsPolicy(EvictionPolicy):
             for j in range(n):
                 h = hash((h, tuple(key[j * bs:(j + 1) * bs])))
                 out.append(h)
-            self._memo[node] = (node.start_depth, out)
+            self._entries[id(node)] = [node, node.start_depth, out]
         return out
 
     def _memoized(self, node: Any) -> list[int] | None:
-        rec = self._memo.get(node)
-        if rec is None:
+        rec = self._entries.get(id(node))
+        if rec is None or rec[2] is None:
             return None
-        start, idents = rec
+        _, start, idents = rec
         lo = node.start_depth - start
         hi = lo + node.num_blocks
         if lo < 0 or hi > len(idents) or hi <= lo:
