@@ -356,7 +356,8 @@ class ExpertsPolicy(EvictionPolicy):
         rec = self._entries.get(id(node))
         if rec is None or rec[2] is None:
             return None
-        _, start, idents = rec
+        start: int = rec[1]
+        idents: list[int] = rec[2]
         lo = node.start_depth - start
         hi = lo + node.num_blocks
         if lo < 0 or hi > len(idents) or hi <= lo:
