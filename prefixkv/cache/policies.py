@@ -112,3 +112,9 @@ def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     raise ValueError(
         f"eviction_policy must be one of {sorted(POLICIES)} or an EvictionPolicy, got {policy!r}"
     )
+
+
+# Policies in their own modules register here (they import EvictionPolicy from above).
+from prefixkv.cache.policy_experts import ExpertsPolicy  # noqa: E402
+
+POLICIES[ExpertsPolicy.name] = ExpertsPolicy
