@@ -11,9 +11,9 @@ reorder`. With ``fcfs`` nothing moves. Otherwise, when at least two sequences wa
   (most sequences) first, so a shared prefix is computed once and its sharers follow while it
   is resident.
 
-Fairness: a sequence that has waited through :data:`MAX_WAIT_ROUNDS` reorderings, and any
-sequence that was preempted, goes before every re-sorted one (in arrival order), so nothing
-starves. Ties keep arrival order (the sorts are stable).
+Fairness: sequences that were preempted (they ran already), then sequences that have waited
+through :data:`MAX_WAIT_ROUNDS` reorderings (in arrival order), go before every re-sorted one,
+so nothing starves. Ties keep queue order (the sorts are stable).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class AdmissionOrder:
         self.block_size = block_size
         self.max_wait_rounds = max_wait_rounds
         self._rounds: dict[Sequence, int] = {}  # waiting sequence -> reorderings waited
+        self._ticket: dict[Sequence, int] = {}  # waiting sequence -> order first seen
+        self._next_ticket = 0
         self._preempted: set[Sequence] = set()
 
     def note_preempted(self, seq: Sequence) -> None:
@@ -69,18 +71,28 @@ class AdmissionOrder:
     def forget(self, seq: Sequence) -> None:
         """``seq`` left the waiting queue (admitted or finished)."""
         self._rounds.pop(seq, None)
+        self._ticket.pop(seq, None)
         self._preempted.discard(seq)
 
     def reorder(self, waiting: deque[Sequence]) -> None:
         """Re-sort the head of ``waiting`` in place (a no-op for ``fcfs`` or < 2 waiting)."""
         if self.policy == "fcfs" or self.cache is None or len(waiting) < 2:
             return
+        for s in waiting:
+            if s not in self._ticket:
+                self._ticket[s] = self._next_ticket
+                self._next_ticket += 1
         head = [waiting.popleft() for _ in range(min(LOOKAHEAD, len(waiting)))]
-        rounds = {s: self._rounds.get(s, 0) + 1 for s in head}
-        behind = set(waiting)
-        self._rounds = rounds | {s: n for s, n in self._rounds.items() if s in behind}
-        first = [s for s in head if s in self._preempted or rounds[s] > self.max_wait_rounds]
-        rest = [s for s in head if not (s in self._preempted or rounds[s] > self.max_wait_rounds)]
+        for s in head:
+            self._rounds[s] = self._rounds.get(s, 0) + 1
+
+        def due(s: Sequence) -> bool:
+            return s in self._preempted or self._rounds[s] > self.max_wait_rounds
+
+        first = sorted(
+            (s for s in head if due(s)), key=lambda s: (s not in self._preempted, self._ticket[s])
+        )
+        rest = [s for s in head if not due(s)]
         ordered = self._lpm(rest) if self.policy == "lpm" else self._dfs_weight(rest)
         waiting.extendleft(reversed(first + ordered))
 
