@@ -113,9 +113,9 @@ def test_unfittable_waiting_sequence_is_aborted() -> None:
 
 # ---------------------------------------------------------------- schedule policies
 
-import pytest  # noqa: E402
+import pytest
 
-from prefixkv.engine.schedule_policy import AdmissionOrder  # noqa: E402
+from prefixkv.engine.schedule_policy import AdmissionOrder
 
 
 def cache_prefix(sched: Scheduler, tokens: list[int]) -> None:

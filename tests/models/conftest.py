@@ -12,7 +12,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from prefixkv.models.demo import CHAT_TEMPLATE, _bytes_to_unicode  # noqa: E402
+from prefixkv.models.demo import CHAT_TEMPLATE, _bytes_to_unicode
 
 _NAMES = {
     "model.embed_tokens": "token_embd",
