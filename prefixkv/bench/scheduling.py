@@ -47,10 +47,11 @@ def mixed_workload(scale: int, seed: int, instances: int) -> list[tuple[Request,
     depth = max(len(g) for g in groups)
     order = [(gi, i) for i in range(depth) for gi, g in enumerate(groups) if i < len(g)]
     where = {key: pos for pos, key in enumerate(order)}  # (group, index) -> interleaved position
-    return [
-        (groups[gi][i][0], None if groups[gi][i][1] is None else where[(gi, groups[gi][i][1])])
-        for gi, i in order
-    ]
+    out: list[tuple[Request, int | None]] = []
+    for gi, i in order:
+        req, dep = groups[gi][i]
+        out.append((req, None if dep is None else where[(gi, dep)]))
+    return out
 
 
 def run_policy(policy: str, *, num_kv_blocks: int, scale: int, seed: int, instances: int,
