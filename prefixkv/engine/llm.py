@@ -1,6 +1,8 @@
 """LLM: the offline, synchronous API (vLLM's ``LLM``), driven in the caller's thread.
 
     llm = LLM()                                   # the built-in demo model (meaningless text)
+    llm = LLM("smollm2-135m-instruct")            # a real model, fetched once (~93 MB)
+    llm = LLM("path/to/model.gguf")               # or a GGUF file, or an HF directory
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
     outs[0].outputs[0].text, outs[0].num_cached_tokens, outs[0].metrics.time_to_first_token
 """
@@ -39,9 +41,16 @@ def build_engine(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 4096,
     seed: int = 0,
+    threads: int | None = None,
+    schedule_policy: str = "fcfs",
 ) -> LLMEngine:
-    """Load the model (``None``: the built-in demo model) and build an :class:`LLMEngine`.
+    """Load the model and build an :class:`LLMEngine`.
 
+    ``model``: ``None`` (the built-in demo model), an HF-format directory, a ``.gguf`` file, or
+    a name from :data:`prefixkv.models.catalog.CATALOG` (``"smollm2-135m-instruct"``, fetched
+    into the cache directory on first use). ``threads``: torch CPU threads (default: physical
+    cores, never more than torch already uses). ``schedule_policy``: order of admission when
+    many requests wait (``fcfs``, ``lpm``, ``dfs-weight``; see :mod:`prefixkv.engine.scheduler`).
     The prefix index always uses the engine's ``block_size`` (radix with ``block_size=1`` is
     SGLang-style token granularity). Bad arguments raise ``ValueError`` naming them.
     """
@@ -52,7 +61,10 @@ def build_engine(
 
         model, name = ensure_demo_model(), "prefixkv-demo"
     else:
+        from prefixkv.models.catalog import resolve_model
+
         name = Path(model).name or str(model)
+        model = resolve_model(model)
     runner = ModelRunner(
         model,
         block_size=block_size,
@@ -60,6 +72,7 @@ def build_engine(
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         device=device,
         dtype=dtype,
+        threads=threads,
     )
     return LLMEngine(
         runner,
@@ -73,6 +86,7 @@ def build_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         seed=seed,
         model_name=name,
+        schedule_policy=schedule_policy,
     )
 
 

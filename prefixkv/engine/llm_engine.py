@@ -55,6 +55,7 @@ class LLMEngine:
         seed: seeds the generator of unseeded sampling requests.
         clock: time source for request timings.
         model_name: a display name (the model directory's name, or ``"prefixkv-demo"``).
+        schedule_policy: admission order of waiting requests (``fcfs``, ``lpm``, ``dfs-weight``).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class LLMEngine:
         seed: int = 0,
         clock: Callable[[], float] = time.time,
         model_name: str = "model",
+        schedule_policy: str = "fcfs",
     ) -> None:
         self.runner = runner
         self.model_name = model_name
@@ -95,6 +97,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             clock=clock,
+            policy=schedule_policy,
         )
         self.sampler = SeqSampler(runner, seed)
         eos = set(runner.config.eos_token_ids)

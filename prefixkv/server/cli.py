@@ -37,9 +37,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="local Hugging Face-format model directory (default: the built-in demo "
+                   help="HF-format model directory, .gguf file, or a known name such as "
+                        "smollm2-135m-instruct (fetched once, ~93 MB; default: the built-in demo "
                         "model, deterministic weights, meaningless text)")
     g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="same as the positional MODEL")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: physical cores, or fewer if "
+                        "OMP_NUM_THREADS says so)")
+    g.add_argument("--schedule-policy", choices=("fcfs", "lpm", "dfs-weight"), default="fcfs",
+                   help="admission order when requests wait: fcfs, lpm (cached prefix first), "
+                        "dfs-weight (shared prefixes grouped) (default fcfs)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: sized from the model and memory)")
@@ -61,8 +70,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+        args.model = args.model_flag
     return {
         "model": args.model,
+        "threads": args.threads,
+        "schedule_policy": args.schedule_policy,
         "enable_prefix_caching": args.enable_prefix_caching,
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
@@ -134,12 +149,13 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_prompts=args.max_prompts_per_request,
                           default_chat_max_tokens=args.default_chat_max_tokens)
+    kwargs = _llm_kwargs(args)  # resolves --model before the name is derived
     sock = _listen(args.host, args.port)
     name = args.served_model_name or (
         os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME)
     aliases = (args.model,) if args.model else ()
     try:
-        engine = AsyncEngine.from_args(**_llm_kwargs(args))
+        engine = AsyncEngine.from_args(**kwargs)
     except BaseException:
         sock.close()
         raise
@@ -328,7 +344,9 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore
                        description="Generate a completion for PROMPT in this process.")
     p.add_argument("prompt", metavar="PROMPT", help="prompt text")
     p.add_argument("--model", default=None,
-                   help="local Hugging Face-format model directory (default: the demo model)")
+                   help="HF directory, .gguf file or known name, e.g. smollm2-135m-instruct "
+                        "(default: the demo model)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -347,7 +365,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
