@@ -195,7 +195,9 @@ class HashPrefixCache(PrefixIndexBase):
             parent.num_children -= 1
         entry.num_blocks = 0
         self._num_entries -= 1
-        return [entry.block_id]
+        ids = [entry.block_id]
+        self._ids.release(ids)
+        return ids
 
     # ------------------------------------------------------------------- insert
     def _insert(
@@ -229,7 +231,7 @@ class HashPrefixCache(PrefixIndexBase):
                 seen.add(parent_hash)
                 new_hashes.append(parent_hash)
             stop = m + len(new_hashes)
-            returned = self._ids.claim(ids, w.ids, stop)  # last check: marks ids[m:stop] cached
+            returned, _ = self._ids.claim(ids, w.ids, stop)  # last check: marks ids[m:stop] cached
             now = self._clock()
             # --- validated: mutate from here on
             prev = w.path[-1] if w.path else None

@@ -42,6 +42,7 @@ class RadixNode:
     __slots__ = (
         "__weakref__",
         "access_count",
+        "bids",
         "blocks",
         "children",
         "created_time",
@@ -62,6 +63,7 @@ class RadixNode:
                  start_depth: int = 0, is_root: bool = False) -> None:
         self.key = key
         self.blocks = blocks
+        self.bids: array[int] | None = None  # the same ids packed (array('q')), for long runs
         self.parent = parent
         self.children: dict[int, list[RadixNode]] = {}
         self.num_children = 0
@@ -201,6 +203,9 @@ class RadixPrefixCache(PrefixIndexBase):
         upper.access_count = node.access_count
         upper.created_time = node.created_time
         upper.tick = node.tick
+        if node.bids is not None:
+            upper.bids = node.bids[:k]
+            node.bids = node.bids[k:]
         siblings = parent.children[node.key[0]]
         siblings[siblings.index(node)] = upper
         node.key = node.key[k * bs :]
@@ -219,7 +224,11 @@ class RadixPrefixCache(PrefixIndexBase):
     def _drop_tail(self, entry: RadixNode, k: int) -> list[int]:
         first_token = entry.key[0]
         ids = entry.blocks[-k:]
+        bids = entry.bids
+        self._ids.release(ids, None if bids is None else bids[len(bids) - k :])
         del entry.blocks[-k:]
+        if bids is not None:
+            del bids[len(bids) - k :]
         del entry.key[len(entry.key) - k * self._bs :]
         self._cached_tokens -= k * self._bs
         if not entry.blocks:
@@ -251,7 +260,7 @@ class RadixPrefixCache(PrefixIndexBase):
             m = len(w.ids)
             new_key = _seg(tokens, m * self._bs, nb * self._bs)  # validates the new tokens
             check_tokens(tokens[nb * self._bs :])  # the trailing partial block, not stored
-            returned = self._ids.claim(ids, w.ids, nb)  # last check: marks ids[m:] cached
+            returned, packed = self._ids.claim(ids, w.ids, nb)  # last check: marks ids[m:]
             now = self._clock()
             # --- validated: mutate from here on
             root = self._roots.get(namespace)
@@ -268,8 +277,8 @@ class RadixPrefixCache(PrefixIndexBase):
             target = attach if w.path else None
             if m < nb:
                 new_ids = ids[m:]
-                node = RadixNode(new_key, new_ids,
-                                 attach, now, start_depth=m)
+                node = RadixNode(new_key, new_ids, attach, now, start_depth=m)
+                node.bids = packed
                 attach.children.setdefault(node.key[0], []).append(node)
                 attach.num_children += 1
                 self._num_entries += 1
