@@ -210,6 +210,7 @@ class HashPrefixCache(PrefixIndexBase):
         extra_keys: Sequence[Hashable | None] | None,
         lock: bool,
         description: str | None,
+        shown: Sequence[int],
     ) -> PrefixNode:
         if not isinstance(tokens, list):
             tokens = list(tokens)  # hashing and the stored per-block tokens work on lists
@@ -254,7 +255,7 @@ class HashPrefixCache(PrefixIndexBase):
                 path.append(blk)
                 prev = blk
             return self._finish_insert(tokens, nb, path, w.ids + ids[m:stop], returned, prev,
-                                       pin, lock, namespace, now, description)
+                                       pin, lock, namespace, now, description, shown)
 
     def _memory_bytes(self) -> int:
         per_block = (sys.getsizeof(HashBlock(0, 0, None, [], None, None, 0, 0.0))

@@ -162,9 +162,14 @@ class PrefixIndexBase:
         extra_keys: Sequence[Hashable | None] | None,
         lock: bool,
         description: str | None,
+        shown: Sequence[int],
     ) -> PrefixNode:
         """Insert ``nb`` full blocks (``ids`` already length-checked); takes ``self._lock``."""
         raise TypeError("subclass must implement _insert")
+
+    def _as_tokens(self, token_ids: Any) -> Sequence[int]:
+        """The index's working form of a query (a list, or an array kept as is)."""
+        return as_token_list(token_ids)
 
     # ------------------------------------------------------------- entry helpers
     def _touch(self, entries: Sequence[Any], now: float) -> None:
@@ -203,7 +208,7 @@ class PrefixIndexBase:
         lock: bool = False,
     ) -> PrefixMatch:
         """Longest cached block-aligned prefix of ``token_ids`` (see :class:`PrefixCache`)."""
-        tokens = as_token_list(token_ids)
+        tokens = self._as_tokens(token_ids)
         with self._lock:
             t0 = perf_counter_ns()
             w = self._walk(tokens, len(tokens), namespace, extra_keys)
@@ -233,7 +238,7 @@ class PrefixIndexBase:
             self._counters.record_query(len(tokens), match_length, w.partial,
                                         perf_counter_ns() - t0)
             return PrefixMatch(
-                token_ids=tokens,
+                token_ids=token_ids if type(token_ids) is list else tokens,
                 match_length=match_length,
                 matched_kv_blocks=w.ids,
                 partial_tokens=w.partial,
@@ -277,7 +282,8 @@ class PrefixIndexBase:
                 f"kv_block_ids has {len(ids)} ids but token_ids has {len(tokens)} tokens = "
                 f"{nb} full blocks of {self._bs}"
             )
-        return self._insert(tokens, nb, ids, pin, namespace, extra_keys, lock, description)
+        shown = token_ids if type(token_ids) is list else tokens
+        return self._insert(tokens, nb, ids, pin, namespace, extra_keys, lock, description, shown)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids.
@@ -354,7 +360,7 @@ class PrefixIndexBase:
         return self.evict(num_blocks)
 
     def _aligned(self, token_ids: Sequence[int]) -> tuple[Sequence[int], int]:
-        tokens = as_token_list(token_ids)
+        tokens = self._as_tokens(token_ids)
         nb = len(tokens) // self._bs
         return tokens, nb
 
@@ -475,7 +481,8 @@ class PrefixIndexBase:
         lock: bool,
         namespace: Namespace,
         now: float,
-        description: str | None = None,
+        description: str | None,
+        shown: Sequence[int],
     ) -> PrefixNode:
         self._counters.inserts += 1
         if path:
@@ -488,7 +495,7 @@ class PrefixIndexBase:
         elif target is not None:
             is_pinned = target.pin_ref > 0
         return PrefixNode(
-            token_ids=tokens[: nb * self._bs],
+            token_ids=shown[: nb * self._bs],
             kv_block_ids=all_ids,
             returned_block_ids=returned,
             is_pinned=is_pinned,

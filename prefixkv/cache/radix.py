@@ -22,7 +22,7 @@ from array import array
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from prefixkv.cache._checks import check_tokens
+from prefixkv.cache._checks import as_token_array, check_tokens
 from prefixkv.cache.index_base import PrefixIndexBase, Walk
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protection import is_evictable_leaf
@@ -120,6 +120,10 @@ class RadixPrefixCache(PrefixIndexBase):
                          max_pinned_blocks=max_pinned_blocks, clock=clock)
         self._roots: dict[Namespace, RadixNode] = {}
         self._cached_tokens = 0
+
+    def _as_tokens(self, token_ids: Any) -> array[int]:
+        """Queries are walked as ``array('I')``, the key type (see :func:`as_token_array`)."""
+        return as_token_array(token_ids)
 
     # ------------------------------------------------------------------ walking
     def _walk(self, tokens: Sequence[int], n: int, namespace: Namespace, extra: Any) -> Walk:
@@ -254,6 +258,7 @@ class RadixPrefixCache(PrefixIndexBase):
         extra_keys: Sequence[Hashable | None] | None,
         lock: bool,
         description: str | None,
+        shown: Sequence[int],
     ) -> PrefixNode:
         with self._lock:
             w = self._walk(tokens, nb * self._bs, namespace, extra_keys)
@@ -287,7 +292,7 @@ class RadixPrefixCache(PrefixIndexBase):
                 w.path.append(node)
                 target = node
             return self._finish_insert(tokens, nb, w.path, w.ids + ids[m:], returned, target,
-                                       pin, lock, namespace, now, description)
+                                       pin, lock, namespace, now, description, shown)
 
     def _memory_bytes(self) -> int:
         node_size = sys.getsizeof(RadixNode(array("I"), [], None, 0.0)) + 64 + 56 + 64 + 232
