@@ -226,26 +226,31 @@ class RadixPrefixCache(PrefixIndexBase):
         return upper
 
     def _drop_tail(self, entry: RadixNode, k: int) -> list[int]:
-        first_token = entry.key[0]
-        ids = entry.blocks[-k:]
-        bids = entry.bids
-        self._ids.release(ids, None if bids is None else bids[len(bids) - k :])
-        del entry.blocks[-k:]
-        if bids is not None:
-            del bids[len(bids) - k :]
-        del entry.key[len(entry.key) - k * self._bs :]
+        blocks, bids = entry.blocks, entry.bids
+        n = len(blocks)
         self._cached_tokens -= k * self._bs
-        if not entry.blocks:
-            parent = entry.parent
-            assert parent is not None
-            siblings = parent.children[first_token]
+        if k < n:
+            ids = blocks[n - 1 : n - k - 1 : -1]  # deepest block first
+            self._ids.release(ids, None if bids is None else bids[n - k :])
+            del blocks[n - k :]
+            if bids is not None:
+                del bids[n - k :]
+            del entry.key[(n - k) * self._bs :]
+            return ids
+        # the whole entry goes: no copies but the reversed id list (its key is left as is)
+        self._ids.release(blocks, bids)
+        entry.blocks, entry.bids = [], None
+        parent = entry.parent
+        assert parent is not None
+        first_token = entry.key[0]
+        siblings = parent.children[first_token]
+        if len(siblings) == 1:
+            del parent.children[first_token]
+        else:
             siblings.remove(entry)
-            if not siblings:
-                del parent.children[first_token]
-            parent.num_children -= 1
-            self._num_entries -= 1
-        ids.reverse()  # deepest block first
-        return ids
+        parent.num_children -= 1
+        self._num_entries -= 1
+        return blocks[::-1]
 
     # ------------------------------------------------------------------- insert
     def _insert(
