@@ -49,7 +49,7 @@ def as_token_array(token_ids: Any, name: str = "token_ids") -> array[int]:
     if kind is array:
         code = token_ids.typecode
         if code == "I":
-            return token_ids
+            return token_ids  # type: ignore[no-any-return]
         if code not in _INT_TYPECODES:
             raise ValueError(f"{name} must contain ints, got array({code!r})")
         return _from_numpy(np.frombuffer(token_ids, dtype=np.dtype(code)), name)
@@ -101,7 +101,7 @@ def _from_numpy(x: np.ndarray[Any, Any], name: str) -> array[int]:
                 raise ValueError(f"{name} must be < 2**32, found {hi}")
         x = x.astype(np.uint32)
     out = array("I")
-    out.frombytes(memoryview(np.ascontiguousarray(x)).cast("B"))
+    out.frombytes(np.ascontiguousarray(x).view(np.uint8).data)
     return out
 
 
