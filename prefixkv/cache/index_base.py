@@ -298,26 +298,38 @@ class PrefixIndexBase:
         check_count(num_blocks, "num_blocks")
         with self._lock:
             out: list[int] = []
-            heap = self._prot.heap
+            heap, key = self._prot.heap, self._policy.key
             runs = self._policy.depth_monotone_keys
+            e = None
             while len(out) < num_blocks:
-                e = heap.pop()
                 if e is None:
-                    break
+                    e = heap.pop()
+                    if e is None:
+                        break
                 if runs:
-                    k = self._run_length(e, min(num_blocks - len(out), e.num_blocks))
-                    out += self._drop_tail(e, k)
+                    out += self._drop_tail(e, self._run_length(e, min(num_blocks - len(out),
+                                                                       e.num_blocks)))
                 else:
                     self._trim_per_block(e, num_blocks, out)
                 if e.num_blocks:
                     heap.push(e)
-                else:
-                    self._counters.evictions += 1
-                    if self._has_evict_hook:
-                        self._policy.on_evict(e)
-                    parent = e.parent
-                    if parent is not None and not parent.is_root:
-                        self._prot.refresh(parent)
+                    e = None
+                    continue
+                self._counters.evictions += 1
+                if self._has_evict_hook:
+                    self._policy.on_evict(e)
+                parent, e = e.parent, None
+                if parent is None or parent.is_root:
+                    continue
+                # A parent left childless would be filed and popped next exactly when its key is
+                # below the heap's smallest (a tie goes to the older item): take it directly.
+                if (runs and len(out) < num_blocks and parent.num_blocks
+                        and is_evictable_leaf(parent)):
+                    top = heap.peek_key()
+                    if top is None or key(parent) < top:
+                        e = parent
+                        continue
+                self._prot.refresh(parent)
             self._counters.evicted_blocks += len(out)
             return out
 
@@ -328,8 +340,10 @@ class PrefixIndexBase:
         takes block ``j + 1`` while ``e``'s key at that depth is <= the heap's smallest key.
         Keys only grow as the depth shrinks, so the answer is found by binary search.
         """
+        if k <= 1:
+            return k
         top = self._prot.heap.peek_key()
-        if k <= 1 or top is None:
+        if top is None:
             return k
         key, depth = self._policy.key, e.depth
         if key(_AtDepth(e, depth - (k - 1))) <= top:

@@ -216,12 +216,18 @@ def _per_block(policy_name: str):
 
 
 @SETTINGS
-@given(st.lists(long_op, max_size=30), st.sampled_from(RUN_POLICIES), st.sampled_from([1, 3]))
-def test_run_eviction_frees_exactly_the_per_block_order(ops, policy, bs):
-    """Freeing a leaf's run in one step returns the same ids, in the same order, as trimming
-    one block at a time and re-checking the policy order after each."""
-    fast = RadixPrefixCache(BIG_POOL, bs, eviction_policy=policy, clock=CoarseClock())
-    slow = RadixPrefixCache(BIG_POOL, bs, eviction_policy=_per_block(policy), clock=CoarseClock())
+@given(st.lists(long_op, max_size=30), st.sampled_from(RUN_POLICIES), st.sampled_from([1, 3]),
+       st.sampled_from(["radix", "hash"]))
+def test_run_eviction_frees_exactly_the_per_block_order(ops, policy, bs, index):
+    """Freeing a leaf's run (and then its parent, when it goes next) in one step returns the
+    same ids, in the same order, as trimming one block at a time and re-filing every entry."""
+    def make(p):
+        if index == "radix":
+            return RadixPrefixCache(BIG_POOL, bs, eviction_policy=p, clock=CoarseClock())
+        return HashPrefixCache(BIG_POOL, bs, hash_algo="builtin", eviction_policy=p,
+                               clock=CoarseClock())
+
+    fast, slow = make(policy), make(_per_block(policy))
     assert fast.policy.depth_monotone_keys and not slow.policy.depth_monotone_keys
     for o in ops:
         if o[0] == "insert":
