@@ -17,6 +17,12 @@ The entry passed in is a radix node or a hashed block; both expose:
 
 Hooks (all optional no-ops here): ``on_access(entry)`` after each match/insert that reaches
 an entry, ``on_evict(entry)`` when an entry leaves the index.
+
+Declarations (class attributes, both ``False`` unless a policy sets them; see
+:class:`EvictionPolicy`): ``monotone_keys`` (a touch never lowers a key, so matches need not
+re-file leaves) and ``depth_monotone_keys`` (the key reads the blocks only through ``depth``
+and grows as it shrinks, so eviction frees a leaf's whole run of blocks in one step). A new
+policy declares what holds for its key; declaring neither is always correct, only slower.
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ Nodes are split when a query or an insert diverges inside them. A split keeps th
 part in the original node object (so a lock handle, which names the deepest locked node,
 stays valid) and creates a new parent for the upper part, inheriting lock and pin counts.
 
-Cost: a match compares whole node keys with list-slice equality (C speed), so it is
-O(matched tokens) with a small constant plus O(nodes on the path) Python steps. Eviction pops
-the policy's smallest evictable leaf from a heap and trims blocks off its tail: O(log n) per
-evicted node, never a scan.
+Cost: a query is packed once into ``array('I')`` (:func:`as_token_array`), then a match
+compares whole node keys with array-slice equality (C speed), so it is O(matched tokens) with a
+small constant plus O(nodes on the path) Python steps. Eviction pops the policy's smallest
+evictable leaf from a heap and frees its tail run of blocks in one step (see
+:meth:`PrefixIndexBase.evict`): O(log n) per evicted node at every block size, never a scan.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from prefixkv.cache.protocol import Namespace, PrefixNode
 class RadixNode:
     """One edge of the tree: ``key`` tokens stored in ``blocks`` (``len(key) == len(blocks) * bs``).
 
-    ``key`` is an ``array('I')`` (4 bytes a token, compared with memcmp), ``blocks`` a list.
+    ``key`` is an ``array('I')`` (4 bytes a token, compared in C), ``blocks`` a list (matches
+    extend their result from it without creating ints), and ``bids`` the same ids packed as an
+    ``array('q')`` when the node was created from a bulk claim (so eviction releases them in C),
+    else ``None``.
 
     ``children`` maps a child's first token to the children starting with it (one child per
     token at block size 1; several may share a first token above 1, differing later in their
