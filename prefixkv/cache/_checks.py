@@ -100,9 +100,7 @@ def _from_numpy(x: np.ndarray[Any, Any], name: str) -> array[int]:
             if hi > MAX_TOKEN_ID:
                 raise ValueError(f"{name} must be < 2**32, found {hi}")
         x = x.astype(np.uint32)
-    out = array("I")
-    out.frombytes(np.ascontiguousarray(x).view(np.uint8).data)
-    return out
+    return array("I", x.tobytes())  # a C-order copy whatever x's strides
 
 
 MAX_TOKEN_ID = 2**32 - 1

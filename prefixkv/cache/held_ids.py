@@ -125,7 +125,7 @@ class HeldIds:
             raise ValueError(f"kv_block_ids: block id {lo if lo < 0 else hi} out of range "
                              f"[0, {self.max_blocks})")
         view = self._view
-        if (srt[1:] == srt[:-1]).any() or view[idx].any():
+        if not np.diff(srt).all() or view[idx].any():
             bad = next((b for b in taken if self._flags[b]), None)
             if bad is None:
                 bad = int(srt[1:][srt[1:] == srt[:-1]][0])
