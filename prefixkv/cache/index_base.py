@@ -345,17 +345,21 @@ class PrefixIndexBase:
         top = self._prot.heap.peek_key()
         if top is None:
             return k
-        key, depth = self._policy.key, e.depth
-        if key(_AtDepth(e, depth - (k - 1))) <= top:
+        key_at, depth = self._key_at, e.depth
+        if key_at(e, depth - (k - 1)) <= top:
             return k
         lo, hi = 0, k - 1  # the key after dropping lo blocks is <= top, after hi it is not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if key(_AtDepth(e, depth - mid)) <= top:
+            if key_at(e, depth - mid) <= top:
                 lo = mid
             else:
                 hi = mid
         return lo + 1
+
+    def _key_at(self, entry: Any, depth: int) -> Any:
+        """The policy's key for ``entry`` as if its blocks below ``depth`` were gone."""
+        return self._policy.key(_AtDepth(entry, depth))
 
     def _trim_per_block(self, e: Any, num_blocks: int, out: list[int]) -> None:
         """Trim ``e`` one block at a time while it stays the policy's choice (its key may change

@@ -254,7 +254,18 @@ class RadixPrefixCache(PrefixIndexBase):
             siblings.remove(entry)
         parent.num_children -= 1
         self._num_entries -= 1
-        return blocks[::-1]
+        blocks.reverse()  # deepest block first; the list is no longer the node's
+        return blocks
+
+    def _key_at(self, entry: RadixNode, depth: int) -> Any:
+        """The policy's key for ``entry`` cut to ``depth`` (its start depth moved, then put
+        back: no probe object, and a key that reads ``start_depth`` sees the cut too)."""
+        saved = entry.start_depth
+        entry.start_depth = saved - (saved + len(entry.blocks) - depth)
+        try:
+            return self._policy.key(entry)
+        finally:
+            entry.start_depth = saved
 
     # ------------------------------------------------------------------- insert
     def _insert(
