@@ -6,7 +6,8 @@ claiming an id that is held, or the same id twice, is a ``ValueError`` that leav
 marked.
 
 Cost: a claim or release of ``n`` ids is O(n), in C for long runs: a claim of at least
-:data:`BULK` ids packs them once into an ``array('q')`` (returned to the caller, who keeps it
+:data:`BULK` ids packs them once into an ``array('I')`` (``'q'`` for id spaces past 2**32;
+returned to the caller, who keeps it
 as the entry's compact copy of its ids) and checks and marks them with numpy over that buffer;
 a release given such a copy clears the flags the same way. Short runs use a Python loop, which
 is faster below a few dozen ids.
@@ -28,13 +29,14 @@ BULK = 48
 class HeldIds:
     """The set of block ids held by one index (not thread safe: the index's lock guards it)."""
 
-    __slots__ = ("_flags", "_view", "count", "max_blocks")
+    __slots__ = ("_code", "_flags", "_view", "count", "max_blocks")
 
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
         self._flags = bytearray(max_blocks)
         self._view = np.frombuffer(self._flags, dtype=np.uint8)  # shares the bytes (writable)
         self.count = 0
+        self._code = "I" if max_blocks <= 2**32 else "q"  # packed ids: 4 bytes each
 
     def __contains__(self, block_id: object) -> bool:
         return (type(block_id) is int and 0 <= block_id < self.max_blocks
@@ -46,9 +48,9 @@ class HeldIds:
 
     def release(self, ids: Sequence[int], packed: array[int] | None = None) -> None:
         """Stop holding ``ids`` (they were held). ``packed``, if given, holds the same ids as an
-        ``array('q')`` (the compact copy a bulk claim returned, or a slice of it)."""
+        ``array`` (the compact copy a bulk claim returned, or a slice of it)."""
         if packed is not None and len(packed) >= BULK:
-            self._view[np.frombuffer(packed, dtype=np.int64)] = 0
+            self._view[np.frombuffer(packed, dtype=packed.typecode)] = 0
         else:
             flags = self._flags
             for b in ids:
@@ -66,7 +68,7 @@ class HeldIds:
         out of range, repeated, or already held.
 
         Returns the returned ids and, for a claim of at least :data:`BULK` ids, the claimed
-        ids packed as an ``array('q')`` (else ``None``).
+        ids packed as an ``array('I')`` (else ``None``).
         """
         m = len(cached)
         returned: list[int] = []
@@ -114,11 +116,11 @@ class HeldIds:
     def _claim_bulk(self, taken: list[int]) -> array[int]:
         """Check and mark ``taken`` in C; returns them packed (``ValueError``: nothing marked)."""
         try:
-            packed = array("q", taken)  # rejects non-ints (bools are ints: caught below)
+            packed = array(self._code, taken)  # rejects non-ints (bools: caught below)
         except (TypeError, OverflowError):
             check_block_ids(taken, self.max_blocks)
             raise
-        idx = np.frombuffer(packed, dtype=np.int64)
+        idx = np.frombuffer(packed, dtype=self._code)
         srt = np.sort(idx)
         lo, hi = int(srt[0]), int(srt[-1])
         if lo < 0 or hi >= self.max_blocks:

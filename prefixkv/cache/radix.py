@@ -35,7 +35,7 @@ class RadixNode:
 
     ``key`` is an ``array('I')`` (4 bytes a token, compared in C), ``blocks`` a list (matches
     extend their result from it without creating ints), and ``bids`` the same ids packed as an
-    ``array('q')`` when the node was created from a bulk claim (so eviction releases them in C),
+    ``array('I')`` when the node was created from a bulk claim (so eviction releases them in C),
     else ``None``.
 
     ``children`` maps a child's first token to the children starting with it (one child per
@@ -67,7 +67,7 @@ class RadixNode:
                  start_depth: int = 0, is_root: bool = False) -> None:
         self.key = key
         self.blocks = blocks
-        self.bids: array[int] | None = None  # the same ids packed (array('q')), for long runs
+        self.bids: array[int] | None = None  # the same ids packed (array('I')), for long runs
         self.parent = parent
         self.children: dict[int, list[RadixNode]] = {}
         self.num_children = 0
@@ -257,7 +257,7 @@ class RadixPrefixCache(PrefixIndexBase):
         blocks.reverse()  # deepest block first; the list is no longer the node's
         return blocks
 
-    def _key_at(self, entry: RadixNode, depth: int) -> Any:
+    def _key_at(self, entry: Any, depth: int) -> Any:
         """The policy's key for ``entry`` cut to ``depth`` (its start depth moved, then put
         back: no probe object, and a key that reads ``start_depth`` sees the cut too)."""
         saved = entry.start_depth
