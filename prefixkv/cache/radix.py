@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from prefixkv.cache._checks import as_token_array, check_tokens
+from prefixkv.cache.held_ids import Packed
 from prefixkv.cache.index_base import PrefixIndexBase, Walk
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protection import is_evictable_leaf
@@ -35,8 +36,8 @@ class RadixNode:
 
     ``key`` is an ``array('I')`` (4 bytes a token, compared in C), ``blocks`` a list (matches
     extend their result from it without creating ints), and ``bids`` the same ids packed as an
-    ``array('I')`` when the node was created from a bulk claim (so eviction releases them in C),
-    else ``None``.
+    ``array('I')`` or a ``range`` when the node was created from a bulk claim (so eviction
+    releases them in C), else ``None``.
 
     ``children`` maps a child's first token to the children starting with it (one child per
     token at block size 1; several may share a first token above 1, differing later in their
@@ -67,7 +68,7 @@ class RadixNode:
                  start_depth: int = 0, is_root: bool = False) -> None:
         self.key = key
         self.blocks = blocks
-        self.bids: array[int] | None = None  # the same ids packed (array('I')), for long runs
+        self.bids: Packed | None = None  # the same ids packed (HeldIds.claim), for long runs
         self.parent = parent
         self.children: dict[int, list[RadixNode]] = {}
         self.num_children = 0
@@ -237,7 +238,9 @@ class RadixPrefixCache(PrefixIndexBase):
             ids = blocks[n - 1 : n - k - 1 : -1]  # deepest block first
             self._ids.release(ids, None if bids is None else bids[n - k :])
             del blocks[n - k :]
-            if bids is not None:
+            if type(bids) is range:
+                entry.bids = bids[: n - k]
+            elif bids is not None:
                 del bids[n - k :]
             del entry.key[(n - k) * self._bs :]
             return ids
