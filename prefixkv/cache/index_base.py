@@ -4,9 +4,9 @@ An *entry* is a radix node (many blocks) or a hashed block (one block). Entries 
 each has a ``parent`` (``None`` or a root sentinel at the top). A subclass knows how to walk a
 query (``_walk``), cut an entry at a block boundary (``_cut``), drop an evictable leaf's tail
 blocks (``_drop_tail``) and insert (``_insert``); everything else lives here: match with
-recency and locking, unlock, eviction in policy order, the pin registry and its budget, reset,
-statistics. Path-wide lock/pin counts and the evictable-leaf heap are in
-:mod:`prefixkv.cache.protection`; which block ids the index holds, in
+recency and locking, unlock, evict, the pin registry and its budget, reset, statistics.
+Path-wide lock/pin counts and the evictable-leaf heap are in :mod:`prefixkv.cache.protection`;
+the eviction order in :mod:`prefixkv.cache.eviction`; which block ids the index holds, in
 :mod:`prefixkv.cache.held_ids`.
 
 Thread safety: every public method takes ``self._lock`` (one re-entrant lock per index).
@@ -27,6 +27,7 @@ from prefixkv.cache._checks import (
     check_positive_int,
     check_tokens,
 )
+from prefixkv.cache.eviction import Evictor, key_at_depth
 from prefixkv.cache.held_ids import HeldIds
 from prefixkv.cache.policies import EvictionPolicy, make_policy
 from prefixkv.cache.protection import Protection, is_evictable_leaf
@@ -59,19 +60,6 @@ class Walk:
     partial_index: int = 0
 
 
-class _AtDepth:
-    """``entry`` as it would be with its deepest blocks trimmed to ``depth`` (a key probe)."""
-
-    __slots__ = ("_entry", "depth")
-
-    def __init__(self, entry: Any, depth: int) -> None:
-        self._entry = entry
-        self.depth = depth
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._entry, name)
-
-
 class PrefixIndexBase:
     """Shared machinery; subclasses implement ``_walk``, ``_cut``, ``_drop_tail``, ``insert``."""
 
@@ -100,6 +88,9 @@ class PrefixIndexBase:
         self._clock = clock
         self._lock = threading.RLock()
         self._prot = Protection(self._policy)
+        self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=self._drop_tail,
+                                key_at=self._key_at, refresh=self._prot.refresh,
+                                gone=self._gone)
         self._counters = Counters()
         self._pins: dict[tuple[Namespace, tuple[int, ...]], tuple[PinnedPrefix, Any]] = {}
         self._ids = HeldIds(max_blocks)
@@ -288,90 +279,24 @@ class PrefixIndexBase:
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids.
 
-        Each step pops the policy's smallest evictable leaf and frees the longest run of its
-        tail blocks that the per-block order would take before any other leaf's block. With a
-        policy whose keys only grow as a leaf's tail is trimmed (``depth_monotone_keys``: LRU,
-        LFU, FIFO) that run is found with O(log blocks) key probes, so a call costs O(leaves
-        touched x log n) plus one C-speed copy of the freed ids; other policies re-check the
-        order after every block.
+        Order and cost: :class:`prefixkv.cache.eviction.Evictor` (a leaf's whole run of tail
+        blocks per step for ``depth_monotone_keys`` policies).
         """
         check_count(num_blocks, "num_blocks")
         with self._lock:
-            out: list[int] = []
-            heap, key = self._prot.heap, self._policy.key
-            runs = self._policy.depth_monotone_keys
-            e = None
-            while len(out) < num_blocks:
-                if e is None:
-                    e = heap.pop()
-                    if e is None:
-                        break
-                if runs:
-                    out += self._drop_tail(e, self._run_length(e, min(num_blocks - len(out),
-                                                                       e.num_blocks)))
-                else:
-                    self._trim_per_block(e, num_blocks, out)
-                if e.num_blocks:
-                    heap.push(e)
-                    e = None
-                    continue
-                self._counters.evictions += 1
-                if self._has_evict_hook:
-                    self._policy.on_evict(e)
-                parent, e = e.parent, None
-                if parent is None or parent.is_root:
-                    continue
-                # A parent left childless would be filed and popped next exactly when its key is
-                # below the heap's smallest (a tie goes to the older item): take it directly.
-                if (runs and len(out) < num_blocks and parent.num_blocks
-                        and is_evictable_leaf(parent)):
-                    top = heap.peek_key()
-                    if top is None or key(parent) < top:
-                        e = parent
-                        continue
-                self._prot.refresh(parent)
+            out = self._evictor.evict(num_blocks)
             self._counters.evicted_blocks += len(out)
             return out
 
-    def _run_length(self, e: Any, k: int) -> int:
-        """How many of ``e``'s last ``k`` blocks go before any other leaf's (at least one).
-
-        Dropping ``j`` tail blocks leaves ``e`` at depth ``depth - j``; the per-block order
-        takes block ``j + 1`` while ``e``'s key at that depth is <= the heap's smallest key.
-        Keys only grow as the depth shrinks, so the answer is found by binary search.
-        """
-        if k <= 1:
-            return k
-        top = self._prot.heap.peek_key()
-        if top is None:
-            return k
-        key_at, depth = self._key_at, e.depth
-        if key_at(e, depth - (k - 1)) <= top:
-            return k
-        lo, hi = 0, k - 1  # the key after dropping lo blocks is <= top, after hi it is not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if key_at(e, depth - mid) <= top:
-                lo = mid
-            else:
-                hi = mid
-        return lo + 1
+    def _gone(self, entry: Any) -> None:
+        """``entry`` left the index (all its blocks evicted)."""
+        self._counters.evictions += 1
+        if self._has_evict_hook:
+            self._policy.on_evict(entry)
 
     def _key_at(self, entry: Any, depth: int) -> Any:
         """The policy's key for ``entry`` as if its blocks below ``depth`` were gone."""
-        return self._policy.key(_AtDepth(entry, depth))
-
-    def _trim_per_block(self, e: Any, num_blocks: int, out: list[int]) -> None:
-        """Trim ``e`` one block at a time while it stays the policy's choice (its key may change
-        with its tail block: a per-block policy state)."""
-        heap, key = self._prot.heap, self._policy.key
-        while True:
-            out.extend(self._drop_tail(e, 1))
-            if not e.num_blocks or len(out) >= num_blocks:
-                break
-            top = heap.peek_key()
-            if top is not None and key(e) > top:
-                break
+        return key_at_depth(self._policy, entry, depth)
 
     def evict_lru(self, num_blocks: int) -> list[int]:
         """Seed 004's name for :meth:`evict`."""
