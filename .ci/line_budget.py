@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-MAX_LINES = 400
+MAX_LINES = 450  # the hard stop; ~300 is the aim (docs/architecture.md lists the modules past it)
 
 root = Path(__file__).resolve().parents[1] / "prefixkv"
 sizes = sorted(((len(p.read_text(encoding="utf-8").splitlines()), p.relative_to(root.parent))
