@@ -27,7 +27,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
 """(subcommand, module) pairs added after ``trace``, in ``--help`` order."""
 
 DEFAULT_CAPACITIES = ("1M", "3M", "10M")
-DEFAULT_POLICIES = ("lru", "ghost", "belady")
+DEFAULT_POLICIES = ("lru", "ghost", "experts", "belady")
 
 
 def register(subparsers: Any) -> None:
@@ -68,13 +68,14 @@ def add_trace(sub: Any) -> None:
             "(like Mooncake FAST'25 Fig. 9). See docs/benchmarks.md."),
         epilog=("example:\n  prefixkv bench trace data/mooncake/mooncake_conversation_trace.jsonl \\\n"
                 "      --capacity-tokens 1M 3M 10M --policies lru ghost belady --plot hit.png"))
-    p.add_argument("file", metavar="FILE", help="trace file (JSON lines, Mooncake format)")
+    p.add_argument("file", metavar="FILE",
+                   help="trace file (JSON lines, Mooncake format; gzipped if it ends in .gz)")
     p.add_argument("--capacity-tokens", nargs="+", default=list(DEFAULT_CAPACITIES),
                    metavar="N", help="cache capacities in tokens: 3M, 500K, 2.5M, 65536 ... "
                    f"(K/M/G are powers of 1000; default: {' '.join(DEFAULT_CAPACITIES)}); "
                    "each becomes N // block-size blocks")
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), metavar="NAME",
-                   help="eviction policies: any of the cache's policies (lru, lfu, fifo, ghost, "
+                   help="eviction policies: any of the cache's policies (lru, lfu, fifo, ghost, experts, "
                    "...) and belady, the offline optimum (default: "
                    f"{' '.join(DEFAULT_POLICIES)})")
     p.add_argument("--block-size", type=int, default=512, metavar="TOKENS",
@@ -92,6 +93,9 @@ def add_trace(sub: Any) -> None:
                    help="skip the unbounded-cache row")
     p.add_argument("--json", metavar="PATH", help="write the result rows as a JSON list")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate vs capacity")
+    p.add_argument("--experts-plot", metavar="PATH",
+                   help="write a PNG of the expert an adaptive policy (experts) chose over time, "
+                   "one panel per capacity")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_trace)
 
@@ -99,6 +103,8 @@ def add_trace(sub: Any) -> None:
 def run_trace(args: argparse.Namespace) -> int:
     """Handler of ``prefixkv bench trace``: validate every flag first, then replay."""
     from prefixkv.bench.trace import (
+        clock_times,
+        format_ratios,
         format_table,
         load_trace,
         online_policy_names,
@@ -122,6 +128,8 @@ def run_trace(args: argparse.Namespace) -> int:
     caps = sorted(set(caps))
     if args.plot and not caps:
         raise ValueError("--plot needs at least one finite --capacity-tokens value")
+    if args.experts_plot and not (caps and "experts" in [p.lower() for p in args.policies]):
+        raise ValueError("--experts-plot needs --policies experts and a finite --capacity-tokens")
     known = online_policy_names() + ["belady"]
     policies = list(dict.fromkeys(p.lower() for p in args.policies))
     bad = [p for p in policies if p not in known]
@@ -146,6 +154,10 @@ def run_trace(args: argparse.Namespace) -> int:
           f"{sum(r.input_length for r in requests):,} input tokens, index={args.index}, "
           f"block size {args.block_size}, clock={args.clock}")
     print(format_table(rows))
+    ratios = format_ratios(rows)
+    if ratios:
+        print(f"\nagainst lru in this run (speed: replayed requests/s, median over capacities; "
+              f"memory: policy side state):\n{ratios}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
@@ -157,6 +169,15 @@ def run_trace(args: argparse.Namespace) -> int:
         plot_hit_rates(rows, args.plot, title=f"{_basename(args.file)}: token hit rate "
                                                f"(block {args.block_size}, {args.index} index)")
         print(f"wrote {args.plot}")
+    if args.experts_plot:
+        from prefixkv.bench.plots import plot_expert_history
+
+        end = clock_times(requests, args.clock)[-1]
+        xlabel = "trace time (s)" if args.clock == "timestamp" else "request index"
+        plot_expert_history(rows, args.experts_plot, end_time=end, xlabel=xlabel,
+                            title=f"{_basename(args.file)}: expert chosen over time "
+                                  f"(block {args.block_size}, {args.index} index)")
+        print(f"wrote {args.experts_plot}")
     return 0
 
 

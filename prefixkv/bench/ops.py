@@ -1,18 +1,29 @@
-"""``prefixkv bench ops``: microbenchmarks of the cache core (issue 2's workload).
+"""``prefixkv bench ops``: microbenchmarks of the cache core, equal work on every row.
 
-Workload: 1,000 cached distinct 1,024-token prompts plus a 2,000-token system prompt; match a
-2,048-token prompt sharing the system prompt; insert a 1,024-token sequence sharing 512 tokens
-with a cached prompt; evict 10 blocks from a full cache; memory of 1,000 cached 512-token
-prefixes (tracemalloc). Token ids are fresh Python ints in [0, 150000), as a tokenizer returns
-them (so equal tokens are equal values, not the same objects).
+Workload (issue 2, issue 15): 1,000 cached distinct 1,024-token prompts plus a 2,000-token
+system prompt; *match* a 2,048-token prompt sharing the system prompt; *insert* a 1,024-token
+sequence sharing 512 tokens with a cached prompt; *evict* 10 leaves' worth of tokens from the
+full cache (10 x 1,024 = 10,240 tokens on every row: ``evict(10240 // block_size)`` blocks for
+ours, ``evict(num_tokens=10240)`` for SGLang, 640 blocks for vLLM), reporting the tokens and
+leaves each call actually freed; memory of 1,000 cached 512-token prefixes (tracemalloc).
+Token ids are fresh Python ints in [0, 150000), as a tokenizer returns them.
 
-Every figure is a median over many calls, and is also given as a ratio against seed 004's
-reference radix tree (:mod:`prefixkv.bench.ops_baseline`) measured in the same run.
+Input forms: plain kinds pass lists; ``+array`` passes ``array('q')`` (SGLang's key type, so
+SGLang rows are compared with these); ``+u32`` passes ``array('I')`` (the radix tree's own key
+type, our fastest form). Inputs are built outside the timed calls.
+
+The ids an evict call returns are kept (an engine's pool keeps them), so freeing their int
+objects is not timed; SGLang's rows likewise hand their value tensors to the allocator.
+
+Timing: every kind's cache is built first; then each operation runs in interleaved rounds
+(every kind takes a turn each round, in rotating order) and the figure is the median over all
+calls, with the garbage collector off during timed calls (as ``timeit`` does). Ratios are
+against the first kind, measured in the same rounds.
 
 Peers: when ``sglang`` / ``vllm`` import in the running interpreter, their prefix caches run
 on the same workload in the same process (:mod:`prefixkv.bench.ops_peers`), and a second
-table gives our speedup over each (SGLang rows against our ``+array`` rows, since SGLang's
-keys are arrays; vLLM rows against ``hash:sha256-bs16``).
+table gives our speedup over each (SGLang rows against our ``+array`` rows of the same block
+size; vLLM rows against ``hash:sha256-bs16``).
 """
 
 from __future__ import annotations
@@ -37,14 +48,42 @@ VOCAB = 150_000
 
 @dataclass(slots=True)
 class OpsRow:
-    """One index's medians (microseconds) and memory (bytes per cached prefix; ``None`` where
-    it cannot be measured). ``note`` says what a peer's figures count (empty for ours)."""
+    """One index's medians (microseconds), what its eviction freed, and memory (bytes per cached
+    prefix; ``None`` where it cannot be measured). ``evict_tokens`` is the median of tokens
+    freed per evict call; ``evict_units`` the mean of leaves (vLLM: blocks) freed per call, or
+    ``None`` where the index does not say. ``note`` says what a peer's figures count."""
 
     index: str
     match_us: float
     insert_us: float
-    evict10_us: float
+    evict_us: float
+    evict_tokens: float
+    evict_units: float | None
     bytes_per_prefix: float | None
+    note: str = ""
+
+
+EVICT_TOKENS = 10 * 1024
+"""Tokens each evict call asks for: 10 leaves of the workload's 1,024-token prompts."""
+
+MODES = {"": None, "array": "q", "u32": "I"}
+"""Input modes: ``kind+MODE`` -> the ``array`` typecode the tokens are passed as (``None``: list)."""
+
+
+@dataclass(slots=True)
+class _Subject:
+    """One kind, loaded with the workload: the three timed operations and their bookkeeping.
+
+    ``evict(i)`` returns the tokens freed; ``units()`` a running count of leaves (or blocks)
+    freed, read outside the timed calls (``None`` where unknown)."""
+
+    kind: str
+    match: Callable[[int], Any]
+    insert: Callable[[int], Any]
+    evict: Callable[[int], int]
+    units: Callable[[], int | None]
+    memory: Callable[[], float | None]
+    freed: list[int]
     note: str = ""
 
 
@@ -55,22 +94,6 @@ def _fresh(rng: random.Random, n: int) -> list[int]:
 def _copy(tokens: list[int]) -> list[int]:
     """Same values, new int objects (defeats CPython's identity shortcut in comparisons)."""
     return [int(str(t)) for t in tokens]
-
-
-def _median_us(fn: Callable[[int], Any], n: int) -> float:
-    """Median of ``n`` timed calls, with the garbage collector off (as ``timeit`` does), so a
-    full collection over the large cached heap does not land on whichever call triggers it."""
-    times = []
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(n):
-            t0 = time.perf_counter_ns()
-            fn(i)
-            times.append(time.perf_counter_ns() - t0)
-    finally:
-        gc.enable()
-    return statistics.median(times) / 1000
 
 
 def _workload(seed: int, n_prompts: int) -> dict[str, Any]:
@@ -84,17 +107,17 @@ def _workload(seed: int, n_prompts: int) -> dict[str, Any]:
     }
 
 
-def _parse(kind: str) -> tuple[str, int, bool]:
-    """``radix-bs16+array`` -> (``radix``, 16, True): the index, block size, array input."""
+def _parse(kind: str) -> tuple[str, int, str | None]:
+    """``radix-bs16+array`` -> (``radix``, 16, ``"q"``): index, block size, input typecode."""
     if kind == "seed-reference":
-        return kind, 1, False
+        return kind, 1, None
     body, plus, mode = kind.partition("+")
-    if plus and mode != "array":
-        raise ValueError(f"unknown input mode in {kind!r} (only +array)")
+    if (plus and not mode) or mode not in MODES:
+        raise ValueError(f"unknown input mode in {kind!r} (+array or +u32)")
     name, sep, bs = body.rpartition("-bs")
     if not sep or not bs.isdigit():
-        raise ValueError(f"bad kind {kind!r}: expected INDEX-bsN[+array], e.g. radix-bs16")
-    return name, int(bs), bool(plus)
+        raise ValueError(f"bad kind {kind!r}: expected INDEX-bsN[+array|+u32], e.g. radix-bs16")
+    return name, int(bs), MODES[mode]
 
 
 def _make(kind: str, capacity: int) -> Any:
@@ -120,43 +143,49 @@ def _insert(cache: Any, pool: BlockPool | None, tokens: list[int], bs: int) -> N
     pool.free(node.returned_block_ids)
 
 
-def bench_index(kind: str, w: dict[str, Any], iters: int) -> OpsRow:
-    """Measure one index kind (ours, the seed reference, or a peer) on the shared workload."""
+def _prepare(kind: str, w: dict[str, Any]) -> _Subject:
+    """Load one of our kinds (or the seed reference) with the workload; inputs prebuilt."""
     if ops_peers.is_peer_kind(kind):
-        return _bench_peer(kind, w, iters)
-    _, bs, as_array = _parse(kind)
-    conv: Callable[[list[int]], Any] = (lambda t: array("I", t)) if as_array else (lambda t: t)
+        return _prepare_peer(kind, w)
+    _, bs, code = _parse(kind)
+    conv: Callable[[list[int]], Any] = (lambda t: t) if code is None else (
+        lambda t: array(code, t))
     total = (2000 + 1024 * len(w["prompts"]) + 512 * len(w["suffixes"])) // bs + 64
     cache = _make(kind, total)
-    pool = None if kind == "seed-reference" else BlockPool(total)
-    system = w["system"]
-    _insert(cache, pool, system, bs)
-    for p in w["prompts"]:
+    seed = kind == "seed-reference"
+    pool = None if seed else BlockPool(total)
+    for p in [w["system"], *w["prompts"]]:
         _insert(cache, pool, p, bs)
-    query = conv(_copy(system + w["query_tail"]))
-    match_us = _median_us(lambda i: cache.match_prefix(query), iters)
-
+    query = conv(_copy(w["system"] + w["query_tail"]))
     base = [_copy(p[:512]) for p in w["prompts"]]
     seqs = [conv(base[i % len(base)] + w["suffixes"][i]) for i in range(len(w["suffixes"]))]
     if pool is None:
-        insert_us = _median_us(lambda i: cache.insert_prefix(seqs[i], list(range(1024))), len(seqs))
+        ids = [list(range(1024)) for _ in seqs]
     else:
-        id_lists = [pool.allocate(512 // bs) for _ in seqs]
-        cached = [cache.match_prefix(s[:512]).matched_kv_blocks for s in seqs]
+        ids = [cache.match_prefix(s[:512]).matched_kv_blocks + pool.allocate(512 // bs)
+               for s in seqs]
+    ask = EVICT_TOKENS // bs
+    freed: list[int] = []
+    kept: list[Any] = []  # the freed ids stay alive, as in a pool: their deallocation is untimed
 
-        def ins(i: int) -> None:
-            cache.insert_prefix(seqs[i], cached[i] + id_lists[i])
+    def evict(i: int) -> int:
+        ids = cache.evict_lru(ask)
+        kept.append(ids)
+        freed.append(len(ids) * bs)
+        return len(ids) * bs
 
-        insert_us = _median_us(ins, len(seqs))
+    def units() -> int | None:
+        return None if seed else int(cache.get_stats().evictions)
 
-    evict_us = _median_us(lambda i: cache.evict_lru(10), min(iters, 200))
-    return OpsRow(kind, match_us, insert_us, evict_us,
-                  _memory(kind, [conv(p) for p in w["mem_prefixes"]]))
+    def memory() -> float:
+        return _memory(kind, [conv(p) for p in w["mem_prefixes"]])
+
+    return _Subject(kind, lambda i: cache.match_prefix(query),
+                    lambda i: cache.insert_prefix(seqs[i], ids[i]), evict, units, memory, freed)
 
 
-def _bench_peer(kind: str, w: dict[str, Any], iters: int) -> OpsRow:
-    """Same workload and timed calls as :func:`bench_index`, through a peer adapter. Keys and
-    values (block ids) are built outside the timed region, as for ours."""
+def _prepare_peer(kind: str, w: dict[str, Any]) -> _Subject:
+    """The same workload through a peer adapter; keys and values built outside timed calls."""
     peer = ops_peers.make_peer(kind, 2000 + 1024 * len(w["prompts"]) + 512 * len(w["suffixes"]))
     bs = peer.block_size
     next_id = 0
@@ -171,33 +200,48 @@ def _bench_peer(kind: str, w: dict[str, Any], iters: int) -> OpsRow:
     query = peer.key(_copy(w["system"] + w["query_tail"]))
     if peer.match(query) != 2000:
         raise RuntimeError(f"{kind}: the query should match the 2,000-token system prompt")
-    match_us = _median_us(lambda i: peer.match(query), iters)
-
     base = [_copy(p[:512]) for p in w["prompts"]]
     seqs = [peer.insert_input(base[i % len(base)] + w["suffixes"][i], ids(1024))
             for i in range(len(w["suffixes"]))]
-    insert_us = _median_us(lambda i: peer.insert(seqs[i]), len(seqs))
+    units = [0]
+    freed: list[int] = []
 
-    n_evict = min(iters, 200)
-    freed = [0] * n_evict
+    def evict(i: int) -> int:
+        tokens, n_units = peer.evict_tokens(EVICT_TOKENS)
+        units[0] += n_units
+        freed.append(tokens)
+        return tokens
 
-    def evict(i: int) -> None:
-        freed[i] = peer.evict(10)
+    return _Subject(kind, lambda i: peer.match(query), lambda i: peer.insert(seqs[i]), evict,
+                    lambda: units[0], lambda: peer.memory(w["mem_prefixes"]), freed, peer.note)
 
-    evict_us = _median_us(evict, n_evict)
-    note = f"evict(10 blocks = {10 * bs} tokens) freed {statistics.median(freed):.0f} tokens"
-    if isinstance(peer, ops_peers.SGLangPeer):
-        # SGLang frees whole leaves: also time asking for 10 leaves' worth of tokens.
-        ask = int(10 * statistics.median(freed))
-        got: list[tuple[int, int]] = [(0, 0)] * min(iters, 20)
 
-        def evict_more(i: int) -> None:
-            got[i] = peer.evict_tokens(ask)
+def _interleaved(subjects: list[_Subject], op: str, calls: int, rounds: int) -> list[list[int]]:
+    """Time ``calls`` calls of ``op`` per subject in ``rounds`` interleaved rounds (the subjects
+    take turns in rotating order); returns each subject's call times in ns. GC is off while
+    timing, so a full collection over the large cached heaps lands on no one's call."""
+    times: list[list[int]] = [[] for _ in subjects]
+    per_round = -(-calls // rounds)
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            order = list(range(len(subjects)))
+            order = order[r % len(order):] + order[: r % len(order)]
+            for j in order:
+                fn = getattr(subjects[j], op)
+                done = len(times[j])
+                for i in range(done, min(calls, done + per_round)):
+                    t0 = time.perf_counter_ns()
+                    fn(i)
+                    times[j].append(time.perf_counter_ns() - t0)
+    finally:
+        gc.enable()
+    return times
 
-        leaves_us = _median_us(evict_more, len(got))
-        note += (f"; asking {ask} freed {statistics.median(g[1] for g in got):.0f} leaves "
-                 f"in {leaves_us:.1f} us")
-    return OpsRow(kind, match_us, insert_us, evict_us, peer.memory(w["mem_prefixes"]), note)
+
+def _median_us(times: list[int]) -> float:
+    return statistics.median(times) / 1000
 
 
 def _memory(kind: str, prefixes: list[Any]) -> float:
@@ -221,7 +265,7 @@ def _memory(kind: str, prefixes: list[Any]) -> float:
 
 
 def _check_kind(kind: str) -> None:
-    """``ValueError`` for a kind :func:`bench_index` cannot run (checked before any run)."""
+    """``ValueError`` for a kind :func:`run_ops` cannot run (checked before any run)."""
     if ops_peers.is_peer_kind(kind):
         ops_peers.parse_peer(kind)
         return
@@ -234,43 +278,70 @@ def _check_kind(kind: str) -> None:
                          f"hash[:{'|'.join(HASH_ALGOS)}]-bsN or a peer kind")
 
 
-DEFAULT_KINDS = ("seed-reference", "radix-bs1", "radix-bs1+array", "radix-bs16",
-                 "radix-bs16+array", "hash:sha256-bs16", "hash:xxhash-bs16", "hash:builtin-bs16")
+DEFAULT_KINDS = ("seed-reference", "radix-bs1", "radix-bs1+array", "radix-bs1+u32",
+                 "radix-bs16", "radix-bs16+array", "radix-bs16+u32", "hash:sha256-bs16",
+                 "hash:xxhash-bs16", "hash:builtin-bs16")
 
 
 def run_ops(kinds: tuple[str, ...] = DEFAULT_KINDS, *, prompts: int = 1000, iters: int = 2000,
-            seed: int = 0) -> list[OpsRow]:
-    """Run every kind on one workload; the first kind is the baseline for ratios.
+            seed: int = 0, rounds: int = 5) -> list[OpsRow]:
+    """Run every kind on one workload, interleaved; the first kind is the baseline for ratios.
 
-    Kinds are ours (``radix-bs16+array``, ``hash:xxhash-bs16``, ...), ``seed-reference``, or
-    peers (:func:`prefixkv.bench.ops_peers.parse_peer`); all are checked before anything runs
-    (``ValueError`` for a bad one; ``ImportError`` when a peer is not installed).
+    ``iters`` match calls per kind; inserts are the workload's 400 sequences; evict calls are
+    ``min(iters, prompts // 20, 50)`` (each frees 10 leaves' worth, so half the prompts at most
+    go). Kinds are ours (``radix-bs16+array``, ``hash:xxhash-bs16``, ...), ``seed-reference``,
+    or peers (:func:`prefixkv.bench.ops_peers.parse_peer`); all are checked before anything
+    runs (``ValueError`` for a bad one; ``ImportError`` when a peer is not installed).
     """
     if not kinds:
         raise ValueError("kinds must name at least one index")
+    if rounds <= 0:
+        raise ValueError("rounds must be positive")
     for k in kinds:
         _check_kind(k)
     w = _workload(seed, prompts)
-    return [bench_index(k, w, iters) for k in kinds]
+    subjects = [_prepare(k, w) for k in kinds]
+    match = _interleaved(subjects, "match", iters, rounds)
+    insert = _interleaved(subjects, "insert", len(w["suffixes"]), rounds)
+    n_evict = max(1, min(iters, prompts // 20, 50))
+    before = [s.units() for s in subjects]
+    evict = _interleaved(subjects, "evict", n_evict, rounds)
+    rows = []
+    for j, s in enumerate(subjects):
+        after, start = s.units(), before[j]
+        units = None if after is None or start is None else (after - start) / n_evict
+        rows.append(OpsRow(s.kind, _median_us(match[j]), _median_us(insert[j]),
+                           _median_us(evict[j]), statistics.median(s.freed), units,
+                           s.memory(), s.note))
+    return rows
 
 
 def _fmt_bytes(b: float | None) -> str:
     return "n/a" if b is None else f"{b:.0f}"
 
 
+def _fmt_freed(r: OpsRow) -> str:
+    units = "" if r.evict_units is None else f"/{r.evict_units:.1f}"
+    return f"{r.evict_tokens:.0f}{units}"
+
+
 def format_table(rows: list[OpsRow]) -> str:
     """A readable table with ratios against the first row (the baseline); when peer rows are
     present, a second table of our speedup over each peer, and notes on the peers' units."""
     base = rows[0]
-    head = (f"{'index':<28}{'match us':>10}{'insert us':>11}{'evict10 us':>12}"
-            f"{'B/prefix':>10}   speedup vs {base.index} (match/insert/evict)")
+    head = (f"{'index':<28}{'match us':>10}{'insert us':>11}{'evict us':>10}"
+            f"{'freed tok/leaves':>18}{'B/prefix':>10}   speedup vs {base.index} "
+            "(match/insert/evict)")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.index:<28}{r.match_us:>10.1f}{r.insert_us:>11.1f}{r.evict10_us:>12.1f}"
-            f"{_fmt_bytes(r.bytes_per_prefix):>10}   {base.match_us / r.match_us:6.1f}x "
-            f"{base.insert_us / r.insert_us:6.1f}x {base.evict10_us / r.evict10_us:7.1f}x"
+            f"{r.index:<28}{r.match_us:>10.1f}{r.insert_us:>11.1f}{r.evict_us:>10.1f}"
+            f"{_fmt_freed(r):>18}{_fmt_bytes(r.bytes_per_prefix):>10}   "
+            f"{base.match_us / r.match_us:6.2f}x {base.insert_us / r.insert_us:6.2f}x "
+            f"{base.evict_us / r.evict_us:7.2f}x"
         )
+    lines.append(f"evict: each call asks for {EVICT_TOKENS:,} tokens (10 leaves of 1,024); "
+                 "freed tok/leaves: median tokens and mean leaves (vLLM: blocks) per call")
     peers = [r for r in rows if ops_peers.is_peer_kind(r.index)]
     if peers:
         lines += ["", _format_vs_peers(rows, peers)]
@@ -288,14 +359,15 @@ def _ours_for(peer: str, ours: dict[str, OpsRow]) -> OpsRow | None:
 
 def _format_vs_peers(rows: list[OpsRow], peers: list[OpsRow]) -> str:
     ours = {r.index: r for r in rows if not ops_peers.is_peer_kind(r.index)}
-    head = f"{'peer':<28}{'ours':<20}  our speedup (match/insert/evict)   peer's units"
+    head = (f"{'peer':<28}{'ours':<20}  our time / peer's (match/insert/evict; < 1: ours "
+            "faster)")
     lines = [head, "-" * len(head)]
     for p in peers:
         o = _ours_for(p.index, ours)
         ratios = ("   (no comparable row of ours)" if o is None else
-                  f"{p.match_us / o.match_us:7.1f}x {p.insert_us / o.insert_us:6.1f}x "
-                  f"{p.evict10_us / o.evict10_us:7.1f}x")
-        lines.append(f"{p.index:<28}{o.index if o else '-':<20}{ratios:<34}   {p.note}")
+                  f"{o.match_us / p.match_us:7.2f}x {o.insert_us / p.insert_us:6.2f}x "
+                  f"{o.evict_us / p.evict_us:7.2f}x")
+        lines.append(f"{p.index:<28}{o.index if o else '-':<20}{ratios}")
     families = sorted({"vllm" if p.index.startswith("vllm") else "sglang" for p in peers})
     lines += [""] + [f"* {ops_peers.NOTES[f]}" for f in families]
     return "\n".join(lines)
@@ -319,7 +391,8 @@ def add_arguments(p: Any) -> None:
                    help="index kinds; the first is the baseline (default: %(default)s); "
                         "peer kinds: " + ", ".join(ops_peers.SGLANG_KINDS + ops_peers.VLLM_KINDS))
     p.add_argument("--prompts", type=int, default=1000, help="cached 1,024-token prompts")
-    p.add_argument("--iters", type=int, default=2000, help="calls per measured operation")
+    p.add_argument("--iters", type=int, default=2000, help="match calls per kind")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
@@ -328,8 +401,8 @@ def add_arguments(p: Any) -> None:
 
 def run_from_args(args: Any) -> int:
     """Run with parsed arguments; prints the table, optionally writes JSON."""
-    if args.prompts <= 0 or args.iters <= 0:
-        raise ValueError("--prompts and --iters must be positive")
+    if args.prompts <= 0 or args.iters <= 0 or getattr(args, "rounds", 5) <= 0:
+        raise ValueError("--prompts, --iters and --rounds must be positive")
     kinds = tuple(args.kinds)
     peers = getattr(args, "peers", None)
     if peers is not False and not any(ops_peers.is_peer_kind(k) for k in kinds):
@@ -340,7 +413,8 @@ def run_from_args(args: Any) -> int:
         if found and missing:
             print("peers not installed: " + "; ".join(missing))
         kinds += found
-    rows = run_ops(kinds, prompts=args.prompts, iters=args.iters, seed=args.seed)
+    rows = run_ops(kinds, prompts=args.prompts, iters=args.iters, seed=args.seed,
+                   rounds=getattr(args, "rounds", 5))
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -8,8 +8,8 @@ operations the benchmark times on the same workload as our indexes:
   tensor; vLLM takes a ``Request``, whose block hashes are computed when it is built).
 - ``match(key) -> int``: the cached prefix length, in tokens.
 - ``insert(inp)``: cache a sequence whose first part is already cached.
-- ``evict(num_blocks) -> int``: ask for ``num_blocks * block_size`` tokens back; returns how
-  many tokens the peer actually freed (units differ, see :data:`NOTES`).
+- ``evict_tokens(num_tokens) -> (tokens, units)``: ask for ``num_tokens`` tokens back; returns
+  the tokens the peer actually freed and the leaves (SGLang) or blocks (vLLM) that held them.
 - ``memory(prefixes) -> float | None``: bytes per cached prefix, or ``None`` where it cannot be
   measured from Python.
 
@@ -36,18 +36,19 @@ SGLANG_KINDS = ("sglang-radix-bs1", "sglang-radix-bs16", "sglang-unified:python-
 VLLM_KINDS = ("vllm-bs16", "vllm-bs16+hash")
 
 NOTES = {
-    "sglang": "SGLang: keys are array('q') built outside the timed call (compare with our +array "
-              "rows); match refreshes recency and returns the length and last node (the KV "
-              "indices are gathered later, untimed); insert takes a prebuilt int64 tensor and "
-              "checks nothing; evict(10 blocks) asks for 10*page_size tokens and SGLang frees "
-              "whole leaves (the classic tree heapifies every evictable leaf on each call), so "
-              "the row also times asking for 10 leaves' worth; memory = Python heap + 8 B/token "
-              "of value tensors (n/a for the Rust core, invisible to tracemalloc).",
+    "sglang": "SGLang: keys are array('q') built outside the timed call (compared with our "
+              "+array rows, which get the same array('q')); match refreshes recency and returns "
+              "the length and last node (the KV indices are gathered later, untimed); insert "
+              "takes a prebuilt int64 tensor and checks nothing; evict(num_tokens=10240) frees "
+              "whole leaves until that many tokens are freed (the classic tree heapifies every "
+              "evictable leaf on each call); memory = Python heap + 8 B/token of value tensors "
+              "(n/a for the Rust core, invisible to tracemalloc).",
     "vllm": "vLLM: match = get_computed_blocks (does not refresh recency; +hash also builds the "
             "Request, i.e. hashes the blocks); insert = get_computed_blocks + allocate_slots + "
             "free (it also takes its 32 new blocks from its pool; +hash builds the Request); "
-            "evict = BlockPool.get_new_blocks(10) on a pool whose free blocks are all cached "
-            "(any block may go, not only leaves: lookups stop at the first missing block).",
+            "evict = BlockPool.get_new_blocks(640) (10,240 tokens) on a pool whose free blocks are "
+            "all cached (any block may go, not only leaves: lookups stop at the first missing "
+            "block).",
 }
 
 
@@ -189,10 +190,6 @@ class SGLangPeer:
         key, values = inp
         self.cache.insert(self._insert_cls(key=self._key_cls(key), value=values))
 
-    def evict(self, num_blocks: int) -> int:
-        """``evict(num_tokens=num_blocks * page_size)``; returns the tokens actually freed."""
-        return self.evict_tokens(num_blocks * self.block_size)[0]
-
     def evict_tokens(self, num_tokens: int) -> tuple[int, int]:
         """``evict(num_tokens=...)``; returns (tokens, leaves) actually freed."""
         tokens, leaves = self.allocator.freed_tokens, self.allocator.freed_segments
@@ -281,13 +278,14 @@ class VLLMPeer:
             raise RuntimeError(f"{self.kind}: pool too small for {req.num_tokens} tokens")
         self.manager.free(req)
 
-    def evict(self, num_blocks: int) -> int:
-        """``BlockPool.get_new_blocks``: takes blocks from the free queue's head, evicting
-        their cached hashes; returns tokens whose cache entry was dropped."""
+    def evict_tokens(self, num_tokens: int) -> tuple[int, int]:
+        """``BlockPool.get_new_blocks(num_tokens // 16)``: takes blocks from the free queue's
+        head, evicting their cached hashes; returns (tokens, blocks) whose entry was dropped."""
         pool = self.manager.block_pool
         before = len(pool.cached_block_hash_to_block)
-        pool.get_new_blocks(num_blocks)
-        return (before - len(pool.cached_block_hash_to_block)) * self.block_size
+        pool.get_new_blocks(num_tokens // self.block_size)
+        dropped = before - len(pool.cached_block_hash_to_block)
+        return dropped * self.block_size, dropped
 
     def memory(self, prefixes: list[list[int]]) -> float | None:
         """Bytes per cached prefix (tracemalloc): a manager sized for exactly these blocks, its

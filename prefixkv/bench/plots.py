@@ -60,3 +60,50 @@ def plot_hit_rates(rows: Sequence[TraceRow], path: str | Path, *, title: str | N
     finally:
         plt.close(fig)
     return out
+
+
+def plot_expert_history(rows: Sequence[TraceRow], path: str | Path, *, end_time: float,
+                        title: str | None = None, xlabel: str = "clock") -> Path:
+    """Write a PNG of the expert an adaptive policy chose over time, one panel per row that has
+    an ``expert_history`` (clock time on x, from 0 to ``end_time``); returns the path.
+
+    ``ValueError`` if no row has an expert history.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.expert_history]
+    if not rows:
+        raise ValueError("rows: no row has an expert_history (run an adaptive policy)")
+    from prefixkv.cache.policy_experts import EXPERTS
+
+    seen = {e for r in rows for _, e in (r.expert_history or ())}
+    names = [e for e in EXPERTS if e in seen] + sorted(seen - set(EXPERTS))
+    out = Path(path)
+    fig, axes = plt.subplots(len(rows), 1, figsize=(8.0, 1.2 + 1.1 * len(rows)), dpi=120,
+                             sharex=True, squeeze=False)
+    try:
+        for ax, r in zip(axes[:, 0], rows):
+            hist = list(r.expert_history or ())
+            xs = [max(0.0, t) if t != float("-inf") else 0.0 for t, _ in hist] + [end_time]
+            ys = [names.index(e) for _, e in hist]
+            ys.append(ys[-1])
+            ax.step(xs, ys, where="post", color="tab:blue")
+            ax.set_yticks(range(len(names)))
+            ax.set_yticklabels(names, fontsize=8)
+            ax.set_ylim(-0.5, len(names) - 0.5)
+            cap = format_tokens(r.capacity_tokens) if r.capacity_tokens else "unbounded"
+            share = ", ".join(f"{k} {v:.0%}" for k, v in (r.expert_share or {}).items())
+            ax.set_title(f"{r.policy} @ {cap} tokens: hit rate {r.hit_rate:.4f} ({share})",
+                         fontsize=9, loc="left")
+            ax.grid(True, alpha=0.3)
+        axes[-1, 0].set_xlabel(xlabel)
+        fig.suptitle(title or "expert chosen over time", fontsize=10)
+        fig.tight_layout()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png")
+    finally:
+        plt.close(fig)
+    return out

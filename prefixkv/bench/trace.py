@@ -23,8 +23,11 @@ All of a request's blocks get the request's time, the deeper ones first in line 
 
 from __future__ import annotations
 
+import gzip
 import json
+import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +59,11 @@ class TraceRow:
     ``hit_rate`` is the token hit rate: matched tokens over input tokens (a matched block is
     worth ``block_size`` tokens, except a request's last block, worth what remains of its
     input). ``block_hit_rate`` counts matched blocks over requested blocks. ``capacity_tokens``
-    is ``None`` for the unbounded cache (``policy == "unbounded"``).
+    is ``None`` for the unbounded cache (``policy == "unbounded"``). ``requests_per_s`` is the
+    replay's speed (a request = match, evict + allocate, insert, unlock) and ``policy_bytes``
+    the policy's side state at the end (:func:`policy_state_bytes`). For an adaptive policy
+    (one with a ``history`` of ``(clock time, expert)`` switches), ``expert_history`` is that
+    history and ``expert_share`` the fraction of requests served under each expert.
     """
 
     policy: str
@@ -72,6 +79,10 @@ class TraceRow:
     index: str
     block_size: int
     seconds: float
+    requests_per_s: float = 0.0
+    policy_bytes: int = 0
+    expert_history: tuple[tuple[float, str], ...] | None = None
+    expert_share: dict[str, float] | None = None
 
 
 def _int(obj: dict[str, object], name: str, lineno: int, *, minimum: int = 0) -> int:
@@ -130,8 +141,17 @@ def parse_trace(lines: Iterable[str], *, block_size: int = 512, source: str = "t
 
 
 def load_trace(path: str | Path, *, block_size: int = 512) -> list[TraceRequest]:
-    """Read a Mooncake-format JSONL file (see :func:`parse_trace` for the checks)."""
+    """Read a Mooncake-format JSONL file, gzipped if its name ends in ``.gz`` (see
+    :func:`parse_trace` for the checks; a corrupt gzip file is a ``ValueError`` too)."""
     p = Path(path)
+    if p.suffix == ".gz":
+        try:
+            with gzip.open(p, "rt", encoding="utf-8") as f:
+                return parse_trace(f, block_size=block_size, source=str(p))
+        except (OSError, EOFError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise ValueError(f"{p}: not a readable gzip file ({exc})") from None
     with p.open(encoding="utf-8") as f:
         return parse_trace(f, block_size=block_size, source=str(p))
 
@@ -206,6 +226,9 @@ def replay(
                                 max_pinned_blocks=0, clock=index_clock)
     pool = BlockPool(blocks)
     hit_tokens = input_tokens = hit_blocks = total_blocks = 0
+    chosen: Callable[[], str] | None = (
+        (lambda: str(getattr(policy, "chosen"))) if hasattr(policy, "history") else None)
+    served: dict[str, int] = {}
     start = time.perf_counter()
     for i, r in enumerate(requests):
         now[0] = times[i]
@@ -225,11 +248,16 @@ def replay(
             if node.returned_block_ids:
                 pool.free(node.returned_block_ids)
         cache.unlock(m)
+        if chosen is not None:
+            name = chosen()
+            served[name] = served.get(name, 0) + 1
         if progress is not None and (i + 1) % 500 == 0:
             progress(500)
     if progress is not None and len(requests) % 500:
         progress(len(requests) % 500)
+    seconds = time.perf_counter() - start
     stats = cache.get_stats()
+    history = getattr(policy, "history", None) if chosen is not None else None
     return TraceRow(
         policy=label,
         capacity_tokens=capacity_tokens,
@@ -243,8 +271,44 @@ def replay(
         evicted_blocks=stats.evicted_blocks,
         index=index,
         block_size=block_size,
-        seconds=round(time.perf_counter() - start, 3),
+        seconds=round(seconds, 3),
+        requests_per_s=round(len(requests) / seconds, 1) if seconds > 0 else 0.0,
+        policy_bytes=policy_state_bytes(policy),
+        expert_history=None if history is None else tuple((float(t), str(e)) for t, e in history),
+        expert_share=(None if chosen is None else
+                      {k: round(v / len(requests), 4) for k, v in sorted(served.items())}),
     )
+
+
+def policy_state_bytes(policy: object) -> int:
+    """Bytes of a policy's side state: ``sys.getsizeof`` summed over its attributes'
+    containers and their contents, not following into index entries (objects with a
+    ``heap_ver`` field) or weak keys. 0 for the stateless policies (LRU, LFU, FIFO)."""
+    seen: set[int] = set()
+    total = 0
+    stack: list[object] = list(vars(policy).values()) if hasattr(policy, "__dict__") else []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or hasattr(obj, "heap_ver") or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, weakref.WeakKeyDictionary):
+            stack.extend(obj.values())
+            total += len(obj) * 100  # the weak references and their dict slots
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__slots__") and not isinstance(obj, (int, float, str, bytes)):
+            stack.extend(getattr(obj, a) for a in obj.__slots__ if hasattr(obj, a))
+    return total if total > 0 and _has_state(policy) else 0
+
+
+def _has_state(policy: object) -> bool:
+    return any(isinstance(v, (dict, list, weakref.WeakKeyDictionary))
+               for v in (vars(policy).values() if hasattr(policy, "__dict__") else ()))
 
 
 def format_table(rows: Sequence[TraceRow]) -> str:
@@ -263,6 +327,44 @@ def format_table(rows: Sequence[TraceRow]) -> str:
     widths = [max(len(row[j]) for row in lines) for j in range(len(head))]
     out = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def format_ratios(rows: Sequence[TraceRow], baseline: str = "lru") -> str:
+    """Each policy against ``baseline`` in the same run: hit-rate ratio per capacity, replay
+    speed ratio (median over capacities), side-state memory (largest), and for an adaptive
+    policy the share of requests each expert served, per capacity. ``""`` without the
+    baseline."""
+    base = {r.capacity_tokens: r for r in rows if r.policy == baseline}
+    if not base:
+        return ""
+    policies = [p for p in dict.fromkeys(r.policy for r in rows if r.capacity_tokens is not None)]
+    caps = sorted(c for c in base if c is not None)
+    by = {(r.policy, r.capacity_tokens): r for r in rows}
+    head = ["policy", *(f"x{baseline} @{format_tokens(c)}" for c in caps), "speed", "memory"]
+    lines = [head]
+    for p in policies:
+        cells = [p]
+        speeds = []
+        for c in caps:
+            r = by.get((p, c))
+            b = base[c]
+            cells.append("-" if r is None or not b.hit_rate else f"{r.hit_rate / b.hit_rate:.3f}")
+            if r is not None and b.requests_per_s and r.requests_per_s:
+                speeds.append(r.requests_per_s / b.requests_per_s)
+        speeds.sort()
+        cells.append(f"{speeds[len(speeds) // 2]:.2f}x" if speeds else "-")
+        mem = max((by[(p, c)].policy_bytes for c in caps if (p, c) in by), default=0)
+        cells.append(f"{mem / 1e6:.1f} MB")
+        lines.append(cells)
+    widths = [max(len(row[j]) for row in lines) for j in range(len(head))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    for r in rows:
+        if r.expert_share:
+            share = ", ".join(f"{k} {v:.0%}" for k, v in r.expert_share.items())
+            out.append(f"{r.policy} @{format_tokens(r.capacity_tokens or 0)}: {share} of "
+                       f"requests, {len(r.expert_history or ()) - 1} switches")
     return "\n".join(out)
 
 

@@ -6,10 +6,12 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 
 def as_token_list(token_ids: Any, name: str = "token_ids") -> Sequence[int]:
-    """Return ``token_ids`` as a list of ints, or an ``array`` as is (numpy arrays, tuples and
-    ranges become lists).
+    """Return ``token_ids`` as a list of ints, or an ``array`` as is (numpy arrays, tensors,
+    tuples and ranges become lists, in C where they expose ``tolist``/``numpy``).
 
     Only the container is checked here; values are checked by :func:`check_tokens` where they
     are new to the index (values equal to cached keys are valid by construction).
@@ -18,8 +20,9 @@ def as_token_list(token_ids: Any, name: str = "token_ids") -> Sequence[int]:
         return token_ids
     if isinstance(token_ids, tuple):
         return list(token_ids)
-    if isinstance(token_ids, (str, bytes, bytearray)) or token_ids is None:
-        raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    _reject_non_sequence(token_ids, name)
+    if isinstance(token_ids, np.ndarray) or callable(getattr(token_ids, "numpy", None)):
+        return as_token_array(token_ids, name).tolist()
     tolist = getattr(token_ids, "tolist", None)
     if callable(tolist):
         out = tolist()
@@ -29,6 +32,75 @@ def as_token_list(token_ids: Any, name: str = "token_ids") -> Sequence[int]:
         return list(token_ids)
     except TypeError:
         raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}") from None
+
+
+def as_token_array(token_ids: Any, name: str = "token_ids") -> array[int]:
+    """Return ``token_ids`` as an ``array('I')`` (the radix tree's key type), every value checked.
+
+    No per-element Python work for any supported input: an ``array('I')`` is returned as is (the
+    fastest form), a list, tuple or range is packed in C by ``array``, and other int arrays
+    (``array('q')`` and the other int typecodes, numpy arrays, CPU torch tensors, found by
+    duck typing through ``.numpy()`` so this module imports no torch) go through numpy's
+    buffer protocol: one bounds check and one cast. ``ValueError`` names the argument for a
+    non-int element or dtype, a negative or too large (>= 2**32) value, a tensor that is not
+    on the CPU, or an array that is not 1-D.
+    """
+    kind = type(token_ids)
+    if kind is array:
+        code = token_ids.typecode
+        if code == "I":
+            return token_ids  # type: ignore[no-any-return]
+        if code not in _INT_TYPECODES:
+            raise ValueError(f"{name} must contain ints, got array({code!r})")
+        return _from_numpy(np.frombuffer(token_ids, dtype=np.dtype(code)), name)
+    if kind is list or kind is tuple or kind is range:
+        try:
+            return array("I", token_ids)
+        except (TypeError, OverflowError):
+            check_tokens(list(token_ids), name)  # raises the precise ValueError
+            raise
+    _reject_non_sequence(token_ids, name)
+    if isinstance(token_ids, np.ndarray):
+        return _from_numpy(token_ids, name)
+    to_numpy = getattr(token_ids, "numpy", None)
+    if callable(to_numpy):  # a torch tensor
+        try:
+            as_np = to_numpy()
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{name}: a tensor must be a CPU tensor without grad ({exc})") from None
+        return _from_numpy(np.asarray(as_np), name)
+    try:
+        seq = list(token_ids)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of ints, got {kind.__name__}") from None
+    return as_token_array(seq, name)
+
+
+_INT_TYPECODES = frozenset("bBhHiIlLqQ")
+
+
+def _reject_non_sequence(token_ids: Any, name: str) -> None:
+    if isinstance(token_ids, (str, bytes, bytearray)) or token_ids is None:
+        raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+
+
+def _from_numpy(x: np.ndarray[Any, Any], name: str) -> array[int]:
+    """A 1-D numpy int array as a checked ``array('I')`` (one bounds check, one cast, one copy)."""
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+    if x.dtype.kind not in "iu":
+        raise ValueError(f"{name} must contain ints, got dtype {x.dtype}")
+    if x.dtype != np.uint32 and x.size:
+        if x.dtype.kind == "i":
+            lo = int(x.min())
+            if lo < 0:
+                raise ValueError(f"{name} must be non-negative, found {lo}")
+        if x.dtype.itemsize > 4:
+            hi = int(x.max())
+            if hi > MAX_TOKEN_ID:
+                raise ValueError(f"{name} must be < 2**32, found {hi}")
+        x = x.astype(np.uint32)
+    return array("I", x.tobytes())  # a C-order copy whatever x's strides
 
 
 MAX_TOKEN_ID = 2**32 - 1

@@ -195,7 +195,9 @@ class HashPrefixCache(PrefixIndexBase):
             parent.num_children -= 1
         entry.num_blocks = 0
         self._num_entries -= 1
-        return [entry.block_id]
+        ids = [entry.block_id]
+        self._ids.release(ids)
+        return ids
 
     # ------------------------------------------------------------------- insert
     def _insert(
@@ -208,6 +210,7 @@ class HashPrefixCache(PrefixIndexBase):
         extra_keys: Sequence[Hashable | None] | None,
         lock: bool,
         description: str | None,
+        shown: Sequence[int],
     ) -> PrefixNode:
         if not isinstance(tokens, list):
             tokens = list(tokens)  # hashing and the stored per-block tokens work on lists
@@ -229,7 +232,7 @@ class HashPrefixCache(PrefixIndexBase):
                 seen.add(parent_hash)
                 new_hashes.append(parent_hash)
             stop = m + len(new_hashes)
-            returned = self._ids.claim(ids, w.ids, stop)  # last check: marks ids[m:stop] cached
+            returned, _ = self._ids.claim(ids, w.ids, stop)  # last check: marks ids[m:stop] cached
             now = self._clock()
             # --- validated: mutate from here on
             prev = w.path[-1] if w.path else None
@@ -252,7 +255,7 @@ class HashPrefixCache(PrefixIndexBase):
                 path.append(blk)
                 prev = blk
             return self._finish_insert(tokens, nb, path, w.ids + ids[m:stop], returned, prev,
-                                       pin, lock, namespace, now, description)
+                                       pin, lock, namespace, now, description, shown)
 
     def _memory_bytes(self) -> int:
         per_block = (sys.getsizeof(HashBlock(0, 0, None, [], None, None, 0, 0.0))

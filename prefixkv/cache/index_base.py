@@ -4,9 +4,9 @@ An *entry* is a radix node (many blocks) or a hashed block (one block). Entries 
 each has a ``parent`` (``None`` or a root sentinel at the top). A subclass knows how to walk a
 query (``_walk``), cut an entry at a block boundary (``_cut``), drop an evictable leaf's tail
 blocks (``_drop_tail``) and insert (``_insert``); everything else lives here: match with
-recency and locking, unlock, eviction in policy order, the pin registry and its budget, reset,
-statistics. Path-wide lock/pin counts and the evictable-leaf heap are in
-:mod:`prefixkv.cache.protection`; which block ids the index holds, in
+recency and locking, unlock, evict, the pin registry and its budget, reset, statistics.
+Path-wide lock/pin counts and the evictable-leaf heap are in :mod:`prefixkv.cache.protection`;
+the eviction order in :mod:`prefixkv.cache.eviction`; which block ids the index holds, in
 :mod:`prefixkv.cache.held_ids`.
 
 Thread safety: every public method takes ``self._lock`` (one re-entrant lock per index).
@@ -27,6 +27,7 @@ from prefixkv.cache._checks import (
     check_positive_int,
     check_tokens,
 )
+from prefixkv.cache.eviction import Evictor, key_at_depth
 from prefixkv.cache.held_ids import HeldIds
 from prefixkv.cache.policies import EvictionPolicy, make_policy
 from prefixkv.cache.protection import Protection, is_evictable_leaf
@@ -87,6 +88,9 @@ class PrefixIndexBase:
         self._clock = clock
         self._lock = threading.RLock()
         self._prot = Protection(self._policy)
+        self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=self._drop_tail,
+                                key_at=self._key_at, refresh=self._prot.refresh,
+                                gone=self._gone)
         self._counters = Counters()
         self._pins: dict[tuple[Namespace, tuple[int, ...]], tuple[PinnedPrefix, Any]] = {}
         self._ids = HeldIds(max_blocks)
@@ -149,9 +153,14 @@ class PrefixIndexBase:
         extra_keys: Sequence[Hashable | None] | None,
         lock: bool,
         description: str | None,
+        shown: Sequence[int],
     ) -> PrefixNode:
         """Insert ``nb`` full blocks (``ids`` already length-checked); takes ``self._lock``."""
         raise TypeError("subclass must implement _insert")
+
+    def _as_tokens(self, token_ids: Any) -> Sequence[int]:
+        """The index's working form of a query (a list, or an array kept as is)."""
+        return as_token_list(token_ids)
 
     # ------------------------------------------------------------- entry helpers
     def _touch(self, entries: Sequence[Any], now: float) -> None:
@@ -190,7 +199,7 @@ class PrefixIndexBase:
         lock: bool = False,
     ) -> PrefixMatch:
         """Longest cached block-aligned prefix of ``token_ids`` (see :class:`PrefixCache`)."""
-        tokens = as_token_list(token_ids)
+        tokens = self._as_tokens(token_ids)
         with self._lock:
             t0 = perf_counter_ns()
             w = self._walk(tokens, len(tokens), namespace, extra_keys)
@@ -220,7 +229,7 @@ class PrefixIndexBase:
             self._counters.record_query(len(tokens), match_length, w.partial,
                                         perf_counter_ns() - t0)
             return PrefixMatch(
-                token_ids=tokens,
+                token_ids=token_ids if type(token_ids) is list else tokens,
                 match_length=match_length,
                 matched_kv_blocks=w.ids,
                 partial_tokens=w.partial,
@@ -264,46 +273,37 @@ class PrefixIndexBase:
                 f"kv_block_ids has {len(ids)} ids but token_ids has {len(tokens)} tokens = "
                 f"{nb} full blocks of {self._bs}"
             )
-        return self._insert(tokens, nb, ids, pin, namespace, extra_keys, lock, description)
+        shown = token_ids if type(token_ids) is list else tokens
+        return self._insert(tokens, nb, ids, pin, namespace, extra_keys, lock, description, shown)
 
     def evict(self, num_blocks: int) -> list[int]:
-        """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids."""
+        """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids.
+
+        Order and cost: :class:`prefixkv.cache.eviction.Evictor` (a leaf's whole run of tail
+        blocks per step for ``depth_monotone_keys`` policies).
+        """
         check_count(num_blocks, "num_blocks")
         with self._lock:
-            out: list[int] = []
-            heap, key = self._prot.heap, self._policy.key
-            while len(out) < num_blocks:
-                e = heap.pop()
-                if e is None:
-                    break
-                # Trim the leaf one block at a time while it stays the policy's choice (its key
-                # may change with its tail block: depth, or a per-block policy state).
-                while True:
-                    out.extend(self._drop_tail(e, 1))
-                    if not e.num_blocks or len(out) >= num_blocks:
-                        break
-                    top = heap.peek_key()
-                    if top is not None and key(e) > top:
-                        break
-                if e.num_blocks:
-                    heap.push(e)
-                else:
-                    self._counters.evictions += 1
-                    if self._has_evict_hook:
-                        self._policy.on_evict(e)
-                    parent = e.parent
-                    if parent is not None and not parent.is_root:
-                        self._prot.refresh(parent)
+            out = self._evictor.evict(num_blocks)
             self._counters.evicted_blocks += len(out)
-            self._ids.release(out)
             return out
+
+    def _gone(self, entry: Any) -> None:
+        """``entry`` left the index (all its blocks evicted)."""
+        self._counters.evictions += 1
+        if self._has_evict_hook:
+            self._policy.on_evict(entry)
+
+    def _key_at(self, entry: Any, depth: int) -> Any:
+        """The policy's key for ``entry`` as if its blocks below ``depth`` were gone."""
+        return key_at_depth(self._policy, entry, depth)
 
     def evict_lru(self, num_blocks: int) -> list[int]:
         """Seed 004's name for :meth:`evict`."""
         return self.evict(num_blocks)
 
     def _aligned(self, token_ids: Sequence[int]) -> tuple[Sequence[int], int]:
-        tokens = as_token_list(token_ids)
+        tokens = self._as_tokens(token_ids)
         nb = len(tokens) // self._bs
         return tokens, nb
 
@@ -424,7 +424,8 @@ class PrefixIndexBase:
         lock: bool,
         namespace: Namespace,
         now: float,
-        description: str | None = None,
+        description: str | None,
+        shown: Sequence[int],
     ) -> PrefixNode:
         self._counters.inserts += 1
         if path:
@@ -437,7 +438,7 @@ class PrefixIndexBase:
         elif target is not None:
             is_pinned = target.pin_ref > 0
         return PrefixNode(
-            token_ids=tokens[: nb * self._bs],
+            token_ids=shown[: nb * self._bs],
             kv_block_ids=all_ids,
             returned_block_ids=returned,
             is_pinned=is_pinned,

@@ -17,6 +17,12 @@ The entry passed in is a radix node or a hashed block; both expose:
 
 Hooks (all optional no-ops here): ``on_access(entry)`` after each match/insert that reaches
 an entry, ``on_evict(entry)`` when an entry leaves the index.
+
+Declarations (class attributes, both ``False`` unless a policy sets them; see
+:class:`EvictionPolicy`): ``monotone_keys`` (a touch never lowers a key, so matches need not
+re-file leaves) and ``depth_monotone_keys`` (the key reads the blocks only through ``depth``
+and grows as it shrinks, so eviction frees a leaf's whole run of blocks in one step). A new
+policy declares what holds for its key; declaring neither is always correct, only slower.
 """
 
 from __future__ import annotations
@@ -52,6 +58,16 @@ class EvictionPolicy:
     raise it). The index then skips re-filing an entry on every match and refreshes its key
     lazily, when it reaches the top of the eviction heap. Assumes the clock never goes back."""
 
+    depth_monotone_keys = False
+    """``True`` if a key depends on an entry's blocks only through ``depth``, and never decreases
+    as ``depth`` decreases (trimming a leaf's deepest block can only raise its key: "deeper
+    first" as a tie-break, as the shipped policies do). Eviction then frees a leaf's whole run
+    of blocks in one step: it probes the key at a few smaller depths (an object that answers
+    ``depth`` itself and every other field from the entry) instead of re-filing the leaf after
+    each block, so evicting a 1,024-block leaf at block size 1 costs O(log 1024) key calls. A
+    policy whose key reads per-block state (the deepest block's identity, as ``ghost`` does)
+    leaves it ``False`` and gets the per-block order, re-checked after every block."""
+
     def key(self, entry: CacheEntry) -> Any:
         """Sort key; the entry with the smallest key is evicted first."""
         raise TypeError(f"{type(self).__name__} must define key()")
@@ -69,6 +85,7 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
 
     monotone_keys = True
+    depth_monotone_keys = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.last_access_time, -entry.depth, entry.tick)
@@ -80,6 +97,7 @@ class LFUPolicy(EvictionPolicy):
     name = "lfu"
 
     monotone_keys = True
+    depth_monotone_keys = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.access_count, entry.last_access_time, -entry.depth, entry.tick)
@@ -91,6 +109,7 @@ class FIFOPolicy(EvictionPolicy):
     name = "fifo"
 
     monotone_keys = True
+    depth_monotone_keys = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.created_time, -entry.depth, entry.tick)
@@ -112,3 +131,9 @@ def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     raise ValueError(
         f"eviction_policy must be one of {sorted(POLICIES)} or an EvictionPolicy, got {policy!r}"
     )
+
+
+# Policies in their own modules register here (they import EvictionPolicy from above).
+from prefixkv.cache.policy_experts import ExpertsPolicy  # noqa: E402
+
+POLICIES[ExpertsPolicy.name] = ExpertsPolicy

@@ -260,6 +260,20 @@ class PrefixCache(Protocol):
         """Seed 004's name for :meth:`evict` (the policy decides the order; LRU by default)."""
         ...
 
+    def pin(
+        self,
+        token_ids: Sequence[int],
+        *,
+        namespace: Namespace = None,
+        description: str | None = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
+    ) -> PinnedPrefix:
+        """Pin the cached full blocks of a prefix and return its record (pinning a prefix that
+        is already pinned returns the existing record); :class:`PinError` (a ``ValueError``)
+        with the reason when the prefix is not cached or the pinned-block budget would be
+        exceeded. What an engine calls; :meth:`pin_prefix` is seed 004's boolean form."""
+        ...
+
     def pin_prefix(
         self, token_ids: Sequence[int], *, namespace: Namespace = None, description: str | None = None
     ) -> bool:
@@ -285,4 +299,8 @@ class PrefixCache(Protocol):
 
     def get_stats(self) -> CacheStats:
         """A snapshot of the counters."""
+        ...
+
+    def reset_stats(self) -> None:
+        """Zero the query/insert/eviction counters; the cached contents are unchanged."""
         ...

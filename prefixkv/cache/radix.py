@@ -8,10 +8,11 @@ Nodes are split when a query or an insert diverges inside them. A split keeps th
 part in the original node object (so a lock handle, which names the deepest locked node,
 stays valid) and creates a new parent for the upper part, inheriting lock and pin counts.
 
-Cost: a match compares whole node keys with list-slice equality (C speed), so it is
-O(matched tokens) with a small constant plus O(nodes on the path) Python steps. Eviction pops
-the policy's smallest evictable leaf from a heap and trims blocks off its tail: O(log n) per
-evicted node, never a scan.
+Cost: a query is packed once into ``array('I')`` (:func:`as_token_array`), then a match
+compares whole node keys with array-slice equality (C speed), so it is O(matched tokens) with a
+small constant plus O(nodes on the path) Python steps. Eviction pops the policy's smallest
+evictable leaf from a heap and frees its tail run of blocks in one step (see
+:meth:`PrefixIndexBase.evict`): O(log n) per evicted node at every block size, never a scan.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from array import array
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from prefixkv.cache._checks import check_tokens
+from prefixkv.cache._checks import as_token_array, check_tokens
+from prefixkv.cache.held_ids import Packed
 from prefixkv.cache.index_base import PrefixIndexBase, Walk
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protection import is_evictable_leaf
@@ -32,7 +34,10 @@ from prefixkv.cache.protocol import Namespace, PrefixNode
 class RadixNode:
     """One edge of the tree: ``key`` tokens stored in ``blocks`` (``len(key) == len(blocks) * bs``).
 
-    ``key`` is an ``array('I')`` (4 bytes a token, compared with memcmp), ``blocks`` a list.
+    ``key`` is an ``array('I')`` (4 bytes a token, compared in C), ``blocks`` a list (matches
+    extend their result from it without creating ints), and ``bids`` the same ids packed as an
+    ``array('I')`` or a ``range`` when the node was created from a bulk claim (so eviction
+    releases them in C), else ``None``.
 
     ``children`` maps a child's first token to the children starting with it (one child per
     token at block size 1; several may share a first token above 1, differing later in their
@@ -42,6 +47,7 @@ class RadixNode:
     __slots__ = (
         "__weakref__",
         "access_count",
+        "bids",
         "blocks",
         "children",
         "created_time",
@@ -62,6 +68,7 @@ class RadixNode:
                  start_depth: int = 0, is_root: bool = False) -> None:
         self.key = key
         self.blocks = blocks
+        self.bids: Packed | None = None  # the same ids packed (HeldIds.claim), for long runs
         self.parent = parent
         self.children: dict[int, list[RadixNode]] = {}
         self.num_children = 0
@@ -118,6 +125,10 @@ class RadixPrefixCache(PrefixIndexBase):
                          max_pinned_blocks=max_pinned_blocks, clock=clock)
         self._roots: dict[Namespace, RadixNode] = {}
         self._cached_tokens = 0
+
+    def _as_tokens(self, token_ids: Any) -> array[int]:
+        """Queries are walked as ``array('I')``, the key type (see :func:`as_token_array`)."""
+        return as_token_array(token_ids)
 
     # ------------------------------------------------------------------ walking
     def _walk(self, tokens: Sequence[int], n: int, namespace: Namespace, extra: Any) -> Walk:
@@ -201,6 +212,9 @@ class RadixPrefixCache(PrefixIndexBase):
         upper.access_count = node.access_count
         upper.created_time = node.created_time
         upper.tick = node.tick
+        if node.bids is not None:
+            upper.bids = node.bids[:k]
+            node.bids = node.bids[k:]
         siblings = parent.children[node.key[0]]
         siblings[siblings.index(node)] = upper
         node.key = node.key[k * bs :]
@@ -217,22 +231,44 @@ class RadixPrefixCache(PrefixIndexBase):
         return upper
 
     def _drop_tail(self, entry: RadixNode, k: int) -> list[int]:
-        first_token = entry.key[0]
-        ids = entry.blocks[-k:]
-        del entry.blocks[-k:]
-        del entry.key[len(entry.key) - k * self._bs :]
+        blocks, bids = entry.blocks, entry.bids
+        n = len(blocks)
         self._cached_tokens -= k * self._bs
-        if not entry.blocks:
-            parent = entry.parent
-            assert parent is not None
-            siblings = parent.children[first_token]
+        if k < n:
+            ids = blocks[n - 1 : n - k - 1 : -1]  # deepest block first
+            self._ids.release(ids, None if bids is None else bids[n - k :])
+            del blocks[n - k :]
+            if type(bids) is range:
+                entry.bids = bids[: n - k]
+            elif bids is not None:
+                del bids[n - k :]
+            del entry.key[(n - k) * self._bs :]
+            return ids
+        # the whole entry goes: no copies but the reversed id list (its key is left as is)
+        self._ids.release(blocks, bids)
+        entry.blocks, entry.bids = [], None
+        parent = entry.parent
+        assert parent is not None
+        first_token = entry.key[0]
+        siblings = parent.children[first_token]
+        if len(siblings) == 1:
+            del parent.children[first_token]
+        else:
             siblings.remove(entry)
-            if not siblings:
-                del parent.children[first_token]
-            parent.num_children -= 1
-            self._num_entries -= 1
-        ids.reverse()  # deepest block first
-        return ids
+        parent.num_children -= 1
+        self._num_entries -= 1
+        blocks.reverse()  # deepest block first; the list is no longer the node's
+        return blocks
+
+    def _key_at(self, entry: Any, depth: int) -> Any:
+        """The policy's key for ``entry`` cut to ``depth`` (its start depth moved, then put
+        back: no probe object, and a key that reads ``start_depth`` sees the cut too)."""
+        saved = entry.start_depth
+        entry.start_depth = saved - (saved + len(entry.blocks) - depth)
+        try:
+            return self._policy.key(entry)
+        finally:
+            entry.start_depth = saved
 
     # ------------------------------------------------------------------- insert
     def _insert(
@@ -245,13 +281,14 @@ class RadixPrefixCache(PrefixIndexBase):
         extra_keys: Sequence[Hashable | None] | None,
         lock: bool,
         description: str | None,
+        shown: Sequence[int],
     ) -> PrefixNode:
         with self._lock:
             w = self._walk(tokens, nb * self._bs, namespace, extra_keys)
             m = len(w.ids)
             new_key = _seg(tokens, m * self._bs, nb * self._bs)  # validates the new tokens
             check_tokens(tokens[nb * self._bs :])  # the trailing partial block, not stored
-            returned = self._ids.claim(ids, w.ids, nb)  # last check: marks ids[m:] cached
+            returned, packed = self._ids.claim(ids, w.ids, nb)  # last check: marks ids[m:]
             now = self._clock()
             # --- validated: mutate from here on
             root = self._roots.get(namespace)
@@ -268,8 +305,8 @@ class RadixPrefixCache(PrefixIndexBase):
             target = attach if w.path else None
             if m < nb:
                 new_ids = ids[m:]
-                node = RadixNode(new_key, new_ids,
-                                 attach, now, start_depth=m)
+                node = RadixNode(new_key, new_ids, attach, now, start_depth=m)
+                node.bids = packed
                 attach.children.setdefault(node.key[0], []).append(node)
                 attach.num_children += 1
                 self._num_entries += 1
@@ -278,7 +315,7 @@ class RadixPrefixCache(PrefixIndexBase):
                 w.path.append(node)
                 target = node
             return self._finish_insert(tokens, nb, w.path, w.ids + ids[m:], returned, target,
-                                       pin, lock, namespace, now, description)
+                                       pin, lock, namespace, now, description, shown)
 
     def _memory_bytes(self) -> int:
         node_size = sys.getsizeof(RadixNode(array("I"), [], None, 0.0)) + 64 + 56 + 64 + 232

@@ -50,7 +50,8 @@ from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from prefixkv.cache.protocol import PinError, PinnedPrefix
-from prefixkv.engine.llm_engine import PIN_ATTEMPTS, PIN_PREFILL, LLMEngine
+from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
+from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
@@ -299,7 +300,7 @@ class AsyncEngine:
                     try:
                         outs = engine.step()
                         failures = 0
-                    except Exception as exc:  # noqa: BLE001 - not attributable to one request
+                    except Exception as exc:
                         failures += 1
                         logger.exception("engine step failed (%d in a row)", failures)
                         if failures >= MAX_CONSECUTIVE_STEP_FAILURES:

@@ -157,7 +157,7 @@ class KVManager:
 
     def pin(self, token_ids: list[int], namespace: Hashable | None, description: str | None) -> PinnedPrefix:
         """Pin the cached full blocks of ``token_ids``; :class:`PinError` says why not."""
-        return self.require_cache().pin(token_ids, namespace=namespace, description=description)  # type: ignore[attr-defined, no-any-return]
+        return self.require_cache().pin(token_ids, namespace=namespace, description=description)
 
     def unpin(self, token_ids: list[int], namespace: Hashable | None) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""

@@ -1,6 +1,8 @@
 """LLM: the offline, synchronous API (vLLM's ``LLM``), driven in the caller's thread.
 
     llm = LLM()                                   # the built-in demo model (meaningless text)
+    llm = LLM("smollm2-135m-instruct")            # a real model, fetched once (~93 MB)
+    llm = LLM("path/to/model.gguf")               # or a GGUF file, or an HF directory
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
     outs[0].outputs[0].text, outs[0].num_cached_tokens, outs[0].metrics.time_to_first_token
 """
@@ -12,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixkv.cache.protocol import CacheStats, PinError, PinnedPrefix
-from prefixkv.engine.llm_engine import PIN_ATTEMPTS, PIN_PREFILL, LLMEngine
+from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
+from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
@@ -43,9 +46,16 @@ def build_engine(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 4096,
     seed: int = 0,
+    threads: int | None = None,
+    schedule_policy: str = "fcfs",
 ) -> LLMEngine:
-    """Load the model (``None``: the built-in demo model) and build an :class:`LLMEngine`.
+    """Load the model and build an :class:`LLMEngine`.
 
+    ``model``: ``None`` (the built-in demo model), an HF-format directory, a ``.gguf`` file, or
+    a name from :data:`prefixkv.models.catalog.CATALOG` (``"smollm2-135m-instruct"``, fetched
+    into the cache directory on first use). ``threads``: torch CPU threads (default: physical
+    cores, never more than torch already uses). ``schedule_policy``: order of admission when
+    many requests wait (``fcfs``, ``lpm``, ``dfs-weight``; see :mod:`prefixkv.engine.scheduler`).
     The prefix index always uses the engine's ``block_size`` (radix with ``block_size=1`` is
     SGLang-style token granularity). Bad arguments raise ``ValueError`` naming them.
     vLLM's names work too: ``max_model_len`` (shrinks the context), ``tokenizer`` (another
@@ -66,7 +76,10 @@ def build_engine(
 
         model, name = ensure_demo_model(), "prefixkv-demo"
     else:
+        from prefixkv.models.catalog import resolve_model
+
         name = Path(model).name or str(model)
+        model = resolve_model(model)
     runner = ModelRunner(
         model,
         block_size=block_size,
@@ -76,6 +89,7 @@ def build_engine(
         dtype=dtype,
         max_model_len=max_model_len,
         tokenizer=tokenizer,
+        threads=threads,
     )
     if chat_template is not None:
         runner.tokenizer = _with_template(runner.tokenizer, chat_template)
@@ -91,6 +105,7 @@ def build_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         seed=seed,
         model_name=name,
+        schedule_policy=schedule_policy,
     )
 
 

@@ -19,7 +19,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from prefixkv.cache import make_cache
-from prefixkv.cache.protocol import PinError, PinnedPrefix
+from prefixkv.cache.protocol import PinnedPrefix
+from prefixkv.engine.cache_admin import CacheAdmin
+from prefixkv.engine.isolation import FaultHook, run_model_isolated, sample_isolated
 from prefixkv.engine.kv_manager import KVManager
 from prefixkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from prefixkv.engine.prompts import PromptInput, render_chat, resolve_prompt
@@ -32,16 +34,7 @@ from prefixkv.engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
-PIN_ATTEMPTS = 2
-"""Pin = prefill if not cached, then pin; the prefilled blocks may be evicted before the pin
-lands, so both ``LLM.pin_prefix`` and ``AsyncEngine.pin_prefix`` try this many times."""
-PIN_PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
-"""How a pin computes a prefix that is not cached yet."""
 
-FaultHook = Callable[[str, Sequence[Seq]], None]
-"""``hook(phase, seqs)``, called with ``phase`` ``"model"`` before the model runs ``seqs`` and
-``"sample"`` before their next tokens are sampled; whatever it raises is handled exactly like
-a failure of the model or the sampler. For fault-injection tests and chaos drills."""
 from prefixkv.models.tokenizer import IncrementalDetokenizer
 from prefixkv.runner.logits_processors import token_logprobs
 from prefixkv.runner.model_runner import ModelRunner, RunItem
@@ -65,6 +58,7 @@ class LLMEngine:
         seed: seeds the generator of unseeded sampling requests.
         clock: time source for request timings.
         model_name: a display name (the model directory's name, or ``"prefixkv-demo"``).
+        schedule_policy: admission order of waiting requests (``fcfs``, ``lpm``, ``dfs-weight``).
     """
 
     def __init__(
@@ -82,6 +76,7 @@ class LLMEngine:
         seed: int = 0,
         clock: Callable[[], float] = time.time,
         model_name: str = "model",
+        schedule_policy: str = "fcfs",
     ) -> None:
         self.runner = runner
         self.model_name = model_name
@@ -105,6 +100,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             clock=clock,
+            policy=schedule_policy,
         )
         eos = set(runner.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -120,14 +116,7 @@ class LLMEngine:
         self._counters = {"finished": 0, "prompt": 0, "cached": 0, "generated": 0, "steps": 0,
                           "failed": 0}
         self.fault_hook: FaultHook | None = None
-        if max_pinned_blocks_per_tenant is not None and (
-            not isinstance(max_pinned_blocks_per_tenant, int) or max_pinned_blocks_per_tenant < 0
-        ):
-            raise ValueError(
-                f"max_pinned_blocks_per_tenant must be an int >= 0 or None, "
-                f"got {max_pinned_blocks_per_tenant!r}"
-            )
-        self.max_pinned_blocks_per_tenant = max_pinned_blocks_per_tenant
+        self.cache_admin = CacheAdmin(self.kv, max_pinned_blocks_per_tenant)
         self._max_chars: int | None = None
 
     # ------------------------------------------------------------------ requests
@@ -268,14 +257,16 @@ class LLMEngine:
         if plan.scheduled:
             self._counters["steps"] += 1
             seqs = [s.seq for s in plan.scheduled]
-            ran, logits = self._run_model(seqs, [s.num_new_tokens for s in plan.scheduled], changed)
+            fail = lambda seq, exc: self._fail(seq.request, exc, changed)
+            ran, logits = run_model_isolated(
+                self._execute, seqs, [s.num_new_tokens for s in plan.scheduled], self.fault_hook, fail)
             rows, sampled = [], []
             for i, s in enumerate(plan.scheduled):
                 seq = s.seq
                 if i in ran and seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids):
                     rows.append(ran[i])
                     sampled.append(seq)
-            new_token = self._sample(logits, rows, sampled, changed)
+            new_token = sample_isolated(self.sampler, logits, rows, sampled, self.fault_hook, fail)
             now = self.clock()
             for i, s in enumerate(plan.scheduled):
                 if i not in ran or s.seq.status is SequenceStatus.FINISHED:
@@ -294,45 +285,6 @@ class LLMEngine:
             else:
                 outs.append(req.snapshot())
         return outs
-
-    def _run_model(
-        self, seqs: list[Seq], num_new: list[int], changed: dict[str, Request]
-    ) -> tuple[dict[int, int], Any]:
-        """Run the model over ``seqs``; returns ``({index in seqs: logits row}, logits)``.
-
-        If the batch raises, each sequence runs alone and those that still raise fail.
-        """
-        items = [
-            RunItem(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n],
-                    seq.num_computed_tokens, seq.block_table)
-            for seq, n in zip(seqs, num_new)
-        ]
-        try:
-            if self.fault_hook is not None:
-                self.fault_hook("model", seqs)
-            return {i: i for i in range(len(seqs))}, self._execute(seqs, items)
-        except Exception as exc:  # noqa: BLE001 - isolate the culprit below
-            if len(seqs) == 1:
-                self._fail(seqs[0].request, exc, changed)
-                return {}, None
-        ran: dict[int, int] = {}
-        rows = []
-        for i, (seq, item) in enumerate(zip(seqs, items)):
-            if seq.status is SequenceStatus.FINISHED:  # a sibling failed before it
-                continue
-            try:
-                if self.fault_hook is not None:
-                    self.fault_hook("model", [seq])
-                rows.append(self._execute([seq], [item]))
-            except Exception as exc:  # noqa: BLE001 - this sequence's request fails alone
-                self._fail(seq.request, exc, changed)
-                continue
-            ran[i] = len(rows) - 1
-        if not rows:
-            return {}, None
-        import torch  # the runner's tensors; the engine only concatenates them here
-
-        return ran, torch.cat(rows)
 
     def _execute(self, seqs: list[Seq], items: list[RunItem]) -> Any:
         """The runner's last-token logits; also records the prompt logprobs of the items whose
@@ -360,30 +312,6 @@ class LLMEngine:
         )
         for pos, t in enumerate(found, start + 1):
             req.prompt_logprobs[pos] = self.sampler.logprob_entry(t)
-
-    def _sample(
-        self, logits: Any, rows: list[int], seqs: list[Seq], changed: dict[str, Request]
-    ) -> dict[int, Pick]:
-        """``{id(seq): next token}``; a sequence whose sampling raises fails alone."""
-        if not rows:
-            return {}
-        try:
-            if self.fault_hook is not None:
-                self.fault_hook("sample", seqs)
-            return dict(zip((id(s) for s in seqs), self.sampler.sample(logits, rows, seqs)))
-        except Exception:  # noqa: BLE001 - retry one by one below
-            pass
-        out: dict[int, Pick] = {}
-        for row, seq in zip(rows, seqs):
-            if seq.status is SequenceStatus.FINISHED:
-                continue
-            try:
-                if self.fault_hook is not None:
-                    self.fault_hook("sample", [seq])
-                out[id(seq)] = self.sampler.sample(logits, [row], [seq])[0]
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(seq.request, exc, changed)
-        return out
 
     def _fail(self, req: Request, exc: BaseException, changed: dict[str, Request]) -> None:
         """End ``req`` with ``finish_reason="error"``: its blocks are freed now."""
@@ -463,59 +391,25 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; ``False`` with prefix caching off."""
-        return self.reset_prefix_cache_blocks() is not None
+        return self.cache_admin.reset_blocks() is not None
 
     def reset_prefix_cache_blocks(self) -> int | None:
         """Unpin everything and drop every cached block not in use; returns how many blocks
         went back to the pool (``None`` with prefix caching off)."""
-        if self.kv.cache is None:
-            return None
-        return self.kv.reset_cache()
+        return self.cache_admin.reset_blocks()
 
     def is_prefix_cached(
         self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None, lora_id: Hashable | None = None
     ) -> bool:
         """Whether every full block of ``token_ids`` is in the index (``ValueError`` if caching is off)."""
-        return self.kv.is_cached(list(token_ids), _namespace(cache_salt, lora_id))
+        return self.cache_admin.is_cached(token_ids, _namespace(cache_salt, lora_id))
 
     def prepare_pin(
         self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None,
         lora_id: Hashable | None = None,
     ) -> bool:
-        """Refuse a pin that cannot succeed *before* anything is computed for it; returns
-        whether its blocks must be prefilled first.
-
-        Raises ``ValueError`` with prefix caching off, and :class:`~prefixkv.cache.PinError`
-        when the prefix is shorter than a block, or when pinning it needs more blocks than
-        the global budget (``max_pinned_blocks``) or its tenant's budget
-        (``max_pinned_blocks_per_tenant``, counting that namespace's other pins) has left.
-        Uncached blocks are certainly unpinned, so they count against the budget now.
-        """
-        cache = self.kv.require_cache()
-        ids = list(token_ids)
-        ns = _namespace(cache_salt, lora_id)
-        nb = len(ids) // self.block_size
-        if nb == 0:
-            raise PinError(f"prefix of {len(ids)} tokens is shorter than one block ({self.block_size})")
-        cached = min(nb, cache.match_prefix(ids, namespace=ns).match_length // self.block_size)
-        budget = getattr(cache, "max_pinned_blocks", None)
-        pinned = cache.get_stats().pinned_blocks
-        if budget is not None and pinned + (nb - cached) > budget:
-            raise PinError(
-                f"pinning this prefix needs at least {nb - cached} more pinned blocks; "
-                f"{pinned} of max_pinned_blocks={budget} are pinned"
-            )
-        cap = self.max_pinned_blocks_per_tenant
-        if cap is not None:
-            key = ids[: nb * self.block_size]
-            used = sum(p.num_blocks for p in cache.list_pinned()
-                       if p.namespace == ns and p.token_ids != key)
-            if used + nb > cap:
-                raise PinError(
-                    f"pinning this prefix ({nb} blocks) would exceed this tenant's budget "
-                    f"max_pinned_blocks_per_tenant={cap} ({used} pinned)"
-                )
-        return cached < nb
+        """:meth:`CacheAdmin.prepare_pin` in the request's namespace."""
+        return self.cache_admin.prepare_pin(token_ids, _namespace(cache_salt, lora_id))
 
     def pin_prefix(
         self,
@@ -528,20 +422,19 @@ class LLMEngine:
         """Pin the cached full blocks of ``token_ids`` (they must be cached: see ``LLM.pin_prefix``).
 
         Raises :class:`~prefixkv.cache.PinError` (a ``ValueError``) when not cached, shorter than
-        a block or over the global or the tenant's pinned-block budget (:meth:`prepare_pin`).
+        a block or over the global or the tenant's pinned-block budget.
         """
-        self.prepare_pin(token_ids, cache_salt=cache_salt, lora_id=lora_id)
-        return self.kv.pin(list(token_ids), _namespace(cache_salt, lora_id), description)
+        return self.cache_admin.pin(token_ids, _namespace(cache_salt, lora_id), description)
 
     def unpin_prefix(
         self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None, lora_id: Hashable | None = None
     ) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""
-        return self.kv.unpin(list(token_ids), _namespace(cache_salt, lora_id))
+        return self.cache_admin.unpin(token_ids, _namespace(cache_salt, lora_id))
 
     def list_pinned(self) -> list[PinnedPrefix]:
         """Pinned prefixes, oldest first (empty with prefix caching off)."""
-        return [] if self.kv.cache is None else list(self.kv.cache.list_pinned())
+        return self.cache_admin.list_pinned()
 
 
 def _namespace(cache_salt: Hashable | None, lora_id: Hashable | None) -> Hashable | None:

@@ -7,7 +7,9 @@ Each :meth:`Scheduler.schedule` call builds one step:
    evicting unlocked cached blocks), the newest running sequence is preempted by recompute:
    its blocks are released (indexed ones stay cached, now evictable) and it goes back to the
    front of the waiting queue, where re-admission finds its prefix in the cache.
-2. If nothing was preempted, waiting sequences are admitted in arrival order while budget,
+2. If nothing was preempted, waiting sequences are admitted in the order of the schedule
+   policy (:mod:`prefixkv.engine.schedule_policy`: arrival order for ``fcfs``, cached or
+   shared prefixes first for ``lpm`` / ``dfs-weight``, with a starvation bound) while budget,
    ``max_num_seqs`` and blocks allow. Admission looks up the prefix first, so only uncached
    tokens cost budget. Sample ``i > 0`` of an ``n > 1`` request waits until sample 0 has
    prefilled the prompt, so the samples share the prompt's cached blocks; likewise a sequence
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixkv.engine.kv_manager import KVManager
+from prefixkv.engine.schedule_policy import AdmissionOrder
 from prefixkv.engine.sequence import Sequence, SequenceStatus
 
 MIN_SHARED_TOKENS = 16
@@ -67,7 +70,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting and running queues; uses the :class:`KVManager` for blocks."""
+    """Owns the waiting and running queues; uses the :class:`KVManager` for blocks.
+
+    ``policy``: ``fcfs`` (default), ``lpm`` or ``dfs-weight`` (see
+    :mod:`prefixkv.engine.schedule_policy`); ``ValueError`` for anything else.
+    """
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         clock: Callable[[], float],
+        policy: str = "fcfs",
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -85,6 +93,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
+        self.order = AdmissionOrder(policy, kv.cache, kv.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -127,6 +136,7 @@ class Scheduler:
         skipped: list[Sequence] = []
         admitted: list[Sequence] = []
         sharing = self.kv.cache is not None
+        self.order.reorder(self.waiting)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             req = seq.request
@@ -139,12 +149,14 @@ class Scheduler:
             if num_new is None:
                 if not self.running:  # nothing will ever free more blocks for it
                     dead = self.waiting.popleft()
+                    self.order.forget(dead)
                     dead.status = SequenceStatus.FINISHED
                     dead.finish_reason = "abort"
                     out.aborted.append(dead)
                     continue
                 break
             self.waiting.popleft()
+            self.order.forget(seq)
             seq.status = SequenceStatus.RUNNING
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = seq.num_computed_tokens
@@ -176,6 +188,7 @@ class Scheduler:
         self.kv.release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self.order.note_preempted(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
@@ -184,5 +197,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        self.order.forget(seq)
         self.kv.release(seq)
         seq.status = SequenceStatus.FINISHED

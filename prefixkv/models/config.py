@@ -1,7 +1,7 @@
 """Model configuration: a resolved, validated view of a Hugging Face ``config.json``.
 
-Only the Llama family is supported (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``). Both the classic layout (``rope_theta`` + ``rope_scaling``, ``torch_dtype``)
+Architectures come from :mod:`prefixkv.models.registry` (Llama, Qwen2, Qwen3); each family
+supplies its own switches (:class:`ArchFlags`). Both the classic layout (``rope_theta`` + ``rope_scaling``, ``torch_dtype``)
 and the transformers >= 5 layout (``rope_parameters``, ``dtype``) are read. Anything that would
 change the maths and that we do not implement (sliding windows, MLP biases, RoPE scaling other
 than ``llama3``) is rejected with a ``ValueError`` naming it, never silently ignored.
@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+@dataclass(slots=True, frozen=True)
+class ArchFlags:
+    """The architecture-specific switches a family derives from a raw config."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,13 +71,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Resolve an HF ``config.json`` dict; ``ValueError`` naming any unsupported field."""
+        from prefixkv.models.registry import family_for
+
         archs = raw.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(raw.get("model_type"))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model architecture {arch!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        family = (
+            family_for(architecture=str(archs[0]))
+            if archs
+            else family_for(model_type=str(raw.get("model_type")))
+        )
+        arch, flags = family.architecture, family.flags(raw)
         if raw.get("use_sliding_window"):
             raise ValueError("unsupported config: use_sliding_window=true")
         if raw.get("mlp_bias"):
@@ -93,7 +102,6 @@ class ModelConfig:
                 f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
             )
         rope_theta, scaling = _rope(raw)
-        bias = bool(raw.get("attention_bias", False))
         eos = raw.get("eos_token_id")
         eos_ids = (
             tuple(int(e) for e in eos)
@@ -114,9 +122,9 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else bias,
-            o_bias=False if arch == "Qwen2ForCausalLM" else bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=flags.qkv_bias,
+            o_bias=flags.o_bias,
+            qk_norm=flags.qk_norm,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -133,14 +141,6 @@ class ModelConfig:
             raise FileNotFoundError(f"model config not found: {path}")
         with path.open(encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
-
-
-def _arch_from_model_type(model_type: Any) -> str:
-    return {
-        "llama": "LlamaForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-    }.get(str(model_type), f"model_type={model_type!r}")
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:

@@ -16,7 +16,8 @@ activation dtype), so logits match it to fp32 tolerance.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,30 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 q and k arrive with RoPE applied. The callable stores k/v wherever it keeps its cache.
 """
+
+
+class CausalLM(Protocol):
+    """What the loader and the runner need from a model class (a registry family builds one).
+
+    ``__call__(input_ids [T], positions [T], attention) -> hidden [T, hidden]``;
+    ``compute_logits(hidden [N, hidden]) -> [N, vocab]``; the rest is ``nn.Module``'s.
+    """
+
+    config: ModelConfig
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
 
 PACKED_WEIGHTS: dict[str, tuple[str, int, int]] = {

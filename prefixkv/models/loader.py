@@ -1,20 +1,24 @@
-"""Load a local Hugging Face-format model directory into :class:`LlamaForCausalLM`.
+"""Load a local model into its registry family's class: an HF directory or a GGUF file.
 
-Layout read: ``config.json`` plus either ``model.safetensors`` or a sharded
-``model.safetensors.index.json`` with its shards. Nothing is downloaded. Default dtype: float32
-on CPU, bfloat16 on CUDA; ``device=None`` picks CUDA when available.
+HF layout read: ``config.json`` plus either ``model.safetensors`` or a sharded
+``model.safetensors.index.json`` with its shards. A path ending in ``.gguf`` goes to
+:mod:`prefixkv.models.gguf_loader` (weights dequantized to ``dtype``). Nothing is downloaded.
+Default dtype: float32 on CPU, bfloat16 on CUDA; ``device=None`` picks CUDA when available.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from prefixkv.models.config import ModelConfig
-from prefixkv.models.llama import PACKED_WEIGHTS, LlamaForCausalLM
+from prefixkv.models.llama import PACKED_WEIGHTS, CausalLM
+from prefixkv.models.registry import family_for
+from prefixkv.models.tokenizer import Tokenizer
 
 _DTYPES = {
     "float32": torch.float32,
@@ -100,42 +104,80 @@ def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> tor
     return tensor
 
 
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file (by its suffix)."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
 def load_model(
-    model_dir: str | Path,
+    model_path: str | Path,
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-) -> LlamaForCausalLM:
-    """Build the model from ``model_dir`` with weights on ``device`` in ``dtype``, eval mode.
+) -> CausalLM:
+    """Build the model at ``model_path`` (HF directory or ``.gguf`` file) on ``device`` in ``dtype``.
 
     Raises ``FileNotFoundError`` for a missing directory or file and ``ValueError`` for an
     unsupported config or weights that do not match it (missing, unexpected or mis-shaped).
     """
-    path = Path(model_dir)
+    path = Path(model_path)
+    if is_gguf(path):
+        from prefixkv.models.gguf_loader import load_gguf_model
+
+        return load_gguf_model(path, device=device, dtype=dtype)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {path}")
     config = ModelConfig.from_file(path)
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    files = weight_files(path)
+
+    def tensors() -> Iterable[tuple[str, torch.Tensor]]:
+        for file in weight_files(path):
+            yield from load_file(str(file), device=str(dev)).items()
+
+    return build_model(config, tensors(), device=dev, dtype=dtype, source=str(path))
+
+
+def load_tokenizer(model_path: str | Path) -> Tokenizer:
+    """The tokenizer of an HF directory or of a GGUF file's metadata."""
+    if is_gguf(model_path):
+        from prefixkv.models.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(model_path)
+    return Tokenizer.from_dir(model_path)
+
+
+def build_model(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    dtype: str | torch.dtype | None,
+    source: str,
+) -> CausalLM:
+    """The family's model for ``config`` with ``tensors`` (HF names) loaded, eval mode.
+
+    Packs q/k/v and gate/up parts, checks every shape against the config and reports missing
+    or unexpected weights (naming ``source``) as ``ValueError``.
+    """
+    dt = resolve_dtype(dtype, device)
+    family = family_for(architecture=config.architecture)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = family.build(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}  # packed name -> part index -> tensor
-    for file in files:
-        for name, tensor in load_file(str(file), device=str(dev)).items():
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-            target, index = _packed_target(name)
-            if target not in expected:
-                raise ValueError(f"unexpected weight {name!r} in {file} for {config.architecture}")
-            if index is None:
-                state[name] = _check_shape(name, tensor, expected[name]).to(dt)
-            else:
-                parts.setdefault(target, {})[index] = tensor.to(dt)
+    for name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        target, index = _packed_target(name)
+        if target not in expected:
+            raise ValueError(f"unexpected weight {name!r} in {source} for {config.architecture}")
+        if index is None:
+            state[name] = _check_shape(name, tensor, expected[name]).to(device, dt)
+        else:
+            parts.setdefault(target, {})[index] = tensor.to(device, dt)
     for target, got in parts.items():
         names = _hf_names(target)
         if len(got) == len(names):
@@ -147,7 +189,9 @@ def load_model(
     ]
     if missing:
         raise ValueError(
-            f"weights missing from {path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            f"weights missing from {source}: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
         )
     model.load_state_dict(state, assign=True)
-    return model.eval().requires_grad_(False)
+    module: torch.nn.Module = model  # type: ignore[assignment]
+    module.eval().requires_grad_(False)
+    return model

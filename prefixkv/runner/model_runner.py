@@ -7,6 +7,7 @@ belongs to whom: every :class:`RunItem` carries its own block table, and the eng
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -14,15 +15,52 @@ from pathlib import Path
 import torch
 
 from prefixkv.models.config import ModelConfig
-from prefixkv.models.loader import load_model, resolve_device, resolve_dtype
-from prefixkv.models.tokenizer import Tokenizer
+from prefixkv.models.llama import CausalLM
+from prefixkv.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
 from prefixkv.runner.attention import PagedAttention
 from prefixkv.runner.kv_pool import KVPool
 
 DEFAULT_MAX_SEQS_IN_POOL = 4
 """Without an explicit size the pool holds this many full-length (``max_model_len``) sequences..."""
 DEFAULT_KV_CACHE_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
-"""...capped by this many bytes per device type (other device types use the CPU figure)."""
+"""...capped by this many bytes per device type (other device types use the CPU figure), but
+never below one full-length sequence (a request of ``max_model_len`` tokens always fits)."""
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads of one core count once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus:
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            core = (topo / "core_id").read_text().strip()
+            package = (topo / "physical_package_id").read_text().strip()
+        except OSError:
+            return len(cpus)
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+def configure_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads; returns the number in effect.
+
+    ``threads`` given: exactly that many. ``None``: the physical cores, but never more than
+    torch already uses, so an explicit ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` that
+    asked for fewer is kept (and hyper-threads are not oversubscribed).
+    """
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
+        return threads
+    current = torch.get_num_threads()
+    wanted = min(physical_cores(), current)
+    if "OMP_NUM_THREADS" not in os.environ and wanted != current:
+        torch.set_num_threads(wanted)
+    return torch.get_num_threads()
 
 
 @dataclass(slots=True)
@@ -46,7 +84,9 @@ class ModelRunner:
 
     ``num_kv_blocks`` sizes the pool directly; otherwise ``kv_cache_memory_bytes`` gives a budget
     in bytes; with neither, the pool holds ``DEFAULT_MAX_SEQS_IN_POOL`` sequences of
-    ``max_model_len`` tokens, capped by ``DEFAULT_KV_CACHE_BYTES`` for the device type.
+    ``max_model_len`` tokens, capped by ``DEFAULT_KV_CACHE_BYTES`` for the device type but
+    never below one ``max_model_len`` sequence. ``model_path``: an HF directory or a ``.gguf``
+    file. ``threads``: torch CPU threads (see :func:`configure_threads`).
     ``max_model_len`` (default: the model's ``max_position_embeddings``) may only shrink the
     context; ``tokenizer`` is a directory to load the tokenizer from instead of the model's.
     """
@@ -60,6 +100,7 @@ class ModelRunner:
         kv_cache_memory_bytes: int | None = None,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
+        threads: int | None = None,
         max_model_len: int | None = None,
         tokenizer: str | Path | None = None,
     ) -> None:
@@ -67,11 +108,12 @@ class ModelRunner:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both")
+        self.threads = configure_threads(threads)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_model(model_path, device=self.device, dtype=self.dtype)
+        self.model: CausalLM = load_model(model_path, device=self.device, dtype=self.dtype)
         self.config: ModelConfig = self.model.config
-        self.tokenizer = Tokenizer.from_dir(model_path if tokenizer is None else tokenizer)
+        self.tokenizer = load_tokenizer(model_path if tokenizer is None else tokenizer)
         self.block_size = block_size
         self.max_model_len = self.config.max_position_embeddings
         if max_model_len is not None:
@@ -92,8 +134,8 @@ class ModelRunner:
         if num_kv_blocks is None:
             if kv_cache_memory_bytes is None:
                 budget = DEFAULT_KV_CACHE_BYTES.get(self.device.type, DEFAULT_KV_CACHE_BYTES["cpu"])
-                wanted = DEFAULT_MAX_SEQS_IN_POOL * -(-self.max_model_len // block_size)
-                num_kv_blocks = max(1, min(wanted, budget // per_block))
+                full = -(-self.max_model_len // block_size)  # one max_model_len sequence
+                num_kv_blocks = max(full, min(DEFAULT_MAX_SEQS_IN_POOL * full, budget // per_block))
             else:
                 num_kv_blocks = kv_cache_memory_bytes // per_block
                 if num_kv_blocks < 1:

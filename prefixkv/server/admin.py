@@ -25,11 +25,10 @@ and need the inference key too when ``--api-key`` is set; anyone else gets 403.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
-from typing import Any
-
 import hmac
 import ipaddress
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 

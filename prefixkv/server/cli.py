@@ -20,6 +20,7 @@ import socket
 from typing import Any
 
 from prefixkv.cache.policies import POLICIES
+from prefixkv.server.cli_compat import add_vllm_flags, register_engine, vllm_kwargs
 from prefixkv.server.limits import ServerLimits
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -28,7 +29,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``serve``, ``cache`` and ``generate`` to the ``prefixkv`` parser."""
     _register_serve(sub)
-    _register_engine(sub)
+    register_engine(sub, _add_engine_flags, _add_server_flags, _serve)
     _register_cache(sub)
     _register_generate(sub)
 
@@ -38,9 +39,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="local Hugging Face-format model directory (default: the built-in demo "
+                   help="HF-format model directory, .gguf file, or a known name such as "
+                        "smollm2-135m-instruct (fetched once, ~93 MB; default: the built-in demo "
                         "model, deterministic weights, meaningless text)")
     g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="same as the positional MODEL")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: physical cores, or fewer if "
+                        "OMP_NUM_THREADS says so)")
+    g.add_argument("--schedule-policy", choices=("fcfs", "lpm", "dfs-weight"), default="fcfs",
+                   help="admission order when requests wait: fcfs, lpm (cached prefix first), "
+                        "dfs-weight (shared prefixes grouped) (default fcfs)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: sized from the model and memory)")
@@ -59,36 +69,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "budget)")
     g.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default by device)")
-    _add_vllm_flags(p)
-
-
-def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags, same names and meaning (so vLLM launch scripts run unchanged)."""
-    g = p.add_argument_group("vLLM-compatible engine flags")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most sequences running at once (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step, the prefill chunk size (default 4096)")
-    g.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling (default 0)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--chat-template", default=None,
-                   help="chat template: a file or the template text (default: the tokenizer's)")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size in bytes or like '2GiB' (instead of --num-kv-blocks)")
-
-
-def _vllm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The vLLM-compatible flags that were given, as ``build_engine`` arguments."""
-    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "tokenizer",
-             "chat_template", "kv_cache_memory")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    add_vllm_flags(p)
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+        args.model = args.model_flag
     return {
         "model": args.model,
+        "threads": args.threads,
+        "schedule_policy": args.schedule_policy,
         "enable_prefix_caching": args.enable_prefix_caching,
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
@@ -99,7 +91,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "hash_algo": args.hash_algo,
         "max_pinned_blocks": args.max_pinned_blocks,
         "max_pinned_blocks_per_tenant": args.max_pinned_blocks_per_tenant,
-        **_vllm_kwargs(args),
+        **vllm_kwargs(args),
     }
 
 
@@ -112,35 +104,6 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                    "caching, cache admin routes and Prometheus metrics.")
     _add_engine_flags(p)
     _add_server_flags(p)
-
-
-def _register_engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Seed 004's spelling: ``prefixkv engine start MODEL --prefix-cache-size N
-    --prefix-cache-enable --eviction-policy lru`` is ``prefixkv serve`` (the cache size is the
-    KV pool in blocks, ``--num-kv-blocks``)."""
-    p = sub.add_parser("engine", help="seed 004's alias: 'engine start' = serve")
-    start = p.add_subparsers(dest="engine_command", metavar="ACTION", required=True).add_parser(
-        "start", help="start the server (same as 'prefixkv serve')",
-        description="Alias of 'prefixkv serve' with seed 004's flag names.")
-    _add_engine_flags(start)
-    _add_server_flags(start)
-    g = start.add_argument_group("seed 004 names")
-    g.add_argument("--prefix-cache-size", type=int, default=None, metavar="N",
-                   help="KV blocks the cache may hold (= --num-kv-blocks)")
-    g.add_argument("--prefix-cache-enable", action="store_true",
-                   help="prefix caching on (the default; --no-enable-prefix-caching turns it off)")
-    g.add_argument("--engine-kind", choices=("llm",), default="llm", help="only 'llm'")
-    start.set_defaults(func=_engine_start)
-
-
-def _engine_start(args: argparse.Namespace) -> int:
-    if args.prefix_cache_size is not None:
-        if args.num_kv_blocks is not None and args.num_kv_blocks != args.prefix_cache_size:
-            raise ValueError("give --prefix-cache-size or --num-kv-blocks, not both")
-        args.num_kv_blocks = args.prefix_cache_size
-    if args.prefix_cache_enable:
-        args.enable_prefix_caching = True
-    return _serve(args)
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -198,13 +161,14 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_prompts=args.max_prompts_per_request,
                           default_chat_max_tokens=args.default_chat_max_tokens)
+    kwargs = _llm_kwargs(args)  # resolves --model before the name is derived
     sock = _listen(args.host, args.port)
     names = list(args.served_model_name or [])
     name = names[0] if names else (
         os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME)
     aliases = (args.model,) if args.model else ()
     try:
-        engine = AsyncEngine.from_args(**_llm_kwargs(args))
+        engine = AsyncEngine.from_args(**kwargs)
     except BaseException:
         sock.close()
         raise
@@ -407,7 +371,9 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore
                        description="Generate a completion for PROMPT in this process.")
     p.add_argument("prompt", metavar="PROMPT", help="prompt text")
     p.add_argument("--model", default=None,
-                   help="local Hugging Face-format model directory (default: the demo model)")
+                   help="HF directory, .gguf file or known name, e.g. smollm2-135m-instruct "
+                        "(default: the demo model)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -426,7 +392,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:

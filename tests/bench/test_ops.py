@@ -16,7 +16,7 @@ import pytest
 
 from prefixkv.bench import ops, ops_peers
 
-KINDS = ("seed-reference", "radix-bs16+array")
+KINDS = ("seed-reference", "radix-bs16+array", "radix-bs1+u32")
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -29,25 +29,35 @@ def rows() -> list[ops.OpsRow]:
 def test_rows_in_order_with_positive_figures(rows: list[ops.OpsRow]) -> None:
     assert [r.index for r in rows] == list(KINDS)
     for r in rows:
-        assert r.match_us > 0 and r.insert_us > 0 and r.evict10_us > 0
+        assert r.match_us > 0 and r.insert_us > 0 and r.evict_us > 0
         assert r.bytes_per_prefix is not None and r.bytes_per_prefix > 0
         assert r.note == ""
+
+
+def test_every_row_frees_ten_leaves_worth_of_tokens(rows: list[ops.OpsRow]) -> None:
+    """Equal work: each evict call frees 10 x 1,024 tokens, whatever the block size."""
+    for r in rows:
+        assert r.evict_tokens == ops.EVICT_TOKENS
+    ours = rows[1]
+    assert ours.evict_units is not None and 10 <= ours.evict_units <= 21  # 512/1,024-token leaves
+    assert rows[0].evict_units is None  # the seed reference does not count leaves
 
 
 def test_table_has_baseline_first_and_every_row(rows: list[ops.OpsRow]) -> None:
     table = ops.format_table(rows)
     lines = table.splitlines()
     assert "speedup vs seed-reference" in lines[0]
-    assert lines[2].startswith("seed-reference") and "1.0x" in lines[2]
+    assert lines[2].startswith("seed-reference") and "1.00x" in lines[2]
     assert lines[3].startswith("radix-bs16+array")
     assert "peer" not in table  # no peer rows, no peer table
 
 
 def test_peer_table_compares_like_with_like(rows: list[ops.OpsRow]) -> None:
-    fake = ops.OpsRow("sglang-radix-bs16", 10.0, 20.0, 50.0, None, "freed 512 tokens")
+    fake = ops.OpsRow("sglang-radix-bs16", 10.0, 20.0, 50.0, 10240, 10.0, None, "note")
     table = ops.format_table([*rows, fake])
     line = [ln for ln in table.splitlines() if ln.startswith("sglang-radix-bs16 ")][-1]
-    assert "radix-bs16+array" in line and "freed 512 tokens" in line
+    ours = rows[1]
+    assert "radix-bs16+array" in line and f"{ours.evict_us / 50.0:.2f}x" in line
     assert "n/a" in table and ops_peers.NOTES["sglang"] in table
 
 
@@ -59,8 +69,8 @@ def test_cli_writes_json_without_peers(tmp_path, capsys) -> None:
     assert "radix-bs16" in printed and "peers:" not in printed
     data = json.loads(out.read_text())
     assert [d["index"] for d in data] == ["radix-bs16"]
-    assert set(data[0]) == {"index", "match_us", "insert_us", "evict10_us",
-                            "bytes_per_prefix", "note"}
+    assert set(data[0]) == {"index", "match_us", "insert_us", "evict_us", "evict_tokens",
+                            "evict_units", "bytes_per_prefix", "note"}
 
 
 @pytest.mark.skipif(HAVE_SGLANG or HAVE_VLLM, reason="peers are installed here")
@@ -72,6 +82,7 @@ def test_auto_peers_says_not_installed(capsys) -> None:
 
 
 @pytest.mark.parametrize("kind", ["btree-bs16", "radix-16", "radix-bs0", "radix-bs16+list",
+                                  "radix-bs16+",
                                   "hash:md5-bs16", "vllm-bs8", "vllm-bs16+array",
                                   "sglang-radix-bsx", "sglang-radix-bs1+hash",
                                   "sglang-unified:cpp-bs1"])
@@ -83,6 +94,8 @@ def test_bad_kind_is_rejected_before_running(kind: str) -> None:
 def test_bad_counts_are_rejected() -> None:
     with pytest.raises(ValueError, match="--prompts"):
         ops.main(["--prompts", "0"])
+    with pytest.raises(ValueError, match="--rounds"):
+        ops.main(["--rounds", "0"])
     with pytest.raises(ValueError, match="kinds"):
         ops.run_ops((), prompts=5, iters=5)
 
@@ -112,7 +125,7 @@ def test_peers_run_on_the_same_workload() -> None:
     got = ops.run_ops(kinds, prompts=20, iters=20)
     assert [r.index for r in got] == list(kinds)
     for r in got[1:]:
-        assert r.match_us > 0 and r.insert_us > 0 and r.evict10_us > 0
-        assert "freed" in r.note
+        assert r.match_us > 0 and r.insert_us > 0 and r.evict_us > 0
+        assert r.evict_tokens >= ops.EVICT_TOKENS and r.note
     assert got[2].bytes_per_prefix is None  # the Rust core's memory is not visible
     assert "our speedup" in ops.format_table(got)

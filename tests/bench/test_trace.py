@@ -9,6 +9,7 @@ import pytest
 
 from prefixkv.bench.trace import (
     TraceRequest,
+    format_ratios,
     format_table,
     format_tokens,
     load_trace,
@@ -156,3 +157,56 @@ def _re(s: str) -> str:
     import re
 
     return re.escape(s)
+
+
+def test_gzipped_trace_loads_like_the_plain_one(tmp_path: Path) -> None:
+    import gzip
+
+    gz = tmp_path / "head.jsonl.gz"
+    gz.write_bytes(gzip.compress(DATA.read_bytes()))
+    assert load_trace(gz) == load_trace(DATA)
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match="gzip"):
+        load_trace(bad)
+    with pytest.raises(FileNotFoundError):
+        load_trace(tmp_path / "missing.jsonl.gz")
+
+
+def test_agentic_trace_in_the_repo_loads() -> None:
+    path = Path(__file__).parents[2] / "data" / "weka_agentic" / "weka_agentic_a.jsonl.gz"
+    reqs = load_trace(path)
+    assert len(reqs) == 11_567
+    assert sum(r.input_length for r in reqs) == 1_437_733_960
+
+
+def test_rows_report_speed_memory_and_the_experts_chosen() -> None:
+    reqs = load_trace(DATA)[:300]
+    lru = replay(reqs, 300_000, "lru", index="radix")
+    exp = replay(reqs, 300_000, "experts", index="radix")
+    assert lru.policy_bytes == 0 and lru.expert_history is None and lru.expert_share is None
+    assert lru.requests_per_s > 0 and exp.requests_per_s > 0
+    assert exp.policy_bytes > 10_000          # a ghost table of a few thousand identities
+    assert exp.expert_history and exp.expert_history[0][1] == "lru"
+    assert exp.expert_share and sum(exp.expert_share.values()) == pytest.approx(1.0, abs=1e-3)
+    text = format_ratios([lru, exp])
+    assert "xlru @300K" in text and "experts" in text and "of requests" in text
+    assert format_ratios([exp], baseline="nope") == ""
+
+
+def test_experts_plot_from_the_command_line(tmp_path: Path, capsys) -> None:
+    from prefixkv.cli import main
+
+    png, js = tmp_path / "experts.png", tmp_path / "rows.json"
+    rc = main(["bench", "trace", str(DATA), "--capacity-tokens", "300K", "1M", "--policies",
+               "lru", "experts", "--limit", "200", "--index", "radix", "--no-unbounded",
+               "--experts-plot", str(png), "--json", str(js), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "against lru in this run" in out and "experts @1M" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads(js.read_text())
+    assert {"requests_per_s", "policy_bytes", "expert_history", "expert_share"} <= set(rows[0])
+    rc = main(["bench", "trace", str(DATA), "--policies", "lru", "--experts-plot",
+               str(png), "--no-progress"])
+    assert rc == 1 and "--experts-plot needs" in capsys.readouterr().err

@@ -52,7 +52,7 @@ def test_match_length_is_block_aligned_and_trailing_partial_not_cached(make):
 def test_insert_wrong_block_count_names_both_lengths(make):
     cache = make()
     bs = make.bs
-    with pytest.raises(ValueError, match=r"2 ids.*%d tokens" % (3 * bs)):
+    with pytest.raises(ValueError, match=rf"2 ids.*{3 * bs} tokens"):
         cache.insert_prefix(seq(0, 3 * bs), [1, 2])
     assert cache.num_cached_blocks == 0
 

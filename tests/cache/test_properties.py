@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixkv.cache import BlockPool, HashPrefixCache, RadixPrefixCache
+from prefixkv.cache.held_ids import BULK
+from prefixkv.cache.policies import POLICIES
 
 NUM_BLOCKS = 24
 
@@ -56,8 +58,8 @@ class Oracle:
                        for k in self.cached)
 
 
-def run(cache, bs, ops):
-    pool = BlockPool(NUM_BLOCKS)
+def run(cache, bs, ops, num_blocks=NUM_BLOCKS):
+    pool = BlockPool(num_blocks)
     oracle = Oracle(bs)
     handles = []
     pins = []
@@ -131,11 +133,11 @@ def run(cache, bs, ops):
             pool.free(freed)
         # ---- invariants after every step
         cache.check_invariants()
-        assert set(oracle.cached.values()) == {b for b in range(NUM_BLOCKS) if cache.is_cached(b)}
-        free = {b for b in range(NUM_BLOCKS) if pool.is_free(b)}
+        assert set(oracle.cached.values()) == {b for b in range(num_blocks) if cache.is_cached(b)}
+        free = {b for b in range(num_blocks) if pool.is_free(b)}
         cached = set(oracle.cached.values())
         assert not free & cached
-        assert len(free) + len(cached) == NUM_BLOCKS  # no caller-private ids between steps
+        assert len(free) + len(cached) == num_blocks  # no caller-private ids between steps
         # locks and pins cover exactly what the oracle says (no over- or under-locking)
         stats = cache.get_stats()
         assert stats.locked_blocks == sum(oracle.covered(k, oracle.locks) for k in oracle.cached)
@@ -169,3 +171,82 @@ def test_hash_with_frequent_collisions_against_oracle(ops, bs):
     cache._hasher = lambda parent, tokens, extra: hash((parent, tuple(tokens), extra)) % 3
     cache._roots.clear()
     run(cache, bs, ops)
+
+
+# ---- block size 1, eviction heavy: long leaves (past the bulk-claim threshold), large evictions,
+# a coarse clock (many equal access times, so the deeper-first tie-break decides)
+BIG_POOL = 320
+long_op = st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.integers(0, 2), min_size=BULK - 8, max_size=130),
+              st.sampled_from([None, "t"])),
+    st.tuples(st.just("match"), st.lists(st.integers(0, 2), max_size=130), st.booleans()),
+    st.tuples(st.just("unlock"), st.integers(0, 20)),
+    st.tuples(st.just("pin"), st.lists(st.integers(0, 2), max_size=60)),
+    st.tuples(st.just("unpin"), st.integers(0, 20)),
+    st.tuples(st.just("evict"), st.integers(0, 160)),
+)
+
+
+class CoarseClock:
+    """Advances by 1 every third call: many entries share an access time."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return float(self.calls // 3)
+
+
+@SETTINGS
+@given(st.lists(long_op, max_size=30), st.sampled_from(sorted(POLICIES)))
+def test_radix_bs1_eviction_heavy_against_oracle(ops, policy):
+    cache = RadixPrefixCache(BIG_POOL, 1, max_pinned_blocks=80, eviction_policy=policy,
+                             clock=CoarseClock())
+    run(cache, 1, ops, BIG_POOL)
+
+
+RUN_POLICIES = sorted(name for name, cls in POLICIES.items() if cls.depth_monotone_keys)
+
+
+def _per_block(policy_name: str):
+    """The same policy with run eviction off: the reference per-block order."""
+    cls = POLICIES[policy_name]
+    return type(f"PerBlock{cls.__name__}", (cls,), {"depth_monotone_keys": False})()
+
+
+@SETTINGS
+@given(st.lists(long_op, max_size=30), st.sampled_from(RUN_POLICIES), st.sampled_from([1, 3]),
+       st.sampled_from(["radix", "hash"]))
+def test_run_eviction_frees_exactly_the_per_block_order(ops, policy, bs, index):
+    """Freeing a leaf's run (and then its parent, when it goes next) in one step returns the
+    same ids, in the same order, as trimming one block at a time and re-filing every entry."""
+    def make(p):
+        if index == "radix":
+            return RadixPrefixCache(BIG_POOL, bs, eviction_policy=p, clock=CoarseClock())
+        return HashPrefixCache(BIG_POOL, bs, hash_algo="builtin", eviction_policy=p,
+                               clock=CoarseClock())
+
+    fast, slow = make(policy), make(_per_block(policy))
+    assert fast.policy.depth_monotone_keys and not slow.policy.depth_monotone_keys
+    for o in ops:
+        if o[0] == "insert":
+            toks, ns = o[1], o[2]
+            nb = len(toks) // bs
+            got = []
+            for cache in (fast, slow):
+                m = cache.match_prefix(toks, namespace=ns)
+                need = nb - len(m.matched_kv_blocks)
+                got.append(cache.evict(max(0, cache.num_cached_blocks + need - BIG_POOL)))
+                new = [b for b in range(BIG_POOL) if not cache.is_cached(b)][:need]
+                if len(new) == need:
+                    got.append(cache.insert_prefix(toks, m.matched_kv_blocks + new,
+                                                   namespace=ns).kv_block_ids)
+            assert got[: len(got) // 2] == got[len(got) // 2 :]
+        elif o[0] == "match":
+            assert (fast.match_prefix(o[1]).matched_kv_blocks
+                    == slow.match_prefix(o[1]).matched_kv_blocks)
+        elif o[0] == "evict":
+            assert fast.evict(o[1]) == slow.evict(o[1])
+        fast.check_invariants()
+    assert fast.get_stats().evictions == slow.get_stats().evictions

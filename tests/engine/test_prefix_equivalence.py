@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from prefixkv.cache.policy_experts import ExpertsPolicy
 from prefixkv.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -43,6 +44,13 @@ CONFIGS = {
     "radix-tiny-pool-ghost": dict(index="radix", block_size=16, num_kv_blocks=10, eviction_policy="ghost"),
     "hash-tiny-pool-lfu": dict(index="hash", block_size=4, num_kv_blocks=40, eviction_policy="lfu"),
     "radix-tiny-pool-fifo": dict(index="radix", block_size=4, num_kv_blocks=40, eviction_policy="fifo"),
+    "radix-tiny-pool-experts": dict(index="radix", block_size=16, num_kv_blocks=10, eviction_policy="experts"),
+    "hash-tiny-pool-experts": dict(index="hash", block_size=4, num_kv_blocks=40, eviction_policy="experts"),
+    # the same policy forced onto its non-LRU experts first (the default starts on LRU)
+    "radix-tiny-pool-experts-lru2": dict(index="radix", block_size=16, num_kv_blocks=10,
+                                         eviction_policy=ExpertsPolicy(("lru2", "ghost", "s2"))),
+    "hash-tiny-pool-experts-ghost": dict(index="hash", block_size=4, num_kv_blocks=40,
+                                         eviction_policy=ExpertsPolicy(("ghost", "tail"))),
 }
 
 

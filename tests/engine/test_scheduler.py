@@ -109,3 +109,91 @@ def test_unfittable_waiting_sequence_is_aborted() -> None:
     plan = sched.schedule()
     assert plan.aborted == [seq] and seq.finish_reason == "abort"
     assert not sched.has_unfinished
+
+
+# ---------------------------------------------------------------- schedule policies
+
+import pytest
+
+from prefixkv.engine.schedule_policy import AdmissionOrder
+
+
+def cache_prefix(sched: Scheduler, tokens: list[int]) -> None:
+    """Run ``tokens`` as a request to completion so its full blocks end up cached."""
+    seq = seq_of(tokens, "warm")
+    sched.add(seq)
+    while seq.num_computed_tokens < len(tokens):
+        run_step(sched, sched.schedule())
+    sched.finish(seq)
+
+
+def test_unknown_policy_is_refused() -> None:
+    sched, _ = setup(num_blocks=8, block_size=4, budget=8)
+    with pytest.raises(ValueError, match="schedule_policy must be one of fcfs, lpm, dfs-weight"):
+        Scheduler(sched.kv, max_num_seqs=4, max_num_batched_tokens=8, clock=lambda: 0.0,
+                  policy="sjf")
+
+
+@pytest.mark.parametrize(("policy", "first"), [("fcfs", "cold"), ("lpm", "warm")])
+def test_lpm_admits_the_cached_prefix_first(policy: str, first: str) -> None:
+    sched, _ = setup(num_blocks=64, block_size=4, budget=20, max_seqs=1)
+    sched.order = AdmissionOrder(policy, sched.kv.cache, 4)
+    shared = list(range(100, 116))
+    cache_prefix(sched, shared + [1])
+    cold = seq_of(list(range(200, 220)), "cold")
+    warm = seq_of(shared + [5, 6, 7, 8], "warm")
+    sched.add(cold)
+    sched.add(warm)
+    plan = sched.schedule()
+    assert [s.seq.request.request_id for s in plan.scheduled] == [first]
+
+
+def test_dfs_weight_groups_shared_prefixes_heaviest_first() -> None:
+    from collections import deque
+
+    sched, _ = setup(num_blocks=64, block_size=4, budget=64)
+    a, b = list(range(10, 18)), list(range(50, 58))
+    seqs = {name: seq_of(prefix + [i, i + 1], name) for name, prefix, i in
+            [("b1", b, 1), ("a1", a, 2), ("b2", b, 3), ("a2", a, 4), ("a3", a, 5), ("c", [9] * 8, 6)]}
+    waiting = deque(seqs.values())
+    AdmissionOrder("dfs-weight", sched.kv.cache, 4).reorder(waiting)
+    assert [s.request.request_id for s in waiting] == ["a1", "a2", "a3", "b1", "b2", "c"]
+
+
+def test_fairness_bound_and_preempted_sequences_go_first() -> None:
+    from collections import deque
+
+    sched, _ = setup(num_blocks=64, block_size=4, budget=64)
+    shared = list(range(100, 116))
+    cache_prefix(sched, shared + [1])
+    cold = seq_of(list(range(200, 220)), "cold")
+    warm = [seq_of(shared + [i, i], f"w{i}") for i in range(3)]
+    order = AdmissionOrder("lpm", sched.kv.cache, 4, max_wait_rounds=2)
+    waiting = deque([cold, *warm])
+    heads = []
+    for _ in range(3):
+        order.reorder(waiting)
+        heads.append(waiting[0].request.request_id)
+    assert heads == ["w0", "w0", "cold"]  # passed over twice, then first
+    late = seq_of(list(range(300, 320)), "late")
+    order.note_preempted(late)
+    waiting.append(late)
+    order.reorder(waiting)
+    assert [s.request.request_id for s in waiting][:2] == ["late", "cold"]
+    for s in list(waiting):
+        order.forget(s)
+    assert not order._rounds and not order._preempted and not order._ticket
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_policies_never_change_greedy_outputs(make_llm, helpers, policy: str) -> None:
+    from prefixkv.engine import SamplingParams
+
+    systems = [helpers.tokens(s, 80) for s in range(3)]
+    prompts = [systems[i % 3] + helpers.tokens(100 + i, 10 + i) for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    base = make_llm(num_kv_blocks=40, max_num_batched_tokens=128).generate(prompts, params)
+    llm = make_llm(num_kv_blocks=40, max_num_batched_tokens=128, schedule_policy=policy)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    helpers.assert_no_leak(llm)

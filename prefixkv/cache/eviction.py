@@ -1,0 +1,141 @@
+"""Evictor: which blocks ``evict(n)`` frees, and in what order (guarded by the index's lock).
+
+The order is the block-by-block one: pop the policy's smallest evictable leaf, trim its deepest
+block, re-file it, repeat (vLLM's tail-first rule falls out of the shipped keys, which put the
+deeper entry first on ties). Two shortcuts give the same ids in the same order, checked by a
+property test against the block-by-block loop:
+
+* a *run*: with a ``depth_monotone_keys`` policy (LRU, LFU, FIFO) a leaf's key only grows as its
+  tail is trimmed, so the number of tail blocks it gives up before any other leaf's is found by
+  a binary search over key probes at smaller depths, and freed in one step (a whole node, or
+  one cut): O(log blocks) Python work per leaf, not O(blocks);
+* a *parent next*: a parent left childless would be filed and popped next exactly when its key
+  is below the heap's smallest (a tie goes to the older heap item), so it is taken directly.
+
+Policies without the declaration (``ghost``: per-block state) keep the block-by-block loop. So
+a call costs O(leaves touched x log n) Python steps plus the C-speed copies of the freed ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prefixkv.cache.evictable import EvictableHeap
+from prefixkv.cache.policies import EvictionPolicy
+from prefixkv.cache.protection import is_evictable_leaf
+
+
+class _AtDepth:
+    """``entry`` as it would be with its deepest blocks trimmed to ``depth`` (a key probe)."""
+
+    __slots__ = ("_entry", "depth")
+
+    def __init__(self, entry: Any, depth: int) -> None:
+        self._entry = entry
+        self.depth = depth
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._entry, name)
+
+
+def key_at_depth(policy: EvictionPolicy, entry: Any, depth: int) -> Any:
+    """``policy.key`` of ``entry`` as if its blocks below ``depth`` were gone (any entry type;
+    the radix index overrides its probe with a cheaper one)."""
+    return policy.key(_AtDepth(entry, depth))
+
+
+class Evictor:
+    """Frees blocks of one index in policy order through the index's own operations.
+
+    Args:
+        heap: the index's evictable leaves.
+        policy: its eviction policy.
+        drop_tail: ``drop_tail(entry, k)`` removes an evictable leaf's last ``k`` blocks (and
+            detaches it when empty), releasing their ids; returns them deepest first.
+        key_at: ``key_at(entry, depth)``, the policy's key at a smaller depth (a probe).
+        refresh: re-files an entry in the heap after it changed (its children, its blocks).
+        gone: called for each entry whose last block was evicted, before anything else moves.
+    """
+
+    __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh")
+
+    def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
+                 drop_tail: Callable[[Any, int], list[int]],
+                 key_at: Callable[[Any, int], Any], refresh: Callable[[Any], None],
+                 gone: Callable[[Any], None]) -> None:
+        self._heap = heap
+        self._policy = policy
+        self._drop_tail = drop_tail
+        self._key_at = key_at
+        self._refresh = refresh
+        self._gone = gone
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to ``num_blocks`` blocks; returns their ids (fewer if fewer are evictable)."""
+        out: list[int] = []
+        heap, key = self._heap, self._policy.key
+        runs = self._policy.depth_monotone_keys
+        e = None
+        while len(out) < num_blocks:
+            if e is None:
+                e = heap.pop()
+                if e is None:
+                    break
+            if runs:
+                out += self._drop_tail(e, self._run_length(e, min(num_blocks - len(out),
+                                                                   e.num_blocks)))
+            else:
+                self._trim_per_block(e, num_blocks, out)
+            if e.num_blocks:
+                heap.push(e)
+                e = None
+                continue
+            self._gone(e)
+            parent, e = e.parent, None
+            if parent is None or parent.is_root:
+                continue
+            if (runs and len(out) < num_blocks and parent.num_blocks
+                    and is_evictable_leaf(parent)):
+                top = heap.peek_key()
+                if top is None or key(parent) < top:  # it would be popped next: take it
+                    e = parent
+                    continue
+            self._refresh(parent)
+        return out
+
+    def _run_length(self, e: Any, k: int) -> int:
+        """How many of ``e``'s last ``k`` blocks go before any other leaf's (at least one).
+
+        Dropping ``j`` tail blocks leaves ``e`` at depth ``depth - j``; the per-block order
+        takes block ``j + 1`` while ``e``'s key at that depth is <= the heap's smallest key.
+        Keys only grow as the depth shrinks, so the answer is found by binary search.
+        """
+        if k <= 1:
+            return k
+        top = self._heap.peek_key()
+        if top is None:
+            return k
+        key_at, depth = self._key_at, e.depth
+        if key_at(e, depth - (k - 1)) <= top:
+            return k
+        lo, hi = 0, k - 1  # the key after dropping lo blocks is <= top, after hi it is not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if key_at(e, depth - mid) <= top:
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1
+
+    def _trim_per_block(self, e: Any, num_blocks: int, out: list[int]) -> None:
+        """Trim ``e`` one block at a time while it stays the policy's choice (its key may change
+        with its tail block: a per-block policy state)."""
+        heap, key = self._heap, self._policy.key
+        while True:
+            out.extend(self._drop_tail(e, 1))
+            if not e.num_blocks or len(out) >= num_blocks:
+                break
+            top = heap.peek_key()
+            if top is not None and key(e) > top:
+                break

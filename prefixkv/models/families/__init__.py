@@ -1,0 +1,1 @@
+"""Model families, one module each; :mod:`prefixkv.models.registry` lists them."""

@@ -1,0 +1,55 @@
+"""Run eviction (``PrefixIndexBase.evict`` with ``depth_monotone_keys``): whole leaves in one
+step, the deeper-first tie-break across leaves, and the key probes it relies on."""
+
+from __future__ import annotations
+
+from prefixkv.cache import RadixPrefixCache
+from prefixkv.cache.index_base import PrefixIndexBase
+from prefixkv.cache.policies import LRUPolicy
+
+
+class CountingLRU(LRUPolicy):
+    """LRU that counts key calls (a run costs O(log blocks) of them, not O(blocks))."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def key(self, entry):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return super().key(entry)
+
+
+def test_a_long_leaf_goes_in_one_step_deepest_first(clock):
+    policy = CountingLRU()
+    cache = RadixPrefixCache(5000, 1, eviction_policy=policy, clock=clock)
+    cache.insert_prefix(list(range(1024)), list(range(1024)))
+    clock.advance()
+    cache.insert_prefix(list(range(5000, 6024)), list(range(2000, 3024)))
+    policy.calls = 0
+    freed = cache.evict(1500)
+    assert freed[:1024] == list(range(1023, -1, -1))  # the older leaf, deepest token first
+    assert freed[1024:] == list(range(3023, 3023 - 476, -1))  # then the newer one's tail
+    assert policy.calls < 40
+    assert cache.get_stats().evictions == 1 and cache.num_cached_blocks == 548
+    cache.check_invariants()
+
+
+def test_equal_times_interleave_runs_by_depth(clock):
+    """Two leaves used at the same time: blocks go deepest first across both (vLLM's order)."""
+    cache = RadixPrefixCache(100, 1, clock=clock)
+    cache.insert_prefix([1] * 10, list(range(10)))
+    cache.insert_prefix([2] * 6, list(range(20, 26)))  # same clock value: a tie on time
+    freed = cache.evict(8)
+    # depths 10..7 of the first leaf go before anything of the 6-deep one; at equal depth the
+    # older access (tick) goes first, so from depth 6 on the two leaves alternate
+    assert freed == [9, 8, 7, 6, 5, 25, 4, 24]
+    cache.check_invariants()
+
+
+def test_generic_key_probe_matches_the_radix_probe(clock):
+    cache = RadixPrefixCache(100, 2, clock=clock)
+    cache.insert_prefix(list(range(20)), list(range(10)))
+    node = next(iter(next(iter(cache._roots.values())).children.values()))[0]
+    for depth in (1, 5, 10):
+        assert PrefixIndexBase._key_at(cache, node, depth) == cache._key_at(node, depth)
+    assert node.depth == 10 and node.start_depth == 0  # the probe put it back

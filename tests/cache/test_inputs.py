@@ -1,0 +1,104 @@
+"""Token-id inputs: every accepted container behaves like a list; bad ones are clear errors.
+
+Mirrors ``prefixkv/cache/_checks.py`` (``as_token_array`` / ``as_token_list``).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import pytest
+
+from prefixkv.cache._checks import as_token_array, as_token_list
+
+TOKS = [5, 0, 149_999, 2**32 - 1, 7, 7, 3, 1]
+
+
+def _forms(toks):
+    yield "list", list(toks)
+    yield "tuple", tuple(toks)
+    for code in ("I", "q", "Q", "L", "l"):
+        yield f"array-{code}", array(code, toks)
+    for dt in (np.uint32, np.int64, np.uint64):
+        yield f"numpy-{np.dtype(dt).name}", np.array(toks, dtype=dt)
+    yield "numpy-strided", np.array([t for t in toks for _ in (0, 1)], dtype=np.int64)[::2]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _forms(TOKS)])
+def test_every_form_converts_to_the_same_array(name):
+    value = dict(_forms(TOKS))[name]
+    got = as_token_array(value)
+    assert got.typecode == "I" and got.tolist() == TOKS
+    assert list(as_token_list(value)) == TOKS
+
+
+def test_array_I_is_returned_as_is():
+    a = array("I", TOKS)
+    assert as_token_array(a) is a
+
+
+def test_small_int_dtypes():
+    for dt in (np.int8, np.uint8, np.int16, np.uint16, np.int32):
+        assert as_token_array(np.array([1, 2, 3], dtype=dt)).tolist() == [1, 2, 3]
+    assert as_token_array(array("h", [4, 5])).tolist() == [4, 5]
+    assert as_token_array(range(3)).tolist() == [0, 1, 2]
+    assert as_token_array(np.array([], dtype=np.int64)).tolist() == []
+
+
+@pytest.mark.parametrize(("value", "msg"), [
+    (array("q", [1, -2]), "non-negative, found -2"),
+    (np.array([3, 2**32], dtype=np.int64), "< 2\\*\\*32, found 4294967296"),
+    (np.array([1.0, 2.0]), "ints, got dtype float64"),
+    (np.array([True, False]), "ints, got dtype bool"),
+    (np.zeros((2, 2), dtype=np.int64), "1-D"),
+    (array("d", [1.0]), "ints, got array\\('d'\\)"),
+    ([1, -1], "non-negative"),
+    ([1, 2**33], "< 2\\*\\*32"),
+    ([1, "x"], "ints"),
+    ("abc", "sequence of ints"),
+    (None, "sequence of ints"),
+    (5, "sequence of ints"),
+])
+def test_bad_inputs_name_the_argument(value, msg):
+    with pytest.raises(ValueError, match=msg):
+        as_token_array(value, "token_ids")
+
+
+def test_generic_iterables_and_tolist_objects():
+    class Seq:
+        def __iter__(self):
+            return iter([1, 2])
+
+    assert as_token_array(Seq()).tolist() == [1, 2]
+    assert as_token_list(Seq()) == [1, 2]
+
+
+def test_cpu_torch_tensors_by_duck_typing(make):
+    torch = pytest.importorskip("torch")
+    toks = list(range(10, 10 + 3 * make.bs))
+    cache = make()
+    cache.insert_prefix(torch.tensor(toks, dtype=torch.int64), [1, 2, 3])
+    for t in (torch.tensor(toks), torch.tensor(toks, dtype=torch.int32),
+              torch.tensor(toks + [0, 0])[: len(toks)]):
+        m = cache.match_prefix(t)
+        assert m.matched_kv_blocks == [1, 2, 3] and m.matched_tokens == toks
+    with pytest.raises(ValueError, match="non-negative"):
+        cache.match_prefix(torch.tensor([-1] * make.bs))
+    with pytest.raises(ValueError, match="ints"):
+        cache.match_prefix(torch.tensor([1.5] * make.bs))
+    needs_grad = torch.tensor([1.0, 2.0], requires_grad=True)
+    with pytest.raises(ValueError, match="token_ids"):
+        as_token_array(needs_grad)
+
+
+def test_numpy_and_array_q_queries_match_like_lists(make):
+    bs = make.bs
+    cache = make()
+    toks = list(range(20, 20 + 3 * bs))
+    cache.insert_prefix(np.array(toks, dtype=np.int64), [4, 5, 6])
+    for q in (np.array(toks, dtype=np.uint32), array("q", toks), np.array(toks + [9])):
+        m = cache.match_prefix(q)
+        assert m.matched_kv_blocks == [4, 5, 6] and m.matched_tokens == toks
+        assert all(type(t) is int for t in m.matched_tokens)
+    assert cache.pin_prefix(np.array(toks)) and cache.unpin_prefix(array("q", toks))
