@@ -142,7 +142,8 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
     config = RouterConfig(
         worker_urls=tuple(worker_urls), policy=policy, cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold,
-        balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
+        balance_rel_threshold=args.balance_rel_threshold, balance_window=args.balance_window,
+        max_tree_size=args.max_tree_size, chunk_bytes=args.chunk_bytes,
         eviction_interval=args.eviction_interval, seed=args.seed,
     )
     with RouterServer(config) as server:
@@ -206,7 +207,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=32)
     p.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    p.add_argument("--balance-window", type=int, default=64)
     p.add_argument("--max-tree-size", type=int, default=2**18)
+    p.add_argument("--chunk-bytes", type=int, default=64)
     p.add_argument("--eviction-interval", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -216,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; prints the table (and writes ``--json``). Exit code 0."""
     import httpx
 
-    from prefixkv.router.workers import LocalWorkers, wait_until_healthy
+    from prefixkv.router.health import wait_until_healthy
+    from prefixkv.router.local import LocalWorkers
 
     workload = make_workload(args.users, args.turns, system_words=args.system_words,
                              user_words=args.user_words, assistant_words=args.assistant_words,

@@ -1,0 +1,127 @@
+"""Route keys: what the router matches, built from a request body in time independent of the
+tokenizer and nearly independent of the prompt's length.
+
+The router has no tokenizer (workers may serve any model), so a prompt is keyed by its text: the
+UTF-8 bytes of a string prompt, or of a chat rendered ``role\\x1fcontent\\x1e`` per message (a
+stable rendering: turn ``t + 1``'s text extends turn ``t``'s, which is all prefix matching needs).
+The bytes are cut into fixed ``chunk_bytes`` pieces from the start and each piece is hashed to a
+32-bit int (xxh32); the key is that sequence of chunk hashes, so a 16 KB prompt is 256 elements at
+the default 64, not 16,384. Two prompts share a key prefix exactly when they share their leading
+full chunks (the trailing partial chunk is a key element too, so a prompt extended by one byte
+matches all of it but that last piece). Prompts given as token ids are chunked the same way,
+``chunk_bytes // 4`` ids per chunk, in a separate namespace. The namespace also carries the model
+name and ``cache_salt``, since a worker never shares cache entries across them.
+
+``RouteKey.size`` is the prompt's length in key units (bytes, or token ids) and ``unit`` how
+many units a full chunk covers: a match of ``m`` chunks covers ``min(m * unit, size)`` units.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "RouteKey", "chat_key", "completion_key", "render_messages",
+           "text_key"]
+
+DEFAULT_CHUNK_BYTES = 64
+_ROLE_END = "\x1f"
+_MESSAGE_END = "\x1e"
+_hash = xxhash.xxh32_intdigest
+_MASK = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RouteKey:
+    """A namespace, the chunk hashes (ints in ``[0, 2**32)``), and the covered length."""
+
+    namespace: Hashable
+    chunks: tuple[int, ...]
+    size: int = 0
+    unit: int = 1
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def covered(self, matched_chunks: int) -> int:
+        """Key units covered by the first ``matched_chunks`` chunks."""
+        return min(matched_chunks * self.unit, self.size)
+
+    def ratio(self, matched_chunks: int) -> float:
+        """Share of the prompt covered by ``matched_chunks`` leading chunks (0.0 if empty)."""
+        return self.covered(matched_chunks) / self.size if self.size else 0.0
+
+
+def _check_chunk(chunk_bytes: int) -> None:
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 4:
+        raise ValueError(f"chunk_bytes must be an int >= 4, got {chunk_bytes!r}")
+
+
+def text_key(text: str, namespace: Hashable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:
+    """Key of ``text`` in ``namespace``: xxh32 of each ``chunk_bytes`` piece of its UTF-8."""
+    _check_chunk(chunk_bytes)
+    data = text.encode("utf-8", "surrogatepass")
+    chunks = tuple(_hash(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
+    return RouteKey(("text", namespace), chunks, len(data), chunk_bytes)
+
+
+def _ids_key(ids: Sequence[int], namespace: Hashable, chunk_bytes: int) -> RouteKey:
+    per = chunk_bytes // 4
+    # hash() of a tuple of ints is deterministic across processes (no string salt)
+    chunks = tuple(hash(tuple(ids[i : i + per])) & _MASK for i in range(0, len(ids), per))
+    return RouteKey(("ids", namespace), chunks, len(ids), per)
+
+
+def _namespace(body: Mapping[str, Any]) -> Hashable:
+    model, salt = body.get("model"), body.get("cache_salt")
+    return (model if isinstance(model, str) else None, salt if isinstance(salt, str) else None)
+
+
+def completion_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:
+    """Key of a ``/v1/completions`` body; a batch (list of prompts) is keyed by its first one.
+
+    A missing or malformed prompt gives an empty key (the worker answers the 400).
+    """
+    _check_chunk(chunk_bytes)
+    ns = _namespace(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return text_key(prompt, ns, chunk_bytes)
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        return _ids_key(prompt, ns, chunk_bytes)
+    return RouteKey(("text", ns), ())
+
+
+def render_messages(messages: Iterable[Any]) -> str:
+    """The router's stable rendering of chat messages (not the model's chat template)."""
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            parts.append(json.dumps(message, sort_keys=True) + _MESSAGE_END)
+            continue
+        content = message.get("content")
+        if isinstance(content, list):  # OpenAI content parts
+            content = "".join(
+                p["text"] if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+                else json.dumps(p, sort_keys=True)
+                for p in content
+            )
+        elif not isinstance(content, str):
+            content = "" if content is None else json.dumps(content, sort_keys=True)
+        parts.append(f"{message.get('role', '')}{_ROLE_END}{content}{_MESSAGE_END}")
+    return "".join(parts)
+
+
+def chat_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:
+    """Key of a ``/v1/chat/completions`` body (empty when ``messages`` is not a list)."""
+    messages = body.get("messages")
+    text = render_messages(messages) if isinstance(messages, list) else ""
+    return text_key(text, _namespace(body), chunk_bytes)
