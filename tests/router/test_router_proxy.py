@@ -22,7 +22,8 @@ import pytest
 
 from prefixkv.router import bench
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
-from prefixkv.router.workers import LocalWorkers, free_port, wait_until_healthy
+from prefixkv.router.health import wait_until_healthy
+from prefixkv.router.local import LocalWorkers, free_port
 
 WORKER_ARGS = ["--num-kv-blocks", "256", "--block-size", "16", "--log-level", "warning"]
 
@@ -84,7 +85,7 @@ def test_trees_follow_the_workers_real_cache(router: RouterServer) -> None:
         states = httpx.get(f"{router.url}/workers").json()["workers"]
         return next(w for w in states if w["url"] == worker)
 
-    capacity = 256 * 16  # the workers' --num-kv-blocks * --block-size, in (byte) tokens
+    capacity = 256 * 16 // 64  # --num-kv-blocks * --block-size (byte) tokens, in 64-byte chunks
     wait_for(lambda: view()["tree_bound"] <= capacity * 1.1, "tree never bounded by capacity")
     assert view()["tree_size"] > 0
     assert httpx.post(f"{worker}/v1/cache/reset").status_code == 200
@@ -203,7 +204,8 @@ def test_killed_worker_loses_no_request_and_comes_back(
     workers.restart(2)
     wait_for(lambda: router.router.workers[victim].healthy, "restarted worker never came back",
              timeout=60)
-    assert router.router.trees is not None and router.router.trees.size(victim) == 0
+    trees = router.router.policy.trees  # type: ignore[attr-defined]
+    wait_for(lambda: trees[victim].size == 0, "restarted worker's tree not emptied by its stats")
     fresh = [complete(router.url, f"[fresh {i}] " + "new prefix " * 30) for i in range(3)]
     assert victim in {r.headers[WORKER_HEADER] for r in fresh}  # back in rotation
 
