@@ -181,8 +181,10 @@ class Router:
             gone.cancel()
             if not task.done():  # the worker left, or this request was cancelled
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                # let the step unwind (its connection closes) before anything else touches it,
+                # even when an anyio scope (Starlette's disconnect) keeps cancelling this task
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait({task})
         if task.cancelled():
             raise WorkerGone(url)
         return task.result()

@@ -233,3 +233,57 @@ def test_workload_is_deterministic_and_sessions_distinct() -> None:
     assert a == b and len(a.sessions) == 4 and all(len(s) == 3 for s in a.sessions)
     firsts = {s[0][0] for s in a.sessions}
     assert len(firsts) == 4
+
+
+def busy(url: str) -> int:
+    """Requests a worker is running or queueing (its own stats)."""
+    d = httpx.get(f"{url}/v1/cache/stats", timeout=10).json()
+    return int(d["num_running"]) + int(d["num_waiting"])
+
+
+def close_wait(ports: set[int]) -> int:
+    """Sockets in CLOSE-WAIT with a local or remote port in ``ports`` (Linux /proc)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, remote, state = line.split()[1:4]
+                lport, rport = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+                n += state == "08" and (lport in ports or rport in ports)
+    return n
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_client_disconnects_abort_the_workers_requests(
+    workers: LocalWorkers, router: RouterServer
+) -> None:
+    body = {"max_tokens": 2000, "temperature": 0.0}
+    streams = []
+    for i in range(6):  # streamed: read the first event, then hang up
+        client = httpx.Client(timeout=60)
+        cm = client.stream("POST", f"{router.url}/v1/completions",
+                           json={**body, "prompt": f"[cut {i}] tell a long story", "stream": True})
+        r = cm.__enter__()
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept open (a dropped iterator would close the stream)
+        assert next(lines).startswith("data: ")
+        streams.append((client, cm, lines))
+
+    def hang_up(i: int) -> None:  # not streamed: the client gives up after a second
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{router.url}/v1/completions",
+                       json={**body, "prompt": f"[give up {i}] a long answer"}, timeout=1.0)
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(hang_up, range(3)))
+    assert sum(busy(u) for u in workers.urls) >= 6  # the cut streams are still generating
+    for client, cm, _ in streams:
+        cm.__exit__(None, None, None)
+        client.close()
+    t0 = time.monotonic()
+    wait_for(lambda: sum(busy(u) for u in workers.urls) == 0, "workers still run cut requests",
+             timeout=10)
+    assert time.monotonic() - t0 < 5  # within a second or two (each worker polls its clients)
+    ports = {router.port} | {int(u.rsplit(":", 1)[1]) for u in workers.urls}
+    wait_for(lambda: close_wait(ports) == 0, "CLOSE-WAIT sockets left", timeout=5)
+    assert sum(w["in_flight"] for w in httpx.get(f"{router.url}/workers").json()["workers"]) == 0
