@@ -7,11 +7,13 @@ worker resume or restart it, so later tests find all three workers again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -287,3 +289,84 @@ def test_client_disconnects_abort_the_workers_requests(
     ports = {router.port} | {int(u.rsplit(":", 1)[1]) for u in workers.urls}
     wait_for(lambda: close_wait(ports) == 0, "CLOSE-WAIT sockets left", timeout=5)
     assert sum(w["in_flight"] for w in httpx.get(f"{router.url}/workers").json()["workers"]) == 0
+
+
+def test_chaos_kill_and_stop_workers_under_load(workers: LocalWorkers, router: RouterServer) -> None:
+    """Kill -9 one worker and SIGSTOP another under load, then bring both back: no plain request
+    is lost, a stream cut on a failed worker ends with an error event, and each worker serves
+    again within 10 s of being healthy."""
+    stop = threading.Event()
+    results: list[tuple[str, int, str, float, str]] = []  # kind, status, worker, at, last event
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        with httpx.Client(timeout=60) as http:
+            turn, session = 0, 0
+            while not stop.is_set():
+                if turn % 4 == 0:
+                    session += 1
+                prompt = f"[client {c} session {session}] " + "shared history " * 20 + f"turn {turn}"
+                turn += 1
+                body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+                if turn % 3:
+                    r = http.post(f"{router.url}/v1/completions", json=body)
+                    rec = ("plain", r.status_code, r.headers.get(WORKER_HEADER, ""),
+                           time.monotonic(), "")
+                else:
+                    with http.stream("POST", f"{router.url}/v1/completions",
+                                     json={**body, "max_tokens": 24, "stream": True}) as r:
+                        events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+                    rec = ("stream", r.status_code, r.headers.get(WORKER_HEADER, ""),
+                           time.monotonic(), events[-1] if events else "")
+                with lock:
+                    results.append(rec)
+
+    killed, stopped = workers.urls[0], workers.urls[1]
+    state = router.router.workers
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(results) >= 8, "no load")
+        workers.procs[0].kill()
+        os.kill(workers.procs[1].pid, signal.SIGSTOP)
+        wait_for(lambda: not state[killed].healthy and not state[stopped].healthy,
+                 "failed workers stayed in rotation", timeout=15)
+        workers.procs[0].wait()
+        workers.restart(0)
+        os.kill(workers.procs[1].pid, signal.SIGCONT)
+        back: dict[str, float] = {}
+
+        def both_back() -> bool:
+            for url in (killed, stopped):
+                if url not in back and state[url].healthy:
+                    back[url] = time.monotonic()
+            return len(back) == 2
+
+        wait_for(both_back, "workers did not come back", timeout=60)
+
+        def served_again() -> bool:
+            with lock:
+                return all(any(r[2] == u and r[1] == 200 and r[3] > back[u] for r in results)
+                           for u in back)
+
+        wait_for(served_again, "a recovered worker got no traffic", timeout=10)
+        served = {u: min(r[3] for r in results if r[2] == u and r[1] == 200 and r[3] > back[u])
+                  - back[u] for u in back}
+        assert all(s < 10 for s in served.values()), served
+    finally:
+        stop.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(workers.procs[1].pid, signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=60)
+    plain = [r for r in results if r[0] == "plain"]
+    streams = [r for r in results if r[0] == "stream"]
+    assert plain and all(r[1] == 200 for r in plain)  # no plain request lost
+    assert streams and all(r[1] == 200 for r in streams)
+    for r in streams:  # a stream either finished or says its worker failed
+        assert r[4] == "data: [DONE]" or "worker_failed" in r[4], r
+    cut = sum("worker_failed" in r[4] for r in streams)
+    print(f"chaos: {len(plain)} plain (all 200), {len(streams)} streams ({cut} cut with an error "
+          f"event), first traffic after healthy: "
+          + ", ".join(f"{s:.2f} s" for s in served.values()))
