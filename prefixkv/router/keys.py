@@ -4,20 +4,25 @@ tokenizer and nearly independent of the prompt's length.
 The router has no tokenizer (workers may serve any model), so a prompt is keyed by its text: the
 UTF-8 bytes of a string prompt, or of a chat rendered ``role\\x1fcontent\\x1e`` per message (a
 stable rendering: turn ``t + 1``'s text extends turn ``t``'s, which is all prefix matching needs).
-The bytes are cut into fixed ``chunk_bytes`` pieces from the start and each piece is hashed to a
-32-bit int (xxh32); the key is that sequence of chunk hashes, so a 16 KB prompt is 256 elements at
-the default 64, not 16,384. Two prompts share a key prefix exactly when they share their leading
-full chunks (the trailing partial chunk is a key element too, so a prompt extended by one byte
-matches all of it but that last piece). Prompts given as token ids are chunked the same way,
-``chunk_bytes // 4`` ids per chunk, in a separate namespace. The namespace also carries the model
-name and ``cache_salt``, since a worker never shares cache entries across them.
+The bytes are cut into pieces at fixed offsets from the start and each piece is hashed to a
+32-bit int (xxh32); the key is that sequence of chunk hashes. The pieces follow one schedule for
+every prompt: ``LEVEL`` (64) pieces of ``chunk_bytes`` (64), then 64 of twice that, then 64 of
+four times that, and so on. A match is thus measured to within 1/32 of the matched length, and a
+prompt of ``L`` bytes has about ``64 * log2(L / 4096 + 1)`` chunks: 144 for 16 KB, 260 for 64 KB,
+513 for 1 MB, instead of one element per byte. Two prompts share a key prefix exactly when they
+share their leading full chunks (the trailing partial chunk is a key element too, so a prompt
+extended by one byte matches all of it but that last piece). Prompts given as token ids follow
+the same schedule with ``chunk_bytes // 4`` ids as the base piece, in a separate namespace. The
+namespace also carries the model name and ``cache_salt``, since a worker never shares cache
+entries across them.
 
-``RouteKey.size`` is the prompt's length in key units (bytes, or token ids) and ``unit`` how
-many units a full chunk covers: a match of ``m`` chunks covers ``min(m * unit, size)`` units.
+``RouteKey.size`` is the prompt's length in key units (bytes, or token ids) and ``unit`` the base
+piece: a match of ``m`` chunks covers ``min(chunk_offset(m, unit), size)`` units.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,10 +30,11 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "RouteKey", "chat_key", "completion_key", "render_messages",
-           "text_key"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "LEVEL", "RouteKey", "chat_key", "chunk_offset",
+           "completion_key", "render_messages", "text_key"]
 
 DEFAULT_CHUNK_BYTES = 64
+LEVEL = 64
 _ROLE_END = "\x1f"
 _MESSAGE_END = "\x1e"
 _hash = xxhash.xxh32_intdigest
@@ -49,11 +55,29 @@ class RouteKey:
 
     def covered(self, matched_chunks: int) -> int:
         """Key units covered by the first ``matched_chunks`` chunks."""
-        return min(matched_chunks * self.unit, self.size)
+        return min(chunk_offset(matched_chunks, self.unit), self.size)
 
     def ratio(self, matched_chunks: int) -> float:
         """Share of the prompt covered by ``matched_chunks`` leading chunks (0.0 if empty)."""
         return self.covered(matched_chunks) / self.size if self.size else 0.0
+
+
+def chunk_offset(i: int, unit: int) -> int:
+    """Where chunk ``i`` starts: ``LEVEL`` chunks of ``unit``, then ``LEVEL`` of ``2 * unit``..."""
+    level, within = divmod(i, LEVEL)
+    return unit * (LEVEL * ((1 << level) - 1) + within * (1 << level))
+
+
+_BOUNDS: dict[int, list[int]] = {}
+
+
+def _bounds(n: int, unit: int) -> list[int]:
+    """Chunk start offsets below ``n`` followed by ``n`` (cached per unit, grown on demand)."""
+    bounds = _BOUNDS.setdefault(unit, [0])
+    while bounds[-1] < n:
+        bounds.append(chunk_offset(len(bounds), unit))
+    k = bisect.bisect_left(bounds, n)
+    return [*bounds[:k], n]
 
 
 def _check_chunk(chunk_bytes: int) -> None:
@@ -65,14 +89,16 @@ def text_key(text: str, namespace: Hashable, chunk_bytes: int = DEFAULT_CHUNK_BY
     """Key of ``text`` in ``namespace``: xxh32 of each ``chunk_bytes`` piece of its UTF-8."""
     _check_chunk(chunk_bytes)
     data = text.encode("utf-8", "surrogatepass")
-    chunks = tuple(_hash(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
+    b = _bounds(len(data), chunk_bytes)
+    chunks = tuple(_hash(data[b[i] : b[i + 1]]) for i in range(len(b) - 1))
     return RouteKey(("text", namespace), chunks, len(data), chunk_bytes)
 
 
 def _ids_key(ids: Sequence[int], namespace: Hashable, chunk_bytes: int) -> RouteKey:
     per = chunk_bytes // 4
+    b = _bounds(len(ids), per)
     # hash() of a tuple of ints is deterministic across processes (no string salt)
-    chunks = tuple(hash(tuple(ids[i : i + per])) & _MASK for i in range(0, len(ids), per))
+    chunks = tuple(hash(tuple(ids[b[i] : b[i + 1]])) & _MASK for i in range(len(b) - 1))
     return RouteKey(("ids", namespace), chunks, len(ids), per)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixkv.router.keys import RouteKey, chat_key, completion_key, text_key
+from prefixkv.router.keys import RouteKey, chat_key, chunk_offset, completion_key, text_key
 
 
 def chat(*contents: str, model: str = "m") -> dict:
@@ -21,12 +21,16 @@ def test_next_turn_extends_previous_turn_in_full_chunks() -> None:
 
 
 def test_text_is_chunked_not_per_byte() -> None:
+    # 64 chunks of 64 bytes (4 KB), then 64 of 128 (8 KB), then 256-byte chunks
+    assert [chunk_offset(i, 64) for i in (0, 1, 64, 65, 128, 129)] == [0, 64, 4096, 4224,
+                                                                       12288, 12544]
     key = text_key("x" * 16_384, None, 64)
-    assert len(key) == 256 and key.size == 16_384 and key.unit == 64
+    assert len(key) == 64 + 64 + 16 and key.size == 16_384 and key.unit == 64
+    assert len(text_key("x" * (1 << 20), None, 64)) < 520  # a few hundred, not a million
     assert all(0 <= c < 2**32 for c in key.chunks)
     assert len(text_key("x" * 65, None, 64)) == 2  # the trailing partial chunk counts too
     assert key.covered(3) == 192 and key.covered(10**6) == 16_384
-    assert key.ratio(128) == 0.5 and RouteKey("n", ()).ratio(0) == 0.0
+    assert key.ratio(128) == 0.75 and RouteKey("n", ()).ratio(0) == 0.0
 
 
 def test_content_parts_render_like_plain_text() -> None:
