@@ -63,6 +63,7 @@ class PolicyResult:
     per_worker: dict[str, int]
     max_min_load: float
     errors: int
+    reasons: dict[str, int]
 
 
 def _text(rng: random.Random, n_words: int, tag: str) -> str:
@@ -153,6 +154,11 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
             model=args.model,
         ))
         seconds = time.perf_counter() - t0
+        reasons: Counter[str] = Counter()
+        for metric in server.router.metrics.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    reasons[sample.labels["reason"]] += int(sample.value)
     prompt = sum(u["prompt"] for u in usages)
     cached = sum(u["cached"] for u in usages)
     counts = {u: per_worker.get(u, 0) for u in config.worker_urls}
@@ -162,7 +168,7 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
         computed_tokens=prompt - cached, cached_share=cached / prompt if prompt else 0.0,
         seconds=seconds, requests_per_s=len(usages) / seconds,
         prompt_tokens_per_s=prompt / seconds, per_worker=counts,
-        max_min_load=hi / lo if lo else float("inf"), errors=errors,
+        max_min_load=hi / lo if lo else float("inf"), errors=errors, reasons=dict(reasons),
     )
 
 
@@ -170,13 +176,14 @@ def format_table(results: Sequence[PolicyResult]) -> str:
     """A plain-text table, with computed tokens relative to cache_aware."""
     base = next((r.computed_tokens for r in results if r.policy == "cache_aware"), None)
     lines = [(f"{'policy':<12} {'reqs':>5} {'prompt':>8} {'computed':>9} {'vs CA':>6} "
-              f"{'cached':>7} {'req/s':>6} {'s':>6} {'max/min':>7}  per worker")]
+              f"{'cached':>7} {'req/s':>6} {'s':>6} {'max/min':>7}  per worker  decisions")]
     for r in results:
         rel = f"{r.computed_tokens / base:.2f}x" if base else "-"
         lines.append(
             f"{r.policy:<12} {r.requests:>5} {r.prompt_tokens:>8} {r.computed_tokens:>9} "
             f"{rel:>6} {r.cached_share:>7.1%} {r.requests_per_s:>6.2f} {r.seconds:>6.1f} "
-            f"{r.max_min_load:>7.2f}  {list(r.per_worker.values())}"
+            f"{r.max_min_load:>7.2f}  {list(r.per_worker.values())}  "
+            + " ".join(f"{k}={v}" for k, v in sorted(r.reasons.items()))
         )
     return "\n".join(lines)
 
@@ -207,7 +214,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=32)
     p.add_argument("--balance-rel-threshold", type=float, default=1.5)
-    p.add_argument("--balance-window", type=int, default=64)
+    p.add_argument("--balance-window", type=int, default=128)
     p.add_argument("--max-tree-size", type=int, default=2**18)
     p.add_argument("--chunk-bytes", type=int, default=64)
     p.add_argument("--eviction-interval", type=float, default=60.0)

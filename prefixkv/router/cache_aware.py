@@ -6,18 +6,18 @@ For each request, over the candidate workers (healthy, not yet tried):
    ``max > min * balance_rel_threshold``, SGLang's test), the least-loaded candidate.
 2. **cache_hit**: if the best match ratio exceeds ``cache_threshold``, the candidate with the
    longest match (ties: least in flight, fewest recent dispatches, smallest tree), unless
-   **share**: that worker and the candidate with the fewest recent dispatches (over the last
-   ``balance_window``) are more than a fair share (``window / workers``) and
-   ``balance_rel_threshold`` times apart; then the request (its session) moves to the latter.
-   At most one move per fair share of dispatches, and only on a gap of a whole fair share, so
-   the moves do not see-saw on the lag of the counts. This gives a worker that comes back (killed and restarted, or hung and
-   resumed) its share again even when every prompt matches elsewhere, and keeps workers that run
-   at different speeds from drifting apart; a moved session pays one prefill, then follows its
-   new tree.
-3. **least_load**: else (a new prefix) the candidate with the fewest recent dispatches, then
-   the fewest in flight, then the smallest tree. Sessions are long-lived, so placing a new one
-   by the instantaneous in-flight count alone (0-2 at a few dozen requests in flight) lets a
-   worker collect more sessions than the others; the recent count tracks the work it was given.
+   **share**: the candidate with the fewest dispatches among the last ``balance_window`` got
+   less than half its fair share (``window / workers``) while that worker got more than its
+   fair share; then the request (its session) moves to the former. At most one move per fair
+   share of dispatches, so each move shows in the counts before the next (no see-saw). This is
+   what gives a worker that comes back (killed and restarted, or hung and resumed) its share
+   again when every prompt matches elsewhere (a long shared system prompt); a moved session
+   pays one prefill, then follows its new tree.
+3. **least_load**: else (a new prefix) the candidate with the fewest requests in flight, then
+   the fewest recent dispatches, then the smallest tree. Sessions are long-lived: with ties
+   broken by tree size, a worker whose sessions happened to finish first collected the next
+   ones (max/min requests per worker up to 1.8); the recent count tracks the work a worker was
+   given.
 
 The chosen worker's tree then records the prompt. Trees are trimmed to their bound every
 ``eviction_interval`` seconds (checked on each ``select``; at once after each insert when 0).
@@ -63,7 +63,7 @@ class CacheAwarePolicy:
         cache_threshold: float = 0.5,
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.5,
-        balance_window: int = 64,
+        balance_window: int = 128,
         max_tree_size: int = 4096,
         eviction_interval: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
@@ -102,11 +102,11 @@ class CacheAwarePolicy:
         return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
 
     def share_imbalanced(self, hi: int, lo: int) -> bool:
-        """Recent dispatch counts ``hi`` and ``lo`` more than a fair share apart and more than
-        ``balance_rel_threshold`` times apart."""
+        """Whether a worker with ``hi`` recent dispatches should hand a session to one with
+        ``lo``: ``lo`` below half a fair share, ``hi`` above a fair share."""
         if not self._window.maxlen:
             return False
-        return hi - lo > self._fair_share and hi > lo * self.balance_rel_threshold
+        return lo < self._fair_share / 2 and hi > self._fair_share
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
         check_candidates(urls)
@@ -126,7 +126,7 @@ class CacheAwarePolicy:
                 url, reason = low, "share"
                 self._last_move = self._dispatches
         else:
-            url = min(urls, key=lambda u: (recent[u], load[u], self.trees[u].size))
+            url = min(urls, key=lambda u: (load[u], recent[u], self.trees[u].size))
             reason = "least_load"
         self._record(url, key)
         return Decision(url, reason, key.ratio(matched[url]))

@@ -44,7 +44,7 @@ def register(subparsers: Any) -> None:
                    help="loads are imbalanced when max - min exceeds this ...")
     p.add_argument("--balance-rel-threshold", type=float, default=1.5,
                    help="... and max exceeds min times this; then the least loaded worker wins")
-    p.add_argument("--balance-window", type=int, default=64,
+    p.add_argument("--balance-window", type=int, default=128,
                    help="recent dispatches counted for the share test (0: off)")
     p.add_argument("--max-tree-size", type=int, default=2**18,
                    help="prompt bytes each worker's approximate tree is trimmed to")

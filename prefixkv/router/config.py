@@ -25,7 +25,7 @@ class RouterConfig:
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
-    balance_window: int = 64
+    balance_window: int = 128
     max_tree_size: int = 2**18
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     eviction_interval: float = 60.0

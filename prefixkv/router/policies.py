@@ -139,7 +139,7 @@ def make_policy(
     cache_threshold: float = 0.5,
     balance_abs_threshold: int = 32,
     balance_rel_threshold: float = 1.5,
-    balance_window: int = 64,
+    balance_window: int = 128,
     max_tree_size: int = 4096,
     eviction_interval: float = 60.0,
     rng: random.Random | None = None,

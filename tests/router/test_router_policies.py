@@ -58,15 +58,17 @@ def test_cache_aware_follows_the_prefix() -> None:
     assert again.match_ratio is not None and 0.8 < again.match_ratio < 1.0
 
 
-def test_new_prefixes_go_to_the_fewest_recent_then_least_loaded_then_smallest_tree() -> None:
+def test_new_prefixes_go_to_the_least_loaded_then_fewest_recent_then_smallest_tree() -> None:
     p = cache_aware(cache_threshold=0.5)
     assert p.select(URLS, IDLE, key("aaaa" * 30)).url == "http://a"  # all equal: first
     d = p.select(URLS, IDLE, key("zz" * 100))  # a got one recently: b
     assert d.reason == "least_load" and d.url == "http://b"
-    d = p.select(URLS, {"http://a": 0, "http://b": 0, "http://c": 2}, key("yy" * 10))
-    assert d.url == "http://c"  # fewest recent wins over in flight within the thresholds
-    d = p.select(URLS, {"http://a": 1, "http://b": 0, "http://c": 0}, key("ww" * 10))
-    assert d.url == "http://c"  # recent all 1: least in flight, then the smaller tree (c < b)
+    d = p.select(URLS, {"http://a": 1, "http://b": 1, "http://c": 0}, key("yy" * 10))
+    assert d.url == "http://c"  # least in flight first
+    d = p.select(URLS, IDLE, key("ww" * 10))
+    assert d.url == "http://c"  # recent all 1: the smallest tree (c's 3 chunks)
+    d = p.select(URLS, IDLE, key("vv" * 10))
+    assert d.url == "http://a"  # a and b have 1 recent, c 2: a's tree (15) < b's (25)
     half = key("aaaa" * 30 + "q" * 120)  # matches a at exactly 0.5: not above the threshold
     assert p.select(URLS, IDLE, half).reason == "least_load"
 
@@ -88,7 +90,7 @@ def test_balance_needs_both_thresholds() -> None:
 
 
 def test_a_worker_that_comes_back_gets_its_share_although_every_prompt_matches_elsewhere() -> None:
-    p = cache_aware(balance_window=64)
+    p = cache_aware(balance_window=60)
     history = [f"session {i} " * 12 for i in range(6)]  # each turn extends its session
 
     def turn(candidates: list[str], t: int):
@@ -104,16 +106,18 @@ def test_a_worker_that_comes_back_gets_its_share_although_every_prompt_matches_e
     assert got[6].url == "http://b" and got[6].reason == "cache_hit"  # the moved session stays
     later = got[-60:]
     counts = {u: sum(d.url == u for d in later) for u in URLS}
-    assert counts == {u: 20 for u in URLS}  # settled: two sessions each, no see-saw
+    assert min(counts.values()) >= 10  # nobody below half a fair share (60 / 3 / 2)
+    assert counts["http://b"] >= 20  # b took back a full share of the sessions
+    assert not any(d.reason == "share" for d in later)  # settled: no see-saw
     assert sum(d.reason == "share" for d in got) <= 3
 
 
-def test_share_test_needs_a_fair_share_and_the_ratio() -> None:
-    p = cache_aware(balance_window=60, balance_rel_threshold=1.5)  # fair share: 60 / 3 = 20
+def test_share_test_needs_a_starved_worker_and_one_above_its_share() -> None:
+    p = cache_aware(balance_window=60)  # fair share: 60 / 3 = 20
     assert not p.share_imbalanced(20, 20)
-    assert not p.share_imbalanced(30, 10)  # gap 20
-    assert p.share_imbalanced(31, 10)  # gap 21 and 31 > 15
-    assert not p.share_imbalanced(70, 49)  # gap 21 but 70 < 73.5
+    assert not p.share_imbalanced(30, 10)  # 10 is half a fair share: not starved
+    assert p.share_imbalanced(30, 9)
+    assert not p.share_imbalanced(20, 0)  # the busiest is not above its share
     assert not cache_aware(balance_window=0).share_imbalanced(50, 0)
 
 
