@@ -216,7 +216,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-rel-threshold", type=float, default=1.5)
     p.add_argument("--balance-window", type=int, default=128)
     p.add_argument("--max-tree-size", type=int, default=2**18)
-    p.add_argument("--chunk-bytes", type=int, default=64)
+    p.add_argument("--chunk-bytes", type=int, default=16)
     p.add_argument("--eviction-interval", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")

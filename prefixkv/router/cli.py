@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
                    help="recent dispatches counted for the share test (0: off)")
     p.add_argument("--max-tree-size", type=int, default=2**18,
                    help="prompt bytes each worker's approximate tree is trimmed to")
-    p.add_argument("--chunk-bytes", type=int, default=64,
+    p.add_argument("--chunk-bytes", type=int, default=16,
                    help="prompt bytes per route-key chunk (routing granularity)")
     p.add_argument("--eviction-interval", type=float, default=60.0,
                    help="seconds between tree trims (0: trim after every insert)")

@@ -6,15 +6,15 @@ UTF-8 bytes of a string prompt, or of a chat rendered ``role\\x1fcontent\\x1e`` 
 stable rendering: turn ``t + 1``'s text extends turn ``t``'s, which is all prefix matching needs).
 The bytes are cut into pieces at fixed offsets from the start and each piece is hashed to a
 32-bit int (xxh32); the key is that sequence of chunk hashes. The pieces follow one schedule for
-every prompt: ``LEVEL`` (64) pieces of ``chunk_bytes`` (64), then 64 of twice that, then 64 of
-four times that, and so on. A match is thus measured to within 1/32 of the matched length, and a
-prompt of ``L`` bytes has about ``64 * log2(L / 4096 + 1)`` chunks: 144 for 16 KB, 260 for 64 KB,
-513 for 1 MB, instead of one element per byte. Two prompts share a key prefix exactly when they
-share their leading full chunks (the trailing partial chunk is a key element too, so a prompt
-extended by one byte matches all of it but that last piece). Prompts given as token ids follow
-the same schedule with ``chunk_bytes // 4`` ids as the base piece, in a separate namespace. The
-namespace also carries the model name and ``cache_salt``, since a worker never shares cache
-entries across them.
+every prompt: ``LEVEL`` (32) pieces of ``chunk_bytes`` (16), then 32 of twice that, then 32 of
+four times that, and so on. A match is thus measured to within 16 bytes on the first 512 and to
+within 1/16 of the matched length beyond, and a prompt of ``L`` bytes has about
+``32 * log2(L / 512 + 1)`` chunks: 161 for 16 KB, 225 for 64 KB, 353 for 1 MB, instead of one
+element per byte. Two prompts share a key prefix exactly when they share their leading full
+chunks (the trailing partial chunk is a key element too, so a prompt extended by one byte
+matches all of it but that last piece). Prompts given as token ids follow the same schedule with
+``chunk_bytes // 4`` ids as the base piece, in a separate namespace. The namespace also carries
+the model name and ``cache_salt``, since a worker never shares cache entries across them.
 
 ``RouteKey.size`` is the prompt's length in key units (bytes, or token ids) and ``unit`` the base
 piece: a match of ``m`` chunks covers ``min(chunk_offset(m, unit), size)`` units.
@@ -33,8 +33,8 @@ import xxhash
 __all__ = ["DEFAULT_CHUNK_BYTES", "LEVEL", "RouteKey", "chat_key", "chunk_offset",
            "completion_key", "render_messages", "text_key"]
 
-DEFAULT_CHUNK_BYTES = 64
-LEVEL = 64
+DEFAULT_CHUNK_BYTES = 16
+LEVEL = 32
 _ROLE_END = "\x1f"
 _MESSAGE_END = "\x1e"
 _hash = xxhash.xxh32_intdigest

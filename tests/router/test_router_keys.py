@@ -15,22 +15,21 @@ def chat(*contents: str, model: str = "m") -> dict:
 def test_next_turn_extends_previous_turn_in_full_chunks() -> None:
     k1 = chat_key(chat("sys " * 40, "hello"))
     k2 = chat_key(chat("sys " * 40, "hello", "hi!", "how are you"))
-    full = k1.size // k1.unit
+    full = len(k1) - 1  # all but the trailing partial chunk
     assert len(k2) > len(k1) and k2.chunks[:full] == k1.chunks[:full]
     assert k1.namespace == k2.namespace
 
 
 def test_text_is_chunked_not_per_byte() -> None:
-    # 64 chunks of 64 bytes (4 KB), then 64 of 128 (8 KB), then 256-byte chunks
-    assert [chunk_offset(i, 64) for i in (0, 1, 64, 65, 128, 129)] == [0, 64, 4096, 4224,
-                                                                       12288, 12544]
-    key = text_key("x" * 16_384, None, 64)
-    assert len(key) == 64 + 64 + 16 and key.size == 16_384 and key.unit == 64
-    assert len(text_key("x" * (1 << 20), None, 64)) < 520  # a few hundred, not a million
+    # 32 chunks of 16 bytes (512), then 32 of 32 (1 KB), then 64-byte chunks
+    assert [chunk_offset(i, 16) for i in (0, 1, 32, 33, 64, 65)] == [0, 16, 512, 544, 1536, 1600]
+    key = text_key("x" * 16_384, None, 16)
+    assert len(key) == 161 and key.size == 16_384 and key.unit == 16
+    assert len(text_key("x" * (1 << 20), None, 16)) < 360  # a few hundred, not a million
     assert all(0 <= c < 2**32 for c in key.chunks)
-    assert len(text_key("x" * 65, None, 64)) == 2  # the trailing partial chunk counts too
-    assert key.covered(3) == 192 and key.covered(10**6) == 16_384
-    assert key.ratio(128) == 0.75 and RouteKey("n", ()).ratio(0) == 0.0
+    assert len(text_key("x" * 17, None, 16)) == 2  # the trailing partial chunk counts too
+    assert key.covered(3) == 48 and key.covered(10**6) == 16_384
+    assert key.ratio(32) == 512 / 16_384 and RouteKey("n", ()).ratio(0) == 0.0
 
 
 def test_content_parts_render_like_plain_text() -> None:
@@ -45,7 +44,7 @@ def test_completion_keys_and_namespaces() -> None:
     assert text.size == len("héllo".encode()) and len(text) == 1
     assert completion_key({"model": "m", "prompt": ["héllo", "x"]}) == text
     ids = completion_key({"model": "m", "prompt": list(range(40))}, 64)
-    assert ids.size == 40 and ids.unit == 16 and len(ids) == 3
+    assert ids.size == 40 and ids.unit == 16 and len(ids) == 3  # 16 ids per chunk, then 2 more
     assert ids.namespace != text.namespace
     assert completion_key({"model": "m", "prompt": 3}).chunks == ()
     assert completion_key({"model": "n", "prompt": "héllo"}).namespace != text.namespace

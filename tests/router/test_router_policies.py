@@ -132,17 +132,17 @@ def test_cache_aware_records_the_choice_in_the_chosen_tree_only() -> None:
 
 def test_trees_survive_health_changes_and_follow_worker_stats() -> None:
     p = cache_aware(max_tree_size=1000)
-    k = key("x" * 400)  # 50 chunks
+    k = key("x" * 400)  # 32 chunks of 8 bytes, then 9 of 16: 41
     p.select(["http://a"], IDLE, k)
     p.on_worker_health("http://a", False)
     p.on_worker_health("http://a", True)
-    assert p.trees["http://a"].match(k) == 50  # one dropped connection empties nothing
+    assert p.trees["http://a"].match(k) == 41  # one dropped connection empties nothing
     stats = WorkerCacheStats(capacity_tokens=200, cached_blocks=5, prompt_tokens=100)
     p.on_worker_stats("http://a", stats, in_flight=0)  # the baseline
     p.select(["http://a"], IDLE, key("y" * 400))
     p.on_worker_stats("http://a", WorkerCacheStats(200, 5, 1100), in_flight=0)
-    # 50 chunks per 1000 tokens: a 200-token cache holds about 10 chunks
-    assert p.trees["http://a"].max_size == 10 and p.trees["http://a"].size == 10
+    # 41 chunks per 1000 tokens: a 200-token cache holds about 8 chunks
+    assert p.trees["http://a"].max_size == 8 and p.trees["http://a"].size == 8
     p.on_worker_stats("http://a", WorkerCacheStats(200, 5, 20), in_flight=1)  # restarted
     assert p.trees["http://a"].size == 0
     p.select(["http://a"], IDLE, k)

@@ -87,8 +87,9 @@ def test_trees_follow_the_workers_real_cache(router: RouterServer) -> None:
         states = httpx.get(f"{router.url}/workers").json()["workers"]
         return next(w for w in states if w["url"] == worker)
 
-    capacity = 256 * 16 // 64  # --num-kv-blocks * --block-size (byte) tokens, in 64-byte chunks
-    wait_for(lambda: view()["tree_bound"] <= capacity * 1.1, "tree never bounded by capacity")
+    # --num-kv-blocks * --block-size (byte) tokens, in chunks of at least 16 bytes
+    capacity = 256 * 16 // 16
+    wait_for(lambda: view()["tree_bound"] <= capacity, "tree never bounded by capacity")
     assert view()["tree_size"] > 0
     assert httpx.post(f"{worker}/v1/cache/reset").status_code == 200
     wait_for(lambda: view()["tree_size"] == 0, "tree not emptied after the worker's reset")
@@ -285,7 +286,9 @@ def test_client_disconnects_abort_the_workers_requests(
     t0 = time.monotonic()
     wait_for(lambda: sum(busy(u) for u in workers.urls) == 0, "workers still run cut requests",
              timeout=10)
-    assert time.monotonic() - t0 < 5  # within a second or two (each worker polls its clients)
+    took = time.monotonic() - t0
+    assert took < 5  # within a second or two (each worker polls its clients)
+    print(f"disconnects: 6 cut streams + 3 abandoned requests, workers idle after {took:.2f} s")
     ports = {router.port} | {int(u.rsplit(":", 1)[1]) for u in workers.urls}
     wait_for(lambda: close_wait(ports) == 0, "CLOSE-WAIT sockets left", timeout=5)
     assert sum(w["in_flight"] for w in httpx.get(f"{router.url}/workers").json()["workers"]) == 0
