@@ -7,8 +7,8 @@ For each request, over the candidate workers (healthy, not yet tried):
 2. **cache_hit**: if the best match ratio exceeds ``cache_threshold``, the candidate with the
    longest match (ties: least in flight, fewest recent dispatches, smallest tree), unless
    **share**: the candidate with the fewest dispatches among the last ``balance_window`` got
-   less than half its fair share (``window / workers``) while that worker got more than its
-   fair share; then the request (its session) moves to the former. At most one move per fair
+   less than a quarter of its fair share (``window / workers``) while that worker got more than
+   its fair share; then the request (its session) moves to the former. At most one move per fair
    share of dispatches, so each move shows in the counts before the next (no see-saw). This is
    what gives a worker that comes back (killed and restarted, or hung and resumed) its share
    again when every prompt matches elsewhere (a long shared system prompt); a moved session
@@ -103,10 +103,10 @@ class CacheAwarePolicy:
 
     def share_imbalanced(self, hi: int, lo: int) -> bool:
         """Whether a worker with ``hi`` recent dispatches should hand a session to one with
-        ``lo``: ``lo`` below half a fair share, ``hi`` above a fair share."""
+        ``lo``: ``lo`` below a quarter of a fair share, ``hi`` above a fair share."""
         if not self._window.maxlen:
             return False
-        return lo < self._fair_share / 2 and hi > self._fair_share
+        return lo < self._fair_share / 4 and hi > self._fair_share
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
         check_candidates(urls)

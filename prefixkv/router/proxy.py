@@ -207,7 +207,8 @@ class Router:
             request = self.client.build_request("POST", url + path, content=raw, headers=fwd)
             relayed = False  # once True, _relay owns resp and the in-flight count
             try:
-                resp = await self._until_gone(url, self.client.send(request, stream=True))
+                # a plain request is sent and read in one step (the body read included)
+                resp = await self._until_gone(url, self.client.send(request, stream=stream))
                 retry = _worker_caused(resp)
                 if stream and not retry:
                     relayed = True
@@ -217,10 +218,12 @@ class Router:
                         media_type=resp.headers.get("content-type"),
                         headers=_answer_headers(resp, url),
                     )
-                try:
-                    content = await self._until_gone(url, resp.aread())
-                finally:
-                    await resp.aclose()
+                if stream:
+                    try:
+                        await self._until_gone(url, resp.aread())
+                    finally:
+                        await resp.aclose()
+                content = resp.content
             except httpx.TransportError as exc:
                 self._dispatch_failed(url, "connect", f"{type(exc).__name__}: {exc}")
                 continue
