@@ -17,7 +17,8 @@ matches all of it but that last piece). Prompts given as token ids follow the sa
 the model name and ``cache_salt``, since a worker never shares cache entries across them.
 
 ``RouteKey.size`` is the prompt's length in key units (bytes, or token ids) and ``unit`` the base
-piece: a match of ``m`` chunks covers ``min(chunk_offset(m, unit), size)`` units.
+piece: a match of ``m`` chunks covers ``chunk_offset(m, unit)`` units, plus half of chunk ``m``
+when the match stops inside the prompt (see :meth:`RouteKey.covered`).
 """
 
 from __future__ import annotations
@@ -54,8 +55,17 @@ class RouteKey:
         return len(self.chunks)
 
     def covered(self, matched_chunks: int) -> int:
-        """Key units covered by the first ``matched_chunks`` chunks."""
-        return min(chunk_offset(matched_chunks, self.unit), self.size)
+        """Key units the first ``matched_chunks`` chunks are estimated to cover.
+
+        A match that stops inside the prompt is credited with half of the next chunk: the
+        expected overlap of a prompt that diverges somewhere inside it (a session's previous
+        turn ends there). Without that credit a second turn's ratio would fall short of an
+        exact byte match by up to a chunk, enough to cross a 0.5 threshold.
+        """
+        start = chunk_offset(matched_chunks, self.unit)
+        if 0 < matched_chunks < len(self.chunks):
+            start += (chunk_offset(matched_chunks + 1, self.unit) - start) // 2
+        return min(start, self.size)
 
     def ratio(self, matched_chunks: int) -> float:
         """Share of the prompt covered by ``matched_chunks`` leading chunks (0.0 if empty)."""

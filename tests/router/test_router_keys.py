@@ -28,8 +28,10 @@ def test_text_is_chunked_not_per_byte() -> None:
     assert len(text_key("x" * (1 << 20), None, 16)) < 360  # a few hundred, not a million
     assert all(0 <= c < 2**32 for c in key.chunks)
     assert len(text_key("x" * 17, None, 16)) == 2  # the trailing partial chunk counts too
-    assert key.covered(3) == 48 and key.covered(10**6) == 16_384
-    assert key.ratio(32) == 512 / 16_384 and RouteKey("n", ()).ratio(0) == 0.0
+    # a match stopping inside the prompt is credited with half the next chunk
+    assert key.covered(3) == 48 + 8 and key.covered(32) == 512 + 16
+    assert key.covered(0) == 0 and key.covered(161) == key.covered(10**6) == 16_384
+    assert key.ratio(32) == 528 / 16_384 and RouteKey("n", ()).ratio(0) == 0.0
 
 
 def test_content_parts_render_like_plain_text() -> None:

@@ -69,7 +69,7 @@ def test_new_prefixes_go_to_the_least_loaded_then_fewest_recent_then_smallest_tr
     assert d.url == "http://c"  # recent all 1: the smallest tree (c's 3 chunks)
     d = p.select(URLS, IDLE, key("vv" * 10))
     assert d.url == "http://a"  # a and b have 1 recent, c 2: a's tree (15) < b's (25)
-    half = key("aaaa" * 30 + "q" * 120)  # matches a at exactly 0.5: not above the threshold
+    half = key("aaaa" * 30 + "q" * 128)  # a: 15 chunks + half of one = 124 of 248 bytes
     assert p.select(URLS, IDLE, half).reason == "least_load"
 
 
