@@ -71,12 +71,14 @@ class LocalWorkers:
             self.procs.append(self._spawn(len(self._commands) - 1))
 
     def _spawn(self, i: int) -> subprocess.Popen[bytes]:
+        # preexec_fn is set only with die_with_parent, used by the CLI before any thread starts
         if self._log_dir is None:
             return subprocess.Popen(self._commands[i], stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.STDOUT, preexec_fn=self._preexec)
+                                    stderr=subprocess.STDOUT,
+                                    preexec_fn=self._preexec)  # noqa: PLW1509
         with open(os.path.join(self._log_dir, f"worker{i}.log"), "ab") as log:
             return subprocess.Popen(self._commands[i], stdout=log, stderr=subprocess.STDOUT,
-                                    preexec_fn=self._preexec)
+                                    preexec_fn=self._preexec)  # noqa: PLW1509
 
     def restart(self, i: int) -> None:
         """Start worker ``i`` again (same command and port) after it died or was killed."""

@@ -127,7 +127,7 @@ def test_one_dropped_connection_fails_over_and_keeps_the_worker(pair) -> None:
 
 
 def test_repeated_failures_open_the_breaker_and_a_probe_closes_it(pair) -> None:
-    a, b, server = pair
+    a, _b, server = pair
     a.script = ["500"] * 3
     for _ in range(6):
         assert post(server).status_code == 200
@@ -142,7 +142,7 @@ def test_repeated_failures_open_the_breaker_and_a_probe_closes_it(pair) -> None:
 
 
 def test_a_dead_worker_leaves_at_once_through_the_immediate_probe(pair) -> None:
-    a, b, server = pair
+    a, _b, server = pair
     a.shutdown()
     a.server_close()  # new connections are refused, the open one drops: a dead process
     a.script = ["drop"] * 10
