@@ -207,3 +207,47 @@ def test_launch_stops_its_workers_on_sigterm_and_sighup(sig: signal.Signals) -> 
         for p in workers:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_a_request_that_breaks_real_workers_is_tried_on_one_worker_only() -> None:
+    """Issue 9 defect 1 end to end: a request that makes the engine raise (injected through
+    the engine's fault hook) is answered 500 request-caused by one real worker, not walked
+    through the fleet; both workers keep serving."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
+    from server_live import start_server
+
+    from prefixkv.engine import AsyncEngine
+
+    engines = [AsyncEngine.from_args(None, block_size=16, num_kv_blocks=64) for _ in range(2)]
+    tried: list[int] = []
+
+    def hook_for(i: int):  # type: ignore[no-untyped-def]
+        def hook(phase: str, seqs: object) -> None:
+            if phase == "model" and any(7 in s.token_ids for s in seqs):  # type: ignore[attr-defined]
+                tried.append(i)
+                raise RuntimeError("poisoned")
+        return hook
+
+    lives = []
+    try:
+        for i, eng in enumerate(engines):
+            eng.engine.fault_hook = hook_for(i)
+            lives.append(start_server(eng))
+        config = RouterConfig(worker_urls=tuple(w.url for w in lives), policy="round_robin",
+                              health_check_interval=1.0, health_check_timeout=2.0)
+        with RouterServer(config) as server:
+            r = httpx.post(f"{server.url}/v1/completions",
+                           json={"prompt": [5, 6, 7, 8], "max_tokens": 2}, timeout=60)
+            assert r.status_code == 500 and r.headers["x-prefixkv-error-cause"] == "request"
+            assert r.json()["error"]["code"] == "request_failed"
+            assert len(set(tried)) == 1  # one worker saw it: no retry elsewhere
+            for _ in range(2):
+                ok = httpx.post(f"{server.url}/v1/completions",
+                                json={"prompt": [5, 6, 9], "max_tokens": 2}, timeout=60)
+                assert ok.status_code == 200, ok.text
+            assert all(e.is_running for e in engines)
+    finally:
+        for live in lives:
+            live.stop()
+        for eng in engines:
+            eng.shutdown()
