@@ -245,6 +245,19 @@ class KVManager:
         self.pool.free(freed)
         return len(freed)
 
+    def spill(self, num_blocks: int | None = None) -> int:
+        """Evict up to ``num_blocks`` (default: all) unlocked, unpinned cached blocks from the
+        pool, through the normal eviction path (so they move to the host tier if there is
+        one); returns how many went back to the free list."""
+        if self.cache is None:
+            return 0
+        before = self.cache.num_cached_blocks
+        n = self.cache.num_evictable_blocks if num_blocks is None else num_blocks
+        ids = self._allocate(self.pool.num_free + min(n, self.cache.num_evictable_blocks))
+        if ids is not None:
+            self.pool.free(ids)
+        return before - self.cache.num_cached_blocks
+
     def tier_stats(self) -> list[TierStats] | None:
         """Per-tier counters, the pool first (``None`` without lower tiers)."""
         if self.tiers is None:
