@@ -37,7 +37,10 @@ class RemoteTier:
         self, url: str, layout: str, nbytes: int, *, timeout: float = 0.5,
         retry_after: float = 5.0, clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        import redis
+        try:
+            import redis
+        except ImportError as exc:
+            raise ValueError("kv_remote needs the redis client: pip install 'prefixkv[remote]'") from exc
 
         if url.startswith("valkey://"):
             url = "redis://" + url[len("valkey://"):]
