@@ -10,6 +10,7 @@ key lives in which slot is the host tier's bookkeeping (``prefixkv.tiers.host``)
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -53,34 +54,45 @@ class KVTransfer:
 
     def to_host(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copy pool blocks into arena slots (one each, same order)."""
+        kv = self.pool.kv
         with torch.inference_mode():
-            ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.pool.kv.device)
-            blocks = self.pool.kv.index_select(2, ids).movedim(2, 0)
-            self.host[torch.tensor(list(slots), dtype=torch.long)] = blocks.to("cpu")
+            for b, s in zip(block_ids, slots):  # per-block strided copies beat a gather here
+                self.host[s].copy_(kv[:, :, b], non_blocking=True)
+            _sync(kv.device)
 
     def from_host(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy arena slots into pool blocks (one each, same order)."""
+        kv = self.pool.kv
         with torch.inference_mode():
-            data = self.host[torch.tensor(list(slots), dtype=torch.long)]
-            data = data.to(self.pool.kv.device, non_blocking=True).movedim(0, 2)
-            ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.pool.kv.device)
-            self.pool.kv.index_copy_(2, ids, data)
+            for s, b in zip(slots, block_ids):
+                kv[:, :, b].copy_(self.host[s], non_blocking=True)
+            _sync(kv.device)
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         """Each pool block's raw bytes (C order of ``[2, layers, block_size, heads, dim]``)."""
+        kv = self.pool.kv
         with torch.inference_mode():
-            ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.pool.kv.device)
-            blocks = self.pool.kv.index_select(2, ids).movedim(2, 0).contiguous().cpu()
-            raw = blocks.view(torch.uint8).reshape(len(block_ids), -1).numpy()
+            out = torch.empty((len(block_ids), *self._shape), dtype=kv.dtype,
+                              pin_memory=kv.device.type == "cuda")
+            for i, b in enumerate(block_ids):
+                out[i].copy_(kv[:, :, b], non_blocking=True)
+            _sync(kv.device)
+            raw = out.view(torch.uint8).reshape(len(block_ids), -1).numpy()
             return [row.tobytes() for row in raw]
 
     def write_block(self, block_id: int, data: bytes) -> None:
-        """Overwrite one pool block with bytes from :meth:`read_blocks`."""
+        """Overwrite one pool block with bytes from :meth:`read_blocks` (``data`` is only read)."""
         if len(data) != self.block_nbytes:
             raise ValueError(f"block data is {len(data)} bytes, expected {self.block_nbytes}")
-        with torch.inference_mode():
-            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self._dtype)
-            self.pool.kv[:, :, block_id] = t.reshape(self._shape).to(self.pool.kv.device)
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: never written
+            t = torch.frombuffer(data, dtype=torch.uint8).view(self._dtype).reshape(self._shape)
+            self.pool.kv[:, :, block_id].copy_(t)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
