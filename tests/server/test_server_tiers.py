@@ -43,6 +43,9 @@ def test_host_tier_hits_are_cached_tokens_and_visible() -> None:
             assert set(tiers) == {"pool", "host"}
             assert tiers["host"]["hits"] > 0 and tiers["host"]["stored_blocks"] > 0
             assert tiers["host"]["capacity_blocks"] == (4 << 20) // 65536
+            metrics = http.get("/metrics").text
+            assert 'prefixkv:kv_tier_hits_total{model_name="prefixkv-demo",tier="host"}' in metrics
+            assert 'prefixkv:kv_tier_occupancy_blocks{model_name="prefixkv-demo",tier="pool"}' in metrics
     finally:
         live.stop()
         engine.shutdown()
