@@ -22,6 +22,7 @@ and they enter the index exactly as if they had been computed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,8 @@ from prefixkv.tiers.store import TieredStore
 
 if TYPE_CHECKING:
     from prefixkv.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 CopyRows = Callable[[int, int, int], None]
 """``copy_rows(src_block, dst_block, num_rows)``: copy the first rows of a KV block."""
@@ -76,7 +79,7 @@ class KVManager:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def admit(self, seq: Sequence, max_new_tokens: int) -> int | None:
+    def admit(self, seq: Sequence, max_new_tokens: int, *, use_tiers: bool = True) -> int | None:
         """Give a waiting sequence its cached prefix and the blocks for its first chunk.
 
         Matches ``token_ids[:-1]`` (so at least one token is computed), locks the match, then
@@ -98,7 +101,7 @@ class KVManager:
             matched = list(match.matched_kv_blocks)
             cached, partial = match.match_length, match.partial_tokens
         hits = []
-        if self.tiers is not None:
+        if self.tiers is not None and use_tiers:
             num_full = (len(tokens) - 1) // bs
             if num_full > len(matched):
                 chain = self._chain(seq, num_full)
@@ -117,7 +120,16 @@ class KVManager:
                 self.cache.unlock(match)  # type: ignore[union-attr]
             return None
         if hits:
-            self.tiers.load(hits, ids[: len(hits)])  # type: ignore[union-attr]
+            try:
+                self.tiers.load(hits, ids[: len(hits)])  # type: ignore[union-attr]
+            except Exception:  # a lower tier is a cache: recompute instead of failing
+                logger.warning("loading %d blocks from lower tiers failed; recomputing",
+                               len(hits), exc_info=True)
+                self.tiers.cancel(hits)  # type: ignore[union-attr]
+                self.pool.free(ids)
+                if match is not None and match.lock is not None:
+                    self.cache.unlock(match)  # type: ignore[union-attr]
+                return self.admit(seq, max_new_tokens, use_tiers=False)
         elif partial:
             # ids[0] covers the block after the match; the source stays locked by the match.
             self._copy_rows(match.partial_block_id, ids[0], partial)  # type: ignore[union-attr, arg-type]

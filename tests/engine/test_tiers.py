@@ -186,3 +186,19 @@ def test_bad_tier_arguments(make_llm: Any) -> None:
 
 def test_no_tiers_reports_none(make_llm: Any) -> None:
     assert make_llm().get_stats().tiers is None
+
+
+def test_failed_tier_load_recomputes(make_llm: Any, helpers: Any, reference: list[list[int]],
+                                     monkeypatch: Any) -> None:
+    """A load that raises (fault injected into the copy) costs a recompute, not the request."""
+    llm = make_llm(kv_offload_size=256)
+    run(llm, helpers, reference)
+    llm.engine.kv.spill()
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(llm.engine.kv.tiers.transfer, "from_host", broken)
+    cached = run(llm, helpers, reference)
+    assert tier(llm, "host").hits == 0
+    assert max(cached) > 0  # later prompts still hit the blocks recomputed by earlier ones
