@@ -32,6 +32,11 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._slots
 
+    @property
+    def num_held(self) -> int:
+        """Keys held by requests loading them (0 whenever no admission is under way)."""
+        return len(self._held)
+
     def reserve(self, key: bytes) -> int | None:
         """A slot for ``key`` (the caller fills it now); ``None`` if ``key`` is stored already
         or every slot is held. May evict the least recently used unheld key."""

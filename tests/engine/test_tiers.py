@@ -40,6 +40,9 @@ def run(llm: LLM, helpers: Any, reference: list[list[int]]) -> list[int]:
     outs = llm.generate(workload(helpers), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
     helpers.assert_no_leak(llm)
+    host = llm.engine.kv.tiers.host
+    if host is not None:  # no slot stays held; the LRU keeps to its capacity
+        assert host.num_held == 0 and len(host) <= host.capacity
     return [o.num_cached_tokens for o in outs]
 
 
