@@ -103,8 +103,8 @@ class KVManager:
         hits = []
         if self.tiers is not None and use_tiers:
             num_full = (len(tokens) - 1) // bs
-            if num_full > len(matched):
-                chain = self._chain(seq, num_full)
+            chain = self._chain(seq, num_full) if num_full > len(matched) else []
+            if chain:
                 hits = self.tiers.lookup(chain[len(matched) : num_full])
             if hits:
                 partial = 0  # whole blocks from below supersede the copied rows
@@ -162,7 +162,10 @@ class KVManager:
         assert self.tiers is not None
         chain = self._chains.setdefault(seq.seq_id, [])
         if len(chain) < num_blocks:
-            self.tiers.keyer.extend(chain, seq.token_ids, num_blocks, seq.request.namespace)
+            try:
+                self.tiers.keyer.extend(chain, seq.token_ids, num_blocks, seq.request.namespace)
+            except ValueError:  # a namespace with no stable serialisation: pool only
+                return []
         return chain
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -207,9 +210,10 @@ class KVManager:
         seq.num_indexed_blocks = len(node.kv_block_ids)
         if self.tiers is not None and seq.num_indexed_blocks > first:
             chain = self._chain(seq, seq.num_indexed_blocks)
-            pairs = [(table[i], chain[i]) for i in range(first, seq.num_indexed_blocks)]
-            self._keys.update(pairs)
-            self.tiers.publish(pairs)
+            if chain:
+                pairs = [(table[i], chain[i]) for i in range(first, seq.num_indexed_blocks)]
+                self._keys.update(pairs)
+                self.tiers.publish(pairs)
         if old is not None:
             self.cache.unlock(old)
         self.pool.free(duplicates)

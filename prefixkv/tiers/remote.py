@@ -152,6 +152,8 @@ class RemoteTier:
         with self._lock:
             was_up = self._clock() >= self._down_until
             self._down_until = self._clock() + self.retry_after
+            if was_up:  # a server that went down may come back empty: publish again
+                self._known.clear()
         if was_up:
             logger.warning("remote KV tier %s unavailable (%s); recomputing for %.1f s",
                            self.url, exc, self.retry_after)

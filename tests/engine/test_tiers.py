@@ -205,3 +205,14 @@ def test_failed_tier_load_recomputes(make_llm: Any, helpers: Any, reference: lis
     cached = run(llm, helpers, reference)
     assert tier(llm, "host").hits == 0
     assert max(cached) > 0  # later prompts still hit the blocks recomputed by earlier ones
+
+
+def test_unserialisable_namespace_uses_the_pool_only(make_llm: Any, helpers: Any) -> None:
+    llm = make_llm(kv_offload_size=64)
+    prompt = helpers.tokens(46, 100)
+    first = llm.generate([prompt], GREEDY, lora_id=1.5)[0]  # a float has no stable tier key
+    llm.engine.kv.spill()
+    again = llm.generate([prompt], GREEDY, lora_id=1.5)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 0 and tier(llm, "host").stored_blocks == 0
+    helpers.assert_no_leak(llm)
