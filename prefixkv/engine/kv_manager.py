@@ -118,7 +118,8 @@ class KVManager:
                 self._chains.pop(seq.seq_id, None)
             if match is not None and match.lock is not None:
                 self.cache.unlock(match)  # type: ignore[union-attr]
-            return None
+            # loaded blocks all need room now; a chunked prefill may still fit without them
+            return self.admit(seq, max_new_tokens, use_tiers=False) if hits else None
         if hits:
             try:
                 self.tiers.load(hits, ids[: len(hits)])  # type: ignore[union-attr]
