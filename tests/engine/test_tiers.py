@@ -216,3 +216,38 @@ def test_unserialisable_namespace_uses_the_pool_only(make_llm: Any, helpers: Any
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert again.num_cached_tokens == 0 and tier(llm, "host").stored_blocks == 0
     helpers.assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_randomized_ops_keep_outputs_and_accounting(
+    seed: int, make_llm: Any, demo_model: Any, helpers: Any, tmp_path: Path
+) -> None:
+    """Random batches over a few shared prefixes, random spills and resets, a tiny pool, a
+    tiny host tier and a disk tier: outputs equal the no-cache reference every time, every
+    pool block is free or cached once idle, no host slot stays held, tiers keep capacity."""
+    import random
+
+    rng = random.Random(seed)
+    bases = [helpers.tokens(200 + i, 24 + 16 * i) for i in range(3)]
+    prompts = [rng.choice(bases) + helpers.tokens(300 + j, rng.randrange(1, 20)) for j in range(12)]
+    ref_llm = LLM(demo_model, enable_prefix_caching=False, num_kv_blocks=256)
+    ref = {j: o.outputs[0].token_ids for j, o in enumerate(ref_llm.generate(prompts, GREEDY))}
+    llm = make_llm(index=rng.choice(["radix", "hash"]), block_size=rng.choice([4, 16]),
+                   num_kv_blocks=40, kv_offload_size=6, kv_disk_dir=tmp_path, kv_disk_size=30,
+                   max_num_batched_tokens=rng.choice([16, 64]))
+    kv = llm.engine.kv
+    for _op in range(8):
+        batch = rng.sample(range(len(prompts)), rng.randrange(1, 5))
+        outs = llm.generate([prompts[j] for j in batch], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [ref[j] for j in batch]
+        helpers.assert_no_leak(llm)
+        assert kv.tiers.host.num_held == 0 and len(kv.tiers.host) <= 6
+        action = rng.random()
+        if action < 0.4:
+            kv.spill(rng.randrange(1, 20))
+        elif action < 0.5:
+            llm.reset_prefix_cache()
+    assert kv.tiers.flush() and len(kv.tiers.disk) <= 30
+    assert tier(llm, "host").hits + tier(llm, "disk").hits > 0
+    assert len(list(tmp_path.glob("*.kvb"))) == len(kv.tiers.disk)
+    llm.engine.close()
