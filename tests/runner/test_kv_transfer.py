@@ -38,3 +38,36 @@ def test_fingerprint_sees_weights() -> None:
     with torch.no_grad():
         m.weight[3, 3] += 1.0
     assert model_fingerprint(m) != fp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_pinned_host_arena() -> None:
+    pool = KVPool(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.bfloat16, device=torch.device("cuda"))
+    pool.kv.normal_()
+    orig = pool.kv.clone()
+    t = KVTransfer(pool, host_blocks=4)
+    assert t.host.is_pinned() and t.host.device.type == "cpu"
+    t.to_host([1, 2, 3], [0, 1, 2])
+    t.from_host([0, 1, 2], [5, 6, 7])
+    assert torch.equal(pool.kv[:, :, 5:8], orig[:, :, 1:4])
+    raw = t.read_blocks([4])
+    t.write_block(0, raw[0])
+    assert torch.equal(pool.kv[:, :, 0], orig[:, :, 4])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_host_tier_outputs_equal() -> None:
+    from prefixkv.engine import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(40, 140)) + [i] for i in range(3)]
+    ref = LLM(device="cuda", enable_prefix_caching=False, num_kv_blocks=64).generate(prompts, greedy)
+    llm = LLM(device="cuda", num_kv_blocks=64, kv_offload_size=64)
+    llm.generate(prompts, greedy)
+    llm.engine.kv.spill()
+    outs = llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert outs[0].num_cached_tokens == 96
