@@ -39,7 +39,7 @@ def run_tiers_bench(
     rng = random.Random(seed)
     prefix = [rng.randrange(32, 127) for _ in range(prefix_tokens)]
     blocks = 2 * (prefix_tokens // block_size + 8)
-    common: dict[str, Any] = dict(block_size=block_size, num_kv_blocks=blocks)
+    common: dict[str, Any] = {"block_size": block_size, "num_kv_blocks": blocks}
     with tempfile.TemporaryDirectory() as disk_dir:
         main = LLM(model, kv_offload_size=blocks, kv_disk_dir=disk_dir, kv_remote=remote, **common)
         other = LLM(model, kv_remote=remote, **common) if remote else None

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 from prefixkv.cache.block_pool import BlockPool
 from prefixkv.cache.protocol import PinnedPrefix, PrefixCache
 from prefixkv.engine.sequence import Sequence
-from prefixkv.tiers.stats import TierCounters, TierStats
 from prefixkv.tiers.spec import TierSpec, parse_size
+from prefixkv.tiers.stats import TierCounters, TierStats
 from prefixkv.tiers.store import TieredStore
 
 if TYPE_CHECKING:

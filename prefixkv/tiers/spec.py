@@ -26,14 +26,13 @@ def parse_size(value: Size, block_nbytes: int, name: str) -> int:
     (rounded down to whole blocks). ``None`` is 0. ``ValueError`` naming ``name`` if malformed."""
     if value is None:
         return 0
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a block count or a size like '2GiB', got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        msg = f"{name} must be a block count or a size like '2GiB', got {value!r}"
+        raise ValueError(msg)  # noqa: TRY004 - bad arguments are ValueErrors here
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
         return value
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a block count or a size like '2GiB', got {value!r}")
     m = _SIZE.match(value)
     if m is None or (m.group(2) and m.group(2).lower() not in _UNITS):
         raise ValueError(

@@ -64,7 +64,8 @@ def test_cuda_engine_host_tier_outputs_equal() -> None:
 
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [list(range(40, 140)) + [i] for i in range(3)]
-    ref = LLM(device="cuda", dtype="float32", enable_prefix_caching=False, num_kv_blocks=64).generate(prompts, greedy)
+    cold = LLM(device="cuda", dtype="float32", enable_prefix_caching=False, num_kv_blocks=64)
+    ref = cold.generate(prompts, greedy)
     llm = LLM(device="cuda", dtype="float32", num_kv_blocks=64, kv_offload_size=64)
     llm.generate(prompts, greedy)
     llm.engine.kv.spill()

@@ -19,6 +19,6 @@ print("ok")
 
 
 def test_tiers_import_without_torch() -> None:
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
