@@ -299,6 +299,13 @@ def _cache_stats(args: argparse.Namespace) -> int:
         (f"  Prompt Tokens: {d['num_prompt_tokens']} ({d['num_cached_prompt_tokens']} from "
          f"cache, {100 * d['prefix_cache_hit_rate']:.1f}%)"),
     ]
+    for t in d.get("tiers") or []:  # lower KV tiers (docs/tiers.md)
+        cap = f"/{t['capacity_blocks']}" if t["capacity_blocks"] else ""
+        mean = 1000 * t["load_seconds"] / t["hits"] if t["hits"] and t["tier"] != "pool" else 0.0
+        lines.append(
+            f"  Tier {t['tier']}: {t['hits']} block hits ({t['hit_tokens']} tokens"
+            + (f", {mean:.2f}ms/block" if mean else "") + f"), holds {t['occupancy_blocks']}"
+            f"{cap} blocks, {t['evictions']} evictions, {t['errors']} errors")
     return _show(args, d, "\n".join(lines))
 
 

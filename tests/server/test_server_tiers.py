@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
 
 import httpx
 from server_live import start_server
@@ -43,6 +45,10 @@ def test_host_tier_hits_are_cached_tokens_and_visible() -> None:
             assert set(tiers) == {"pool", "host"}
             assert tiers["host"]["hits"] > 0 and tiers["host"]["stored_blocks"] > 0
             assert tiers["host"]["capacity_blocks"] == (4 << 20) // 65536
+            cli = subprocess.run(
+                [sys.executable, "-m", "prefixkv.cli", "cache", "stats", "--url", live.url],
+                capture_output=True, text=True, check=True, timeout=60)
+            assert "Tier host: " in cli.stdout and "Tier pool: " in cli.stdout
             metrics = http.get("/metrics").text
             assert 'prefixkv:kv_tier_hits_total{model_name="prefixkv-demo",tier="host"}' in metrics
             assert 'prefixkv:kv_tier_occupancy_blocks{model_name="prefixkv-demo",tier="pool"}' in metrics
