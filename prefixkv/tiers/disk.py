@@ -134,7 +134,7 @@ class DiskTier:
     def _write(self, item: tuple[bytes, bytes]) -> None:
         key, payload = item
         path = self.path(key)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{id(self):x}.tmp")  # unique per writer
         try:
             tmp.write_bytes(encode(key, self.layout, payload))
             os.replace(tmp, path)
