@@ -20,6 +20,7 @@ from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.runner.model_runner import ModelRunner
+from prefixkv.tiers.spec import TierSpec
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -43,6 +44,11 @@ def build_engine(
     seed: int = 0,
     threads: int | None = None,
     schedule_policy: str = "fcfs",
+    kv_offload_size: int | str | None = None,
+    kv_disk_dir: str | Path | None = None,
+    kv_disk_size: int | str | None = None,
+    kv_remote: str | None = None,
+    kv_remote_timeout: float = 0.5,
 ) -> LLMEngine:
     """Load the model and build an :class:`LLMEngine`.
 
@@ -53,9 +59,14 @@ def build_engine(
     many requests wait (``fcfs``, ``lpm``, ``dfs-weight``; see :mod:`prefixkv.engine.scheduler`).
     The prefix index always uses the engine's ``block_size`` (radix with ``block_size=1`` is
     SGLang-style token granularity). Bad arguments raise ``ValueError`` naming them.
+
+    Lower KV tiers (docs/tiers.md): ``kv_offload_size`` (host memory, blocks or e.g.
+    ``"2GiB"``), ``kv_disk_dir`` / ``kv_disk_size`` (files that survive restarts), ``kv_remote``
+    (``redis://host:port[/db]``, shared by every engine on it; ``kv_remote_timeout`` seconds).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    tiers = TierSpec(kv_offload_size, kv_disk_dir, kv_disk_size, kv_remote, kv_remote_timeout)
     if model is None:
         from prefixkv.models.demo import ensure_demo_model
 
@@ -87,6 +98,7 @@ def build_engine(
         seed=seed,
         model_name=name,
         schedule_policy=schedule_policy,
+        tiers=tiers,
     )
 
 

@@ -22,7 +22,7 @@ from prefixkv.cache import make_cache
 from prefixkv.cache.protocol import PinnedPrefix
 from prefixkv.engine.cache_admin import CacheAdmin
 from prefixkv.engine.isolation import FaultHook, run_model_isolated, sample_isolated
-from prefixkv.engine.kv_manager import KVManager
+from prefixkv.engine.kv_manager import KVManager, make_tier_store
 from prefixkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from prefixkv.engine.prompts import PromptInput, render_chat, resolve_prompt
 from prefixkv.engine.sampling import SeqSampler
@@ -30,6 +30,7 @@ from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.scheduler import Scheduler
 from prefixkv.engine.sequence import Request, SequenceStatus
 from prefixkv.engine.sequence import Sequence as Seq
+from prefixkv.tiers.spec import TierSpec
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class LLMEngine:
         clock: time source for request timings.
         model_name: a display name (the model directory's name, or ``"prefixkv-demo"``).
         schedule_policy: admission order of waiting requests (``fcfs``, ``lpm``, ``dfs-weight``).
+        tiers: lower KV tiers below the pool (host memory, disk, a shared Valkey/Redis;
+            docs/tiers.md); ``None``: the pool only.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class LLMEngine:
         clock: Callable[[], float] = time.time,
         model_name: str = "model",
         schedule_policy: str = "fcfs",
+        tiers: TierSpec | None = None,
     ) -> None:
         self.runner = runner
         self.model_name = model_name
@@ -91,7 +95,11 @@ class LLMEngine:
                 hash_algo=hash_algo,
                 max_pinned_blocks=max_pinned_blocks,
             )
-        self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows)
+        if tiers is not None and tiers.enabled and cache is None:
+            raise ValueError("kv_offload_size / kv_disk_dir / kv_remote need prefix caching")
+        store = make_tier_store(tiers, runner) if tiers is not None else None
+        self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows,
+                            store)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=max_num_seqs,
@@ -330,7 +338,14 @@ class LLMEngine:
             num_steps=c["steps"],
             prefix_cache_hit_rate=c["cached"] / c["prompt"] if c["prompt"] else 0.0,
             cache=cache.get_stats() if cache is not None else None,
+            tiers=self.kv.tier_stats(),
         )
+
+    def close(self) -> None:
+        """Finish queued writes to the disk/remote tiers and stop their threads. Idempotent;
+        the engine is still usable for the pool and host tier afterwards."""
+        if self.kv.tiers is not None:
+            self.kv.tiers.close()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; ``False`` with prefix caching off."""
