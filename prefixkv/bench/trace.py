@@ -227,7 +227,8 @@ def replay(
     pool = BlockPool(blocks)
     hit_tokens = input_tokens = hit_blocks = total_blocks = 0
     chosen: Callable[[], str] | None = (
-        (lambda: str(getattr(policy, "chosen"))) if hasattr(policy, "history") else None)
+        (lambda: str(getattr(policy, "chosen")))  # noqa: B009 - not on the base class
+        if hasattr(policy, "history") else None)
     served: dict[str, int] = {}
     start = time.perf_counter()
     for i, r in enumerate(requests):

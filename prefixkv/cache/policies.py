@@ -134,6 +134,6 @@ def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
 
 
 # Policies in their own modules register here (they import EvictionPolicy from above).
-from prefixkv.cache.policy_experts import ExpertsPolicy  # noqa: E402
+from prefixkv.cache.policy_experts import ExpertsPolicy
 
 POLICIES[ExpertsPolicy.name] = ExpertsPolicy

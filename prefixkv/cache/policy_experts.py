@@ -54,6 +54,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
+from prefixkv.cache.block_identity import fold_identities
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
 EXPERTS = ("lru", "tail", "ghost", "lru2", "s2", "rate", "hit")
@@ -326,31 +327,10 @@ class ExpertsPolicy(EvictionPolicy):
         """Identities of ``entry``'s blocks, shallowest first (see policy_ghost)."""
         if self._hashed(entry):
             return [entry.hash]
-        if not entry.num_blocks:
-            return []
-        chain = []
-        base: int | None = None
-        node = entry
-        while node is not None and not node.is_root:
-            got = self._memoized(node)
-            if got is not None:
-                if node is entry:
-                    return got
-                base = got[-1]
-                break
-            chain.append(node)
-            node = node.parent
-        h = _ROOT if base is None else base
-        out: list[int] = []
-        for node in reversed(chain):
-            key, n = node.key, node.num_blocks
-            bs = len(key) // n
-            out = []
-            for j in range(n):
-                h = hash((h, tuple(key[j * bs:(j + 1) * bs])))
-                out.append(h)
-            self._entries[id(node)] = [node, node.start_depth, out]
-        return out
+        return fold_identities(entry, _ROOT, self._memoized, self._remember)
+
+    def _remember(self, node: Any, identities: list[int]) -> None:
+        self._entries[id(node)] = [node, node.start_depth, identities]
 
     def _memoized(self, node: Any) -> list[int] | None:
         rec = self._entries.get(id(node))

@@ -51,6 +51,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
+from prefixkv.cache.block_identity import fold_identities
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
 _ROOT_IDENTITY = hash("prefixkv.policy_ghost.root")
@@ -162,32 +163,10 @@ class GhostPolicy(EvictionPolicy):
         h = getattr(entry, "hash", None)
         if h is not None:  # a hashed block: its chained hash is the identity
             return [h]
-        # radix node: fold from the deepest memoized ancestor (iteratively; paths can be long)
-        if not entry.num_blocks:
-            return []
-        chain = []
-        base: int | None = None
-        node = entry
-        while node is not None and not node.is_root:
-            got = self._memoized(node)
-            if got is not None:
-                if node is entry:
-                    return got
-                base = got[-1]
-                break
-            chain.append(node)
-            node = node.parent
-        h = _ROOT_IDENTITY if base is None else base
-        out: list[int] = []
-        for node in reversed(chain):
-            key, n = node.key, node.num_blocks
-            bs = len(key) // n
-            out = []
-            for j in range(n):
-                h = hash((h, tuple(key[j * bs:(j + 1) * bs])))
-                out.append(h)
-            self._memo[node] = (node.start_depth, out)
-        return out
+        return fold_identities(entry, _ROOT_IDENTITY, self._memoized, self._remember)
+
+    def _remember(self, node: Any, identities: list[int]) -> None:
+        self._memo[node] = (node.start_depth, identities)
 
     def _memoized(self, node: Any) -> list[int] | None:
         rec = self._memo.get(node)

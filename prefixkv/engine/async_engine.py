@@ -260,6 +260,7 @@ class AsyncEngine:
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            self.engine.close()  # queued disk/remote tier writes finish; their threads stop
 
     async def __aenter__(self) -> Self:
         return self

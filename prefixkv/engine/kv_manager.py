@@ -11,15 +11,32 @@ with prefix caching off). For every sequence it keeps this invariant:
 
 So once no sequence holds blocks, ``pool.num_free + cache.num_cached_blocks == num_blocks``.
 Pure Python; copying KV rows is a callable passed in (the runner's ``copy_block_rows``).
+
+With lower tiers (a :class:`~prefixkv.tiers.TieredStore`), every cached block also has a tier
+key (``_keys``: cached block id -> chained key, set when the block enters the index). Blocks
+the index evicts are offloaded to the host tier before their ids go back to the pool; newly
+indexed blocks are published to the disk/remote tiers; and admission continues the pool's
+match with blocks found in the lower tiers: they get fresh pool blocks, their KV is copied in,
+and they enter the index exactly as if they had been computed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 from prefixkv.cache.block_pool import BlockPool
 from prefixkv.cache.protocol import PinnedPrefix, PrefixCache
 from prefixkv.engine.sequence import Sequence
+from prefixkv.tiers.spec import TierSpec, parse_size
+from prefixkv.tiers.stats import TierCounters, TierStats
+from prefixkv.tiers.store import TieredStore
+
+if TYPE_CHECKING:
+    from prefixkv.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 CopyRows = Callable[[int, int, int], None]
 """``copy_rows(src_block, dst_block, num_rows)``: copy the first rows of a KV block."""
@@ -29,16 +46,23 @@ class KVManager:
     """Allocates, shares and releases the KV blocks of sequences. Single-threaded (engine loop)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, cache: PrefixCache | None, copy_rows: CopyRows
+        self, num_blocks: int, block_size: int, cache: PrefixCache | None, copy_rows: CopyRows,
+        tiers: TieredStore | None = None,
     ) -> None:
         if cache is not None and cache.block_size != block_size:
             raise ValueError(
                 f"cache block_size {cache.block_size} != engine block_size {block_size}"
             )
+        if tiers is not None and cache is None:
+            raise ValueError("lower KV tiers need prefix caching (enable_prefix_caching=True)")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.cache = cache
+        self.tiers = tiers
         self._copy_rows = copy_rows
+        self._keys: dict[int, bytes] = {}  # cached block id -> tier key (only with tiers)
+        self._chains: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading blocks
+        self._pool_counters = TierCounters("pool", num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -55,15 +79,18 @@ class KVManager:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def admit(self, seq: Sequence, max_new_tokens: int) -> int | None:
+    def admit(self, seq: Sequence, max_new_tokens: int, *, use_tiers: bool = True) -> int | None:
         """Give a waiting sequence its cached prefix and the blocks for its first chunk.
 
-        Matches ``token_ids[:-1]`` (so at least one token is computed), locks the match, copies
-        the partial block's matching rows into a fresh block, and allocates blocks for up to
+        Matches ``token_ids[:-1]`` (so at least one token is computed), locks the match, then
+        (with lower tiers) looks the following full blocks up there; hits get fresh blocks,
+        their KV is loaded and they are indexed like computed blocks. Otherwise the partial
+        block's matching rows are copied into a fresh block. Allocates blocks for up to
         ``max_new_tokens`` more tokens. Returns how many tokens to compute this step, or
         ``None`` (and nothing held) when the blocks cannot be had.
         """
         tokens = seq.token_ids
+        bs = self.block_size
         match = None
         matched: list[int] = []
         cached = partial = 0
@@ -74,28 +101,81 @@ class KVManager:
             )
             matched = list(match.matched_kv_blocks)
             cached, partial = match.match_length, match.partial_tokens
-        num_new = min(len(tokens) - cached - partial, max_new_tokens)
-        need = self.blocks_for(cached + partial + num_new) - len(matched)
-        ids = self.pool.allocate(need, evict_from=self.cache)
+        hits = []
+        if self.tiers is not None and use_tiers:
+            num_full = (len(tokens) - 1) // bs
+            chain = self._chain(seq, num_full) if num_full > len(matched) else []
+            if chain:
+                hits = self.tiers.lookup(chain[len(matched) : num_full])
+            if hits:
+                partial = 0  # whole blocks from below supersede the copied rows
+        loaded = len(hits) * bs
+        num_new = min(len(tokens) - cached - loaded - partial, max_new_tokens)
+        need = self.blocks_for(cached + loaded + partial + num_new) - len(matched)
+        ids = self._allocate(need)
         if ids is None:
+            if self.tiers is not None:
+                self.tiers.cancel(hits)
+                self._chains.pop(seq.seq_id, None)
             if match is not None and match.lock is not None:
                 self.cache.unlock(match)  # type: ignore[union-attr]
-            return None
-        if partial:
+            # loaded blocks all need room now; a chunked prefill may still fit without them
+            return self.admit(seq, max_new_tokens, use_tiers=False) if hits else None
+        if hits:
+            try:
+                self.tiers.load(hits, ids[: len(hits)])  # type: ignore[union-attr]
+            except Exception:  # a lower tier is a cache: recompute instead of failing
+                logger.warning("loading %d blocks from lower tiers failed; recomputing",
+                               len(hits), exc_info=True)
+                self.tiers.cancel(hits)  # type: ignore[union-attr]
+                self.pool.free(ids)
+                if match is not None and match.lock is not None:
+                    self.cache.unlock(match)  # type: ignore[union-attr]
+                return self.admit(seq, max_new_tokens, use_tiers=False)
+        elif partial:
             # ids[0] covers the block after the match; the source stays locked by the match.
             self._copy_rows(match.partial_block_id, ids[0], partial)  # type: ignore[union-attr, arg-type]
         seq.block_table = matched + ids
         seq.num_indexed_blocks = len(matched)
         seq.cache_handle = match if match is not None and match.lock is not None else None
-        seq.num_computed_tokens = cached + partial
+        seq.num_computed_tokens = cached + loaded + partial
+        if matched:
+            self._pool_counters.add_load(len(matched), cached, 0, 0.0)
+        if hits:
+            self.commit(seq)  # loaded blocks enter the index (locked) like computed ones
         return num_new
+
+    def _allocate(self, n: int) -> list[int] | None:
+        """``n`` pool blocks, evicting unlocked cached blocks when short (offloading them to
+        the host tier first); ``None`` (nothing taken, nothing evicted) if they cannot be had."""
+        short = n - self.pool.num_free
+        if short > 0:
+            if self.cache is None or self.cache.num_evictable_blocks < short:
+                return None
+            freed = self.cache.evict(short)
+            if self.tiers is not None:
+                pairs = [(b, self._keys.pop(b)) for b in freed if b in self._keys]
+                self.tiers.offload(pairs)
+            self.pool.free(freed)
+        return self.pool.allocate(n)
+
+    def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Tier keys of ``seq``'s first ``num_blocks`` blocks (cached on the sequence's id)."""
+        assert self.tiers is not None
+        chain = self._chains.setdefault(seq.seq_id, [])
+        if len(chain) < num_blocks:
+            try:
+                self.tiers.keyer.extend(chain, seq.token_ids, num_blocks, seq.request.namespace)
+            except ValueError:  # a namespace with no stable serialisation: pool only
+                return []
+        return chain
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make the table cover ``num_tokens`` tokens; ``False`` (nothing taken) if it cannot."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
         if need <= 0:
             return True
-        ids = self.pool.allocate(need, evict_from=self.cache)
+        ids = self._allocate(need)
         if ids is None:
             return False
         seq.block_table.extend(ids)
@@ -126,9 +206,16 @@ class KVManager:
                 table[i] = cached_id
         old = seq.cache_handle
         seq.cache_handle = node if node.lock is not None else None
+        first = seq.num_indexed_blocks
         # normally k; fewer only if a (verified) hash collision stopped the insert early: the
         # blocks past it stay private to the sequence and are freed on release
         seq.num_indexed_blocks = len(node.kv_block_ids)
+        if self.tiers is not None and seq.num_indexed_blocks > first:
+            chain = self._chain(seq, seq.num_indexed_blocks)
+            if chain:
+                pairs = [(table[i], chain[i]) for i in range(first, seq.num_indexed_blocks)]
+                self._keys.update(pairs)
+                self.tiers.publish(pairs)
         if old is not None:
             self.cache.unlock(old)
         self.pool.free(duplicates)
@@ -142,6 +229,7 @@ class KVManager:
         seq.block_table = []
         seq.num_indexed_blocks = 0
         seq.num_computed_tokens = 0
+        self._chains.pop(seq.seq_id, None)
 
     def require_cache(self) -> PrefixCache:
         """The prefix index; ``ValueError`` with prefix caching off."""
@@ -168,5 +256,42 @@ class KVManager:
         if self.cache is None:
             return 0
         freed = self.cache.reset()
+        for b in freed:
+            self._keys.pop(b, None)
+        if self.tiers is not None:
+            self.tiers.clear_host()
         self.pool.free(freed)
         return len(freed)
+
+    def spill(self, num_blocks: int | None = None) -> int:
+        """Evict up to ``num_blocks`` (default: all) unlocked, unpinned cached blocks from the
+        pool, through the normal eviction path (so they move to the host tier if there is
+        one); returns how many went back to the free list."""
+        if self.cache is None:
+            return 0
+        before = self.cache.num_cached_blocks
+        n = self.cache.num_evictable_blocks if num_blocks is None else num_blocks
+        ids = self._allocate(self.pool.num_free + min(n, self.cache.num_evictable_blocks))
+        if ids is not None:
+            self.pool.free(ids)
+        return before - self.cache.num_cached_blocks
+
+    def tier_stats(self) -> list[TierStats] | None:
+        """Per-tier counters, the pool first (``None`` without lower tiers)."""
+        if self.tiers is None:
+            return None
+        cached = self.cache.num_cached_blocks if self.cache is not None else 0
+        return [self._pool_counters.snapshot(cached), *self.tiers.stats()]
+
+
+def make_tier_store(spec: TierSpec, runner: ModelRunner) -> TieredStore | None:
+    """The lower tiers ``spec`` asks for over ``runner``'s KV pool (``None`` if none)."""
+    if not spec.enabled:
+        return None
+    from prefixkv.runner.kv_transfer import KVTransfer, model_fingerprint
+
+    probe = KVTransfer(runner.kv_pool, 0)
+    host_blocks = parse_size(spec.offload_size, probe.block_nbytes, "kv_offload_size")
+    transfer = KVTransfer(runner.kv_pool, host_blocks)
+    return TieredStore.create(spec, transfer, model_fingerprint(runner.model), runner.block_size,
+                              host_blocks)

@@ -21,6 +21,7 @@ from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.models.tokenizer import Tokenizer
 from prefixkv.runner.model_runner import ModelRunner
+from prefixkv.tiers.spec import TierSpec
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -48,6 +49,11 @@ def build_engine(
     seed: int = 0,
     threads: int | None = None,
     schedule_policy: str = "fcfs",
+    kv_offload_size: int | str | None = None,
+    kv_disk_dir: str | Path | None = None,
+    kv_disk_size: int | str | None = None,
+    kv_remote: str | None = None,
+    kv_remote_timeout: float = 0.5,
 ) -> LLMEngine:
     """Load the model and build an :class:`LLMEngine`.
 
@@ -62,6 +68,10 @@ def build_engine(
     tokenizer directory), ``dtype="auto"`` (the device default), ``kv_cache_memory`` (bytes
     or a size such as ``"2GiB"``, an alias of ``kv_cache_memory_bytes``), ``chat_template``
     (a file or the template text, replacing the tokenizer's).
+
+    Lower KV tiers (docs/tiers.md): ``kv_offload_size`` (host memory, blocks or e.g.
+    ``"2GiB"``), ``kv_disk_dir`` / ``kv_disk_size`` (files that survive restarts), ``kv_remote``
+    (``redis://host:port[/db]``, shared by every engine on it; ``kv_remote_timeout`` seconds).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -71,6 +81,7 @@ def build_engine(
         kv_cache_memory_bytes = parse_size(kv_cache_memory, "kv_cache_memory")
     if dtype == "auto":
         dtype = None
+    tiers = TierSpec(kv_offload_size, kv_disk_dir, kv_disk_size, kv_remote, kv_remote_timeout)
     if model is None:
         from prefixkv.models.demo import ensure_demo_model
 
@@ -106,6 +117,7 @@ def build_engine(
         seed=seed,
         model_name=name,
         schedule_policy=schedule_policy,
+        tiers=tiers,
     )
 
 

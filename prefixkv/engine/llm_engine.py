@@ -22,8 +22,9 @@ from prefixkv.cache import make_cache
 from prefixkv.cache.protocol import PinnedPrefix
 from prefixkv.engine.cache_admin import CacheAdmin
 from prefixkv.engine.isolation import FaultHook, run_model_isolated, sample_isolated
-from prefixkv.engine.kv_manager import KVManager
+from prefixkv.engine.kv_manager import KVManager, make_tier_store
 from prefixkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from prefixkv.engine.prompt_logprobs import PromptLogprobsRunner
 from prefixkv.engine.prompts import PromptInput, render_chat, resolve_prompt
 from prefixkv.engine.sampling import Pick, SeqSampler
 from prefixkv.engine.sampling_params import SamplingParams
@@ -31,14 +32,13 @@ from prefixkv.engine.scheduler import Scheduler
 from prefixkv.engine.sequence import Request, SequenceStatus
 from prefixkv.engine.sequence import Sequence as Seq
 from prefixkv.engine.structured_output import GrammarCompiler
+from prefixkv.tiers.spec import TierSpec
 
 logger = logging.getLogger(__name__)
 
 
 from prefixkv.models.tokenizer import IncrementalDetokenizer
-from prefixkv.runner.logits_processors import token_logprobs
-from prefixkv.runner.model_runner import ModelRunner, RunItem
-from prefixkv.runner.prompt_logits import execute_with_prompt_logits
+from prefixkv.runner.model_runner import ModelRunner
 
 
 class LLMEngine:
@@ -59,6 +59,8 @@ class LLMEngine:
         clock: time source for request timings.
         model_name: a display name (the model directory's name, or ``"prefixkv-demo"``).
         schedule_policy: admission order of waiting requests (``fcfs``, ``lpm``, ``dfs-weight``).
+        tiers: lower KV tiers below the pool (host memory, disk, a shared Valkey/Redis;
+            docs/tiers.md); ``None``: the pool only.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class LLMEngine:
         clock: Callable[[], float] = time.time,
         model_name: str = "model",
         schedule_policy: str = "fcfs",
+        tiers: TierSpec | None = None,
     ) -> None:
         self.runner = runner
         self.model_name = model_name
@@ -94,7 +97,11 @@ class LLMEngine:
                 hash_algo=hash_algo,
                 max_pinned_blocks=max_pinned_blocks,
             )
-        self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows)
+        if tiers is not None and tiers.enabled and cache is None:
+            raise ValueError("kv_offload_size / kv_disk_dir / kv_remote need prefix caching")
+        store = make_tier_store(tiers, runner) if tiers is not None else None
+        self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows,
+                            store)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=max_num_seqs,
@@ -109,6 +116,7 @@ class LLMEngine:
         self.sampler = SeqSampler(
             runner, seed, self._eos, lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
         )
+        self._prompt_logprobs = PromptLogprobsRunner(runner, self.sampler)
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -259,7 +267,7 @@ class LLMEngine:
             seqs = [s.seq for s in plan.scheduled]
             fail = lambda seq, exc: self._fail(seq.request, exc, changed)
             ran, logits = run_model_isolated(
-                self._execute, seqs, [s.num_new_tokens for s in plan.scheduled], self.fault_hook, fail)
+                self._prompt_logprobs.execute, seqs, [s.num_new_tokens for s in plan.scheduled], self.fault_hook, fail)
             rows, sampled = [], []
             for i, s in enumerate(plan.scheduled):
                 seq = s.seq
@@ -285,33 +293,6 @@ class LLMEngine:
             else:
                 outs.append(req.snapshot())
         return outs
-
-    def _execute(self, seqs: list[Seq], items: list[RunItem]) -> Any:
-        """The runner's last-token logits; also records the prompt logprobs of the items whose
-        request asked for them (their whole prompt is computed: see ``KVManager.admit``)."""
-        full = [seq.index == 0 and seq.request.needs_prompt_logprobs for seq in seqs]
-        if not any(full):
-            return self.runner.execute(items)
-        logits, full_logits = execute_with_prompt_logits(self.runner, items, full)
-        for i, all_logits in full_logits.items():
-            self._record_prompt_logprobs(seqs[i], all_logits)
-        return logits
-
-    def _record_prompt_logprobs(self, seq: Seq, logits: Any) -> None:
-        """Prompt logprobs of the tokens after this chunk's positions (``logits`` row ``p`` is the
-        distribution after position ``start + p``); a recompute after preemption overwrites."""
-        req = seq.request
-        start = seq.num_computed_tokens
-        end = min(start + len(logits), seq.num_prompt_tokens - 1)
-        if end <= start or req.prompt_logprobs is None:
-            return
-        found = token_logprobs(
-            logits[: end - start],
-            seq.token_ids[start + 1 : end + 1],
-            [req.params.prompt_logprobs or 0] * (end - start),
-        )
-        for pos, t in enumerate(found, start + 1):
-            req.prompt_logprobs[pos] = self.sampler.logprob_entry(t)
 
     def _fail(self, req: Request, exc: BaseException, changed: dict[str, Request]) -> None:
         """End ``req`` with ``finish_reason="error"``: its blocks are freed now."""
@@ -387,7 +368,14 @@ class LLMEngine:
             num_steps=c["steps"],
             prefix_cache_hit_rate=c["cached"] / c["prompt"] if c["prompt"] else 0.0,
             cache=cache.get_stats() if cache is not None else None,
+            tiers=self.kv.tier_stats(),
         )
+
+    def close(self) -> None:
+        """Finish queued writes to the disk/remote tiers and stop their threads. Idempotent;
+        the engine is still usable for the pool and host tier afterwards."""
+        if self.kv.tiers is not None:
+            self.kv.tiers.close()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; ``False`` with prefix caching off."""

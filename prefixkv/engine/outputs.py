@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixkv.cache.protocol import CacheStats
+from prefixkv.tiers.stats import TierStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +160,9 @@ class EngineStats:
     """A snapshot of the engine: queues, KV blocks and counters since start.
 
     ``num_free_blocks`` counts ids in the pool's free list; ``cache`` is ``None`` with prefix
-    caching off. ``prefix_cache_hit_rate`` is cached prompt tokens over scheduled prompt tokens.
+    caching off. ``prefix_cache_hit_rate`` is cached prompt tokens over scheduled prompt tokens
+    (from every tier). ``tiers``: per-tier counters (pool, host, disk, remote; docs/tiers.md),
+    ``None`` without lower tiers.
     """
 
     num_running: int
@@ -179,3 +182,4 @@ class EngineStats:
     num_steps: int
     prefix_cache_hit_rate: float
     cache: CacheStats | None
+    tiers: list[TierStats] | None = None

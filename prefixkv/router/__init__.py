@@ -1,8 +1,9 @@
 """Cache-aware routing over several OpenAI-compatible workers (``prefixkv route``).
 
-Layers: ``app`` (HTTP front) -> ``proxy`` (the router core) -> ``policies`` -> ``tree``
-(per-worker approximate prefix trees over :mod:`prefixkv.cache`); ``workers`` (registry, health,
-local processes); ``metrics``.
+Layers: ``app`` (HTTP front) -> ``proxy`` (the router core) -> ``policies`` / ``cache_aware``
+(which owns per-worker approximate prefix trees, ``tree``, over :mod:`prefixkv.cache`, keyed by
+``keys``); ``workers`` (registry, circuit breakers), ``health`` (probes), ``local`` (local worker
+processes); ``config``, ``errors``, ``metrics``.
 The router imports nothing above :mod:`prefixkv.cache`. Everything but the policies loads on first use
 (``prefixkv --help`` stays fast and needs neither the web stack nor the cache core).
 """
@@ -14,7 +15,6 @@ from typing import Any
 
 from prefixkv.router.policies import (
     POLICY_NAMES,
-    CacheAwarePolicy,
     Decision,
     LeastLoadPolicy,
     Policy,
@@ -24,16 +24,16 @@ from prefixkv.router.policies import (
 )
 
 _LAZY = {
+    "CacheAwarePolicy": "prefixkv.router.cache_aware",
     "ApproxTree": "prefixkv.router.tree",
-    "PrefixTrees": "prefixkv.router.tree",
-    "RouteKey": "prefixkv.router.tree",
-    "chat_key": "prefixkv.router.tree",
-    "completion_key": "prefixkv.router.tree",
-    "RouterConfig": "prefixkv.router.proxy",
+    "RouteKey": "prefixkv.router.keys",
+    "chat_key": "prefixkv.router.keys",
+    "completion_key": "prefixkv.router.keys",
+    "RouterConfig": "prefixkv.router.config",
     "Router": "prefixkv.router.proxy",
     "RouterServer": "prefixkv.router.app",
     "create_app": "prefixkv.router.app",
-    "LocalWorkers": "prefixkv.router.workers",
+    "LocalWorkers": "prefixkv.router.local",
     "WorkerRegistry": "prefixkv.router.workers",
 }
 
@@ -45,7 +45,6 @@ __all__ = [
     "LeastLoadPolicy",
     "LocalWorkers",
     "Policy",
-    "PrefixTrees",
     "RandomPolicy",
     "RoundRobinPolicy",
     "RouteKey",

@@ -9,27 +9,33 @@ which forwards the body unchanged (retries, streaming and failures: see
 ``GET /workers`` (the router's view) and ``GET /metrics``. :class:`RouterServer` serves the app
 with uvicorn in a background thread.
 
-``WORKER_HEADER``, ``Router`` and ``RouterConfig`` live in :mod:`prefixkv.router.proxy` and are
-re-exported here for existing importers.
+Client disconnects. While the router waits for a worker's answer, the request's ASGI ``receive``
+channel is watched: when the client goes away, the dispatch is cancelled, which closes the
+upstream connection so the worker aborts the request (streams: Starlette cancels the relay).
+
+``WORKER_HEADER``, ``Router`` and ``RouterConfig`` are re-exported here for existing importers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Self
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixkv.router.config import RouterConfig
+from prefixkv.router.errors import error_response
+from prefixkv.router.keys import RouteKey, chat_key, completion_key
+from prefixkv.router.local import free_port
 from prefixkv.router.metrics import CONTENT_TYPE
-from prefixkv.router.proxy import WORKER_HEADER, Router, RouterConfig, error_response
-from prefixkv.router.tree import RouteKey, chat_key, completion_key
-from prefixkv.router.workers import free_port
+from prefixkv.router.proxy import WORKER_HEADER, Router
 
 __all__ = ["WORKER_HEADER", "Router", "RouterConfig", "RouterServer", "create_app",
            "error_response"]
@@ -50,7 +56,8 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
     app = FastAPI(title="prefixkv router", lifespan=lifespan)
     app.state.router = router
 
-    async def proxy(request: Request, path: str, key_of: Callable[[Any], RouteKey]) -> Response:
+    async def proxy(request: Request, path: str,
+                    key_of: Callable[[Any, int], RouteKey]) -> Response:
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -60,8 +67,9 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object",
                                   type_="invalid_request_error", code="invalid_json")
-        return await router.dispatch(path, raw, key_of(body), body.get("stream") is True,
-                                     request.headers)
+        key = key_of(body, config.chunk_bytes)
+        return await _unless_disconnected(request, router.dispatch(
+            path, raw, key, body.get("stream") is True, request.headers))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -87,10 +95,34 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        sizes = router.trees.sizes() if router.trees is not None else {}
-        return Response(router.metrics.render(router.workers, sizes), media_type=CONTENT_TYPE)
+        text = router.metrics.render(router.workers, router.policy.describe())
+        return Response(text, media_type=CONTENT_TYPE)
 
     return app
+
+
+async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """Await ``answer``; if the client disconnects first, cancel it (closing the upstream
+    request) and return a bare 499 that nobody will read."""
+    task = asyncio.ensure_future(answer)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the ASGI server reports ``http.disconnect`` (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class RouterServer:

@@ -63,6 +63,7 @@ class PolicyResult:
     per_worker: dict[str, int]
     max_min_load: float
     errors: int
+    reasons: dict[str, int]
 
 
 def _text(rng: random.Random, n_words: int, tag: str) -> str:
@@ -142,7 +143,8 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
     config = RouterConfig(
         worker_urls=tuple(worker_urls), policy=policy, cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold,
-        balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
+        balance_rel_threshold=args.balance_rel_threshold, balance_window=args.balance_window,
+        max_tree_size=args.max_tree_size, chunk_bytes=args.chunk_bytes,
         eviction_interval=args.eviction_interval, seed=args.seed,
     )
     with RouterServer(config) as server:
@@ -152,6 +154,11 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
             model=args.model,
         ))
         seconds = time.perf_counter() - t0
+        reasons: Counter[str] = Counter()
+        for metric in server.router.metrics.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    reasons[sample.labels["reason"]] += int(sample.value)
     prompt = sum(u["prompt"] for u in usages)
     cached = sum(u["cached"] for u in usages)
     counts = {u: per_worker.get(u, 0) for u in config.worker_urls}
@@ -161,7 +168,7 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
         computed_tokens=prompt - cached, cached_share=cached / prompt if prompt else 0.0,
         seconds=seconds, requests_per_s=len(usages) / seconds,
         prompt_tokens_per_s=prompt / seconds, per_worker=counts,
-        max_min_load=hi / lo if lo else float("inf"), errors=errors,
+        max_min_load=hi / lo if lo else float("inf"), errors=errors, reasons=dict(reasons),
     )
 
 
@@ -169,13 +176,14 @@ def format_table(results: Sequence[PolicyResult]) -> str:
     """A plain-text table, with computed tokens relative to cache_aware."""
     base = next((r.computed_tokens for r in results if r.policy == "cache_aware"), None)
     lines = [(f"{'policy':<12} {'reqs':>5} {'prompt':>8} {'computed':>9} {'vs CA':>6} "
-              f"{'cached':>7} {'req/s':>6} {'s':>6} {'max/min':>7}  per worker")]
+              f"{'cached':>7} {'req/s':>6} {'s':>6} {'max/min':>7}  per worker  decisions")]
     for r in results:
         rel = f"{r.computed_tokens / base:.2f}x" if base else "-"
         lines.append(
             f"{r.policy:<12} {r.requests:>5} {r.prompt_tokens:>8} {r.computed_tokens:>9} "
             f"{rel:>6} {r.cached_share:>7.1%} {r.requests_per_s:>6.2f} {r.seconds:>6.1f} "
-            f"{r.max_min_load:>7.2f}  {list(r.per_worker.values())}"
+            f"{r.max_min_load:>7.2f}  {list(r.per_worker.values())}  "
+            + " ".join(f"{k}={v}" for k, v in sorted(r.reasons.items()))
         )
     return "\n".join(lines)
 
@@ -206,7 +214,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=32)
     p.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    p.add_argument("--balance-window", type=int, default=128)
     p.add_argument("--max-tree-size", type=int, default=2**18)
+    p.add_argument("--chunk-bytes", type=int, default=16)
     p.add_argument("--eviction-interval", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -216,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; prints the table (and writes ``--json``). Exit code 0."""
     import httpx
 
-    from prefixkv.router.workers import LocalWorkers, wait_until_healthy
+    from prefixkv.router.health import wait_until_healthy
+    from prefixkv.router.local import LocalWorkers
 
     workload = make_workload(args.users, args.turns, system_words=args.system_words,
                              user_words=args.user_words, assistant_words=args.assistant_words,

@@ -2,7 +2,9 @@
 
 ``prefixkv route --worker-urls URL [URL ...]`` routes to running workers (prefixkv, vLLM,
 SGLang); ``prefixkv route --launch N [MODEL]`` first starts N local prefixkv workers
-(``prefixkv serve``) on free loopback ports and stops them when the router exits.
+(``prefixkv serve``) on free loopback ports and stops them when the router exits: on SIGINT,
+SIGTERM or SIGHUP (after a graceful shutdown), on an error, and (Linux) even when the router is
+killed with SIGKILL (the workers ask for SIGTERM when their parent dies).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
+import signal
+from types import FrameType
 from typing import Any
 
 from prefixkv.router.policies import POLICY_NAMES
@@ -40,13 +44,19 @@ def register(subparsers: Any) -> None:
                    help="loads are imbalanced when max - min exceeds this ...")
     p.add_argument("--balance-rel-threshold", type=float, default=1.5,
                    help="... and max exceeds min times this; then the least loaded worker wins")
+    p.add_argument("--balance-window", type=int, default=128,
+                   help="recent dispatches counted for the share test (0: off)")
     p.add_argument("--max-tree-size", type=int, default=2**18,
-                   help="elements (prompt bytes) each worker's approximate tree is trimmed to")
+                   help="prompt bytes each worker's approximate tree is trimmed to")
+    p.add_argument("--chunk-bytes", type=int, default=16,
+                   help="prompt bytes per route-key chunk (routing granularity)")
     p.add_argument("--eviction-interval", type=float, default=60.0,
                    help="seconds between tree trims (0: trim after every insert)")
     p.add_argument("--health-check-interval", type=float, default=10.0,
                    help="seconds between /health probes of every worker")
     p.add_argument("--health-check-timeout", type=float, default=5.0)
+    p.add_argument("--failure-threshold", type=int, default=3,
+                   help="failed requests in a row that take a worker out of rotation")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="seconds to wait for every worker to answer /health at start")
@@ -66,29 +76,47 @@ def _launch_spec(values: list[str]) -> tuple[int, str | None]:
     return n, values[1] if len(values) == 2 else None
 
 
+class _Stop(SystemExit):
+    """Raised by the SIGTERM/SIGHUP handler outside uvicorn's own signal handling."""
+
+
 def run_route(args: argparse.Namespace) -> int:
-    """Handler: validate, (launch workers,) wait for them, then serve until interrupted."""
+    """Handler: validate, (launch workers,) wait for them, then serve until a signal."""
     import httpx
     import uvicorn
 
     from prefixkv.router.app import RouterConfig, create_app
-    from prefixkv.router.workers import LocalWorkers, wait_until_healthy
+    from prefixkv.router.health import wait_until_healthy
+    from prefixkv.router.local import LocalWorkers
 
+    server: uvicorn.Server | None = None
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        # While serving, SIGHUP asks uvicorn for a graceful exit (uvicorn handles SIGINT and
+        # SIGTERM itself and re-raises them when done); otherwise leave through the finally below.
+        if server is not None and server.started and not server.should_exit:
+            server.should_exit = True
+            return
+        raise _Stop(128 + signum)
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     launched: LocalWorkers | None = None
-    if args.launch is not None:
-        n, model = _launch_spec(args.launch)
-        launched = LocalWorkers(n, model, shlex.split(args.worker_args))
-        urls = launched.urls
-    else:
-        urls = args.worker_urls
     try:
+        if args.launch is not None:
+            n, model = _launch_spec(args.launch)
+            launched = LocalWorkers(n, model, shlex.split(args.worker_args), die_with_parent=True)
+            urls = launched.urls
+        else:
+            urls = args.worker_urls
         config = RouterConfig(
             worker_urls=tuple(urls), policy=args.policy, cache_threshold=args.cache_threshold,
             balance_abs_threshold=args.balance_abs_threshold,
-            balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
+            balance_rel_threshold=args.balance_rel_threshold, balance_window=args.balance_window,
+            max_tree_size=args.max_tree_size, chunk_bytes=args.chunk_bytes,
             eviction_interval=args.eviction_interval,
             health_check_interval=args.health_check_interval,
-            health_check_timeout=args.health_check_timeout, request_timeout=args.request_timeout,
+            health_check_timeout=args.health_check_timeout,
+            failure_threshold=args.failure_threshold, request_timeout=args.request_timeout,
         )
 
         async def check() -> None:
@@ -98,8 +126,14 @@ def run_route(args: argparse.Namespace) -> int:
         asyncio.run(check())
         print(f"prefixkv route: {config.policy} over {', '.join(config.worker_urls)} "
               f"on http://{args.host}:{args.port}", flush=True)
-        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+        server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host,
+                                               port=args.port, log_level=args.log_level))
+        server.run()
+    except _Stop as stop:
+        return int(stop.code or 0)
     finally:
         if launched is not None:
             launched.stop()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     return 0

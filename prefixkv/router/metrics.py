@@ -26,10 +26,9 @@ _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 class RouterMetrics:
     """Counters updated by the proxy; gauges refreshed from the registry at scrape time."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.policy = policy
         self.requests = Counter(
             "prefixkv:router_requests", "Requests dispatched to a worker (retries included).",
             ["worker", "reason"], registry=r,
@@ -61,25 +60,27 @@ class RouterMetrics:
         )
         self.tree_size = Gauge(
             "prefixkv:router_tree_size",
-            "Elements (prompt bytes or token ids) in the worker's approximate prefix tree.",
+            "Key chunks in the worker's approximate prefix tree (cache_aware only).",
             ["worker"], registry=r,
         )
 
-    def observe_dispatch(self, url: str, reason: str, match_ratio: float) -> None:
-        """One request sent to ``url``."""
+    def observe_dispatch(self, url: str, reason: str, match_ratio: float | None) -> None:
+        """One request sent to ``url`` (``match_ratio`` is None for policies without trees)."""
         self.requests.labels(url, reason).inc()
-        if self.policy == "cache_aware":
+        if match_ratio is not None:
             self.match_ratio.labels(url).observe(match_ratio)
 
     def observe_failure(self, url: str, kind: str) -> None:
         """A dispatch or probe to ``url`` failed."""
         self.failures.labels(url, kind).inc()
 
-    def render(self, workers: WorkerRegistry, tree_sizes: dict[str, int]) -> bytes:
-        """The text exposition, with gauges taken from ``workers`` and ``tree_sizes`` now."""
+    def render(self, workers: WorkerRegistry, policy_state: dict[str, dict[str, int]]) -> bytes:
+        """The text exposition, with gauges taken from ``workers`` and the policy's
+        ``describe()`` now."""
         for w in workers.all():
             self.in_flight.labels(w.url).set(w.in_flight)
             self.healthy.labels(w.url).set(1 if w.healthy else 0)
-        for url, size in tree_sizes.items():
-            self.tree_size.labels(url).set(size)
+        for url, state in policy_state.items():
+            if "tree_size" in state:
+                self.tree_size.labels(url).set(state["tree_size"])
         return generate_latest(self.registry)

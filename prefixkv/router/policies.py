@@ -1,21 +1,29 @@
-"""Routing policies: small objects that pick one worker for a request.
+"""Routing policies: objects that pick one worker for a request and own whatever state they keep.
 
 Every policy has ``name`` and ``select(urls, loads, key) -> Decision``: ``urls`` are the
 candidate workers (healthy, not yet tried for this request), in registry order; ``loads`` maps each
-to its in-flight request count; ``key`` is the request's :class:`~prefixkv.router.tree.RouteKey`.
-``select`` records the choice in whatever state the policy keeps (the cache-aware trees), so it is
-called once per dispatch, retries included.
+to its in-flight request count; ``key`` is the request's :class:`~prefixkv.router.keys.RouteKey`.
+``select`` records the choice in the policy's own state, so it is called once per dispatch,
+retries included. The router tells a policy what it learns about the workers through two hooks,
+``on_worker_health(url, healthy)`` and ``on_worker_stats(url, stats, in_flight)``, and shows
+``describe()`` (per-worker extra fields) in ``GET /workers`` and ``/metrics``. The cache-aware
+policy, which keeps per-worker trees, lives in :mod:`prefixkv.router.cache_aware`.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from prefixkv.router.tree import PrefixTrees, RouteKey
+    from prefixkv.router.health import WorkerCacheStats
+    from prefixkv.router.keys import RouteKey
+
+__all__ = ["POLICY_NAMES", "Decision", "LeastLoadPolicy", "Policy", "RandomPolicy",
+           "RoundRobinPolicy", "StatelessPolicy", "check_candidates", "make_policy"]
 
 POLICY_NAMES = ("cache_aware", "round_robin", "least_load", "random")
 
@@ -25,14 +33,15 @@ class Decision:
     """A routing choice.
 
     ``reason`` is one of ``cache_hit`` (best match ratio above the threshold), ``balance`` (the
-    loads were imbalanced), ``least_load`` (no good match, or the least-load policy),
+    in-flight loads were imbalanced), ``share`` (a worker got far less than its share of recent
+    requests, e.g. it just came back), ``least_load`` (no good match, or the least-load policy),
     ``round_robin`` or ``random``. ``match_ratio`` is the chosen worker's estimated share of the
-    prompt already cached there (0.0 for policies that keep no trees).
+    prompt already cached there, ``None`` for policies that keep no trees.
     """
 
     url: str
     reason: str
-    match_ratio: float = 0.0
+    match_ratio: float | None = None
 
 
 class Policy(Protocol):
@@ -41,16 +50,45 @@ class Policy(Protocol):
     name: str
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
-        """Pick one of ``urls`` (non-empty)."""
+        """Pick one of ``urls`` (non-empty) and record the choice."""
+        ...
+
+    def on_worker_health(self, url: str, healthy: bool) -> None:
+        """``url`` left (``False``) or re-entered (``True``) the rotation."""
+        ...
+
+    def on_worker_stats(self, url: str, stats: WorkerCacheStats, in_flight: int) -> None:
+        """A prefixkv worker's real cache figures, read every health interval."""
+        ...
+
+    def describe(self) -> dict[str, dict[str, int]]:
+        """Per-worker state worth showing (e.g. tree sizes); empty when there is none."""
         ...
 
 
-def _check(urls: Sequence[str]) -> None:
+def check_candidates(urls: Sequence[str]) -> None:
+    """``ValueError`` when there is no candidate."""
     if not urls:
         raise ValueError("urls must name at least one candidate worker")
 
 
-class RoundRobinPolicy:
+class StatelessPolicy:
+    """Shared by the policies that learn nothing from the workers: the hooks ignore their news."""
+
+    name = "stateless"
+
+    def on_worker_health(self, url: str, healthy: bool) -> None:
+        """Nothing to update: the choice depends on the candidates and loads only."""
+
+    def on_worker_stats(self, url: str, stats: WorkerCacheStats, in_flight: int) -> None:
+        """Nothing to update."""
+
+    def describe(self) -> dict[str, dict[str, int]]:
+        """No per-worker state."""
+        return {}
+
+
+class RoundRobinPolicy(StatelessPolicy):
     """Each candidate in turn (a counter over dispatches, modulo the candidates)."""
 
     name = "round_robin"
@@ -59,13 +97,13 @@ class RoundRobinPolicy:
         self._next = 0
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
-        _check(urls)
+        check_candidates(urls)
         url = urls[self._next % len(urls)]
         self._next += 1
         return Decision(url, "round_robin")
 
 
-class RandomPolicy:
+class RandomPolicy(StatelessPolicy):
     """A uniformly random candidate, from the ``rng`` passed in."""
 
     name = "random"
@@ -74,11 +112,11 @@ class RandomPolicy:
         self._rng = rng or random.Random()
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
-        _check(urls)
+        check_candidates(urls)
         return Decision(self._rng.choice(list(urls)), "random")
 
 
-class LeastLoadPolicy:
+class LeastLoadPolicy(StatelessPolicy):
     """The candidate with the fewest requests in flight; ties rotate, so idle workers share."""
 
     name = "least_load"
@@ -87,88 +125,37 @@ class LeastLoadPolicy:
         self._turn = 0
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
-        _check(urls)
+        check_candidates(urls)
         least = min(loads.get(u, 0) for u in urls)
         tied = [u for u in urls if loads.get(u, 0) == least]
         self._turn += 1
         return Decision(tied[self._turn % len(tied)], "least_load")
 
 
-class CacheAwarePolicy:
-    """SGLang's cache-aware policy (seed 003) over per-worker approximate prefix trees.
-
-    1. If the loads are imbalanced (``max - min > balance_abs_threshold`` and
-       ``max > min * balance_rel_threshold``), the least-loaded candidate (reason ``balance``).
-    2. Else, if the best match ratio exceeds ``cache_threshold``, the candidate with the longest
-       match (ties: least load, then smallest tree) (reason ``cache_hit``).
-    3. Else the least-loaded candidate, ties to the smallest tree: the worker with most room for
-       a new prefix (reason ``least_load``).
-
-    The chosen worker's tree then records the prompt. Owns nothing but a reference to ``trees``.
-    """
-
-    name = "cache_aware"
-
-    def __init__(
-        self,
-        trees: PrefixTrees,
-        *,
-        cache_threshold: float = 0.5,
-        balance_abs_threshold: int = 32,
-        balance_rel_threshold: float = 1.5,
-    ) -> None:
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold!r}")
-        if balance_abs_threshold < 0:
-            raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold!r}")
-        if balance_rel_threshold < 1.0:
-            raise ValueError(f"balance_rel_threshold must be >= 1, got {balance_rel_threshold!r}")
-        self.trees = trees
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-
-    def is_imbalanced(self, loads: Sequence[int]) -> bool:
-        """SGLang's test: both the absolute and the relative gap exceed their thresholds."""
-        hi, lo = max(loads), min(loads)
-        return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
-
-    def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
-        _check(urls)
-        load = {u: loads.get(u, 0) for u in urls}
-        matched = self.trees.match(key, urls)
-        ratio = {u: (matched[u] / len(key) if len(key) else 0.0) for u in urls}
-        if self.is_imbalanced(list(load.values())):
-            url = min(urls, key=lambda u: load[u])
-            reason = "balance"
-        elif max(ratio.values()) > self.cache_threshold:
-            url = min(urls, key=lambda u: (-matched[u], load[u], self.trees.size(u)))
-            reason = "cache_hit"
-        else:
-            url = min(urls, key=lambda u: (load[u], self.trees.size(u)))
-            reason = "least_load"
-        self.trees.insert(url, key)
-        return Decision(url, reason, ratio[url])
-
-
 def make_policy(
     name: str,
+    urls: Sequence[str],
     *,
-    trees: PrefixTrees | None = None,
     cache_threshold: float = 0.5,
     balance_abs_threshold: int = 32,
     balance_rel_threshold: float = 1.5,
+    balance_window: int = 128,
+    max_tree_size: int = 4096,
+    eviction_interval: float = 60.0,
     rng: random.Random | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Policy:
-    """Build a policy by name (``POLICY_NAMES``); ``cache_aware`` needs ``trees``."""
+    """Build a policy by name (``POLICY_NAMES``) for the workers ``urls``.
+
+    The cache-aware settings (``max_tree_size`` in key chunks) are ignored by the others.
+    """
     if name == "cache_aware":
-        if trees is None:
-            raise ValueError("trees is required for the cache_aware policy")
+        from prefixkv.router.cache_aware import CacheAwarePolicy
+
         return CacheAwarePolicy(
-            trees,
-            cache_threshold=cache_threshold,
-            balance_abs_threshold=balance_abs_threshold,
-            balance_rel_threshold=balance_rel_threshold,
+            urls, cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
+            balance_rel_threshold=balance_rel_threshold, balance_window=balance_window,
+            max_tree_size=max_tree_size, eviction_interval=eviction_interval, clock=clock,
         )
     if name == "round_robin":
         return RoundRobinPolicy()

@@ -1,25 +1,30 @@
 """The router's proxy core: :class:`Router` sends each request to the worker its policy picks.
 
-Contract. :class:`Router` owns the worker registry (health, in-flight load), the policy and its
-approximate prefix trees, the router metrics and the HTTP client to the workers. It forwards a
-request body unchanged to one worker and returns the worker's answer (SSE streams passed through
-as they arrive) with an ``x-prefixkv-worker`` header naming the worker. It parses no request
-bodies: the HTTP front (:mod:`prefixkv.router.app`) validates them and builds the route keys.
+Contract. :class:`Router` owns the worker registry (load, circuit breakers), the policy (which
+owns its own state, e.g. the cache-aware trees), the router metrics and the HTTP client to the
+workers. It forwards a request body unchanged to one worker and returns the worker's answer (SSE
+streams passed through as they arrive) with an ``x-prefixkv-worker`` header naming the worker. It
+parses no request bodies: the HTTP front (:mod:`prefixkv.router.app`) validates them and builds
+the route keys.
 
-Failures. A dispatch that fails before the worker starts answering (connection refused or reset,
-the worker died) or that the worker answers with a 5xx is sent again to another healthy worker,
-each worker at most once per request; nothing has reached the client yet, so streamed requests
-are retried too. A connection failure also takes the worker out of rotation until its
-``/health`` answers again (the health loop); requests still waiting on a worker that leaves the
+Failures. An answer the worker blames on the request is passed to the client as it is (status
+and body), never retried, and does not count against the worker: every 4xx, and a 5xx that
+carries ``X-Prefixkv-Error-Cause: request``. A dispatch that fails before the worker starts
+answering (connection refused, reset or dropped: the worker died) or that gets any other 5xx
+(e.g. 503 from a dead engine) is sent again to another healthy worker, each worker at most once
+per request; nothing has reached the client yet, so streamed requests are retried too. Such a
+failure counts towards the worker's circuit breaker and triggers an immediate ``/health`` probe
+(see :mod:`prefixkv.router.workers`); requests still waiting on a worker that leaves the
 rotation (it stopped answering its probes) are abandoned there and sent elsewhere. A stream that
 breaks midway (or whose worker leaves the rotation) ends with an SSE error event. Only when every
 healthy worker failed does the client see the error (503 if none was left).
 
-Load. A worker's in-flight count rises when a request is sent to it and falls when that attempt
-is over: answer read, attempt failed, or stream ended (a stream's relay owns the count).
+Cancellation. When the client goes away, the HTTP front cancels :meth:`Router.dispatch` (or
+Starlette closes the relayed stream); either way the upstream response is closed at once, so
+the worker sees its client leave and aborts the request.
 
-Sharpening. For prefixkv workers the router also reads ``GET /v1/cache/stats`` every health
-interval and aligns the worker's approximate tree with its real cache (see ``Router._sharpen``).
+Load. A worker's in-flight count rises when a request is sent to it and falls when that attempt
+is over: answer read, attempt failed or cancelled, or stream ended (a stream's relay owns it).
 """
 
 from __future__ import annotations
@@ -31,111 +36,56 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from prefixkv.router.config import RouterConfig
+from prefixkv.router.errors import error_body, error_response
+from prefixkv.router.health import WorkerCacheStats, fetch_cache_stats, health_loop, probe
+from prefixkv.router.keys import RouteKey
 from prefixkv.router.metrics import RouterMetrics
-from prefixkv.router.policies import POLICY_NAMES, make_policy
-from prefixkv.router.tree import PrefixTrees, RouteKey
-from prefixkv.router.workers import (
-    WorkerCacheStats,
-    WorkerRegistry,
-    fetch_cache_stats,
-    health_loop,
-    normalize_worker_url,
-    probe,
-)
+from prefixkv.router.policies import Policy, make_policy
+from prefixkv.router.workers import WorkerRegistry
 
 log = logging.getLogger("prefixkv.router")
 
 T = TypeVar("T")
 WORKER_HEADER = "x-prefixkv-worker"
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """Everything the router needs, validated once (``ValueError`` naming the bad field).
-
-    Times are in seconds. ``eviction_interval == 0`` trims the trees after every insert.
-    """
-
-    worker_urls: tuple[str, ...]
-    policy: str = "cache_aware"
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.5
-    max_tree_size: int = 2**18
-    eviction_interval: float = 60.0
-    health_check_interval: float = 10.0
-    health_check_timeout: float = 5.0
-    request_timeout: float = 600.0
-    seed: int | None = field(default=None)
-
-    def __post_init__(self) -> None:
-        urls = tuple(normalize_worker_url(u) for u in self.worker_urls)
-        object.__setattr__(self, "worker_urls", urls)
-        if not urls:
-            raise ValueError("worker_urls must name at least one worker")
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {list(POLICY_NAMES)}, got {self.policy!r}")
-        if self.max_tree_size <= 0:
-            raise ValueError(f"max_tree_size must be > 0, got {self.max_tree_size!r}")
-        for name in ("health_check_interval", "health_check_timeout", "request_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+ERROR_CAUSE_HEADER = "x-prefixkv-error-cause"
 
 
 class WorkerGone(Exception):
     """A request's worker left the rotation before answering (raised by ``Router._send``)."""
 
 
-def error_body(message: str, *, type_: str, param: str | None = None,
-               code: str | None = None) -> dict[str, dict[str, str | None]]:
-    """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(status: int, message: str, *, type_: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    """An OpenAI-style error answer with HTTP status ``status``."""
-    return JSONResponse(error_body(message, type_=type_, param=param, code=code),
-                        status_code=status)
-
-
 class Router:
-    """Owns the worker registry, the policy (and its trees), the metrics and the HTTP client.
+    """Owns the worker registry, the policy, the metrics and the HTTP client.
 
     :meth:`start` / :meth:`stop` run inside the app's lifespan; everything else runs on its loop.
     """
 
     def __init__(self, config: RouterConfig, *, clock: Callable[[], float] = time.monotonic):
         self.config = config
-        self.workers = WorkerRegistry(config.worker_urls)
-        self.trees: PrefixTrees | None = None
-        if config.policy == "cache_aware":
-            self.trees = PrefixTrees(
-                self.workers.urls, max_size=config.max_tree_size,
-                eviction_interval=config.eviction_interval, clock=clock,
-            )
-        self.policy = make_policy(
-            config.policy, trees=self.trees, cache_threshold=config.cache_threshold,
+        self.workers = WorkerRegistry(config.worker_urls,
+                                      failure_threshold=config.failure_threshold)
+        self.policy: Policy = make_policy(
+            config.policy, self.workers.urls, cache_threshold=config.cache_threshold,
             balance_abs_threshold=config.balance_abs_threshold,
             balance_rel_threshold=config.balance_rel_threshold,
-            rng=random.Random(config.seed),
+            balance_window=config.balance_window, max_tree_size=config.max_tree_chunks,
+            eviction_interval=config.eviction_interval, rng=random.Random(config.seed),
+            clock=clock,
         )
-        self.metrics = RouterMetrics(config.policy)
+        self.metrics = RouterMetrics()
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._probing: dict[str, asyncio.Task[None]] = {}
         # set when a worker leaves the rotation: requests waiting on it are sent elsewhere
         self._gone = {url: asyncio.Event() for url in self.workers.urls}
-        # key elements routed to each worker, and (elements, worker prompt tokens) when its
-        # cache stats were first seen: their growth gives key elements per worker token
-        self._routed = dict.fromkeys(self.workers.urls, 0)
-        self._baseline: dict[str, tuple[int, int]] = {}
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -144,7 +94,7 @@ class Router:
         return self._client
 
     async def start(self) -> None:
-        """Open the client, probe every worker once, start the health and trim loops."""
+        """Open the client, probe every worker once, start the health and stats loops."""
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.config.request_timeout, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
@@ -154,35 +104,30 @@ class Router:
             *(probe(self.client, u, cfg.health_check_timeout) for u in self.workers.urls)
         )
         for url, error in zip(self.workers.urls, results):
-            if error is not None:
-                self._set_health(url, False, error)
+            if error is not None and self.workers.mark_down(url, error):
+                self._on_health_change(url, False)
         self._tasks.append(asyncio.create_task(health_loop(
             self.workers, self.client, interval=cfg.health_check_interval,
             timeout=cfg.health_check_timeout, on_change=self._on_health_change,
         )))
-        if self.trees is not None:
-            self._tasks.append(asyncio.create_task(self._sharpen_loop(self.trees)))
-            if cfg.eviction_interval > 0:
-                self._tasks.append(asyncio.create_task(self._trim_loop(self.trees)))
+        self._tasks.append(asyncio.create_task(self._stats_loop()))
 
     async def stop(self) -> None:
-        """Cancel the loops and close the client."""
-        for task in self._tasks:
+        """Cancel the loops and probes and close the client."""
+        tasks = self._tasks + list(self._probing.values())
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self._probing.clear()
         if self._client is not None:
             await self._client.aclose()
 
-    async def _trim_loop(self, trees: PrefixTrees) -> None:
-        while True:
-            await asyncio.sleep(self.config.eviction_interval)
-            evicted = trees.trim()
-            log.debug("trimmed %d elements from the approximate trees", evicted)
-
-    async def _sharpen_loop(self, trees: PrefixTrees) -> None:
+    async def _stats_loop(self) -> None:
+        """Every health interval, hand each healthy prefixkv worker's cache figures to the
+        policy (workers without ``/v1/cache/stats`` are left alone)."""
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.health_check_interval)
@@ -192,39 +137,37 @@ class Router:
             )
             for url, st in zip(urls, stats):
                 if st is not None:
-                    self._sharpen(trees, url, st)
+                    self.on_worker_stats(url, st)
 
-    def _sharpen(self, trees: PrefixTrees, url: str, st: WorkerCacheStats) -> None:
-        """Align ``url``'s tree with its prefixkv worker's real cache: bound it by the worker's
-        KV capacity (in key elements, at the measured elements-per-token rate, once 1,000 prompt
-        tokens were seen), and empty it when the worker's cache is empty with nothing in flight
-        (an admin reset, a quick restart, or prefix caching off)."""
-        routed = self._routed[url]
-        base = self._baseline.get(url)
-        if base is None or st.prompt_tokens < base[1]:  # first look, or the worker restarted
-            self._baseline[url] = base = (routed, st.prompt_tokens)
-        tokens = st.prompt_tokens - base[1]
-        if tokens >= 1000 and routed > base[0]:
-            trees.set_max_size(url, int(st.capacity_tokens * (routed - base[0]) / tokens))
-        if st.cached_blocks == 0 and self.workers[url].in_flight == 0:
-            trees.reset(url)
+    def on_worker_stats(self, url: str, stats: WorkerCacheStats) -> None:
+        """Pass a worker's cache figures (with its in-flight count) to the policy."""
+        self.policy.on_worker_stats(url, stats, self.workers[url].in_flight)
 
     def _on_health_change(self, url: str, healthy: bool) -> None:
-        self._baseline.pop(url, None)
         if healthy:
             self._gone[url] = asyncio.Event()
         else:
             self._gone[url].set()
-        if self.trees is not None:
-            self.trees.reset(url)  # down: its cache is gone or unknown; up: starts empty
-        if not healthy:
             self.metrics.observe_failure(url, "probe")
+        self.policy.on_worker_health(url, healthy)
         log.warning("worker %s is %s", url, "back in rotation" if healthy else "out of rotation")
 
-    def _set_health(self, url: str, healthy: bool, error: str = "") -> None:
-        changed = self.workers.mark_up(url) if healthy else self.workers.mark_down(url, error)
-        if changed:
-            self._on_health_change(url, healthy)
+    def _dispatch_failed(self, url: str, kind: str, error: str) -> None:
+        """Count a failed dispatch against ``url``'s breaker and probe it at once."""
+        self.metrics.observe_failure(url, kind)
+        if self.workers.record_failure(url, error):
+            self._on_health_change(url, False)
+        elif self.workers[url].healthy and url not in self._probing:
+            task = asyncio.create_task(self._probe_now(url))
+            self._probing[url] = task
+
+    async def _probe_now(self, url: str) -> None:
+        try:
+            error = await probe(self.client, url, self.config.health_check_timeout)
+            if error is not None and self.workers.mark_down(url, error):
+                self._on_health_change(url, False)
+        finally:
+            self._probing.pop(url, None)
 
     async def _until_gone(self, url: str, step: Awaitable[T]) -> T:
         """Await ``step`` (a send, a chunk read) on ``url``'s connection, abandoning it with
@@ -238,8 +181,10 @@ class Router:
             gone.cancel()
             if not task.done():  # the worker left, or this request was cancelled
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                # let the step unwind (its connection closes) before anything else touches it,
+                # even when an anyio scope (Starlette's disconnect) keeps cancelling this task
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait({task})
         if task.cancelled():
             raise WorkerGone(url)
         return task.result()
@@ -258,26 +203,29 @@ class Router:
                 self.metrics.retries.inc()
             tried.append(url)
             self.metrics.observe_dispatch(url, decision.reason, decision.match_ratio)
-            self._routed[url] += len(key)
             self.workers.begin(url)
             request = self.client.build_request("POST", url + path, content=raw, headers=fwd)
             relayed = False  # once True, _relay owns resp and the in-flight count
             try:
-                resp = await self._until_gone(url, self.client.send(request, stream=True))
-                if resp.status_code < 500 and stream:
+                # a plain request is sent and read in one step (the body read included)
+                resp = await self._until_gone(url, self.client.send(request, stream=stream))
+                retry = _worker_caused(resp)
+                if stream and not retry:
                     relayed = True
+                    self.workers.record_success(url)
                     return StreamingResponse(
                         self._relay(resp, url), status_code=resp.status_code,
                         media_type=resp.headers.get("content-type"),
-                        headers={WORKER_HEADER: url},
+                        headers=_answer_headers(resp, url),
                     )
-                try:
-                    content = await self._until_gone(url, resp.aread())
-                finally:
-                    await resp.aclose()
+                if stream:
+                    try:
+                        await self._until_gone(url, resp.aread())
+                    finally:
+                        await resp.aclose()
+                content = resp.content
             except httpx.TransportError as exc:
-                self.metrics.observe_failure(url, "connect")
-                self._set_health(url, False, f"{type(exc).__name__}: {exc}")
+                self._dispatch_failed(url, "connect", f"{type(exc).__name__}: {exc}")
                 continue
             except WorkerGone:
                 self.metrics.observe_failure(url, "abandoned")
@@ -285,13 +233,13 @@ class Router:
             finally:
                 if not relayed:
                     self.workers.end(url)
-            answer = Response(
-                content, status_code=resp.status_code,
-                media_type=resp.headers.get("content-type"), headers={WORKER_HEADER: url},
-            )
-            if resp.status_code < 500:
+            answer = Response(content, status_code=resp.status_code,
+                              media_type=resp.headers.get("content-type"),
+                              headers=_answer_headers(resp, url))
+            if not retry:
+                self.workers.record_success(url)
                 return answer
-            self.metrics.observe_failure(url, "status_5xx")
+            self._dispatch_failed(url, "status_5xx", f"answered {resp.status_code}")
             last_5xx = answer
         if last_5xx is not None:
             return last_5xx
@@ -300,7 +248,11 @@ class Router:
                               code="no_healthy_worker")
 
     async def _relay(self, resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
-        """Pass a worker's stream through; owns ``resp`` and the worker's in-flight count."""
+        """Pass a worker's stream through; owns ``resp`` and the worker's in-flight count.
+
+        Closed early (the client left: Starlette cancels the stream), it still closes ``resp``
+        at once, shielded from that cancellation, so the worker sees its client go away.
+        """
         chunks = resp.aiter_raw()
         try:
             while True:
@@ -310,15 +262,17 @@ class Router:
                     break
                 yield chunk
         except (httpx.TransportError, WorkerGone) as exc:
-            self.metrics.observe_failure(url, "stream")
             if isinstance(exc, httpx.TransportError):
-                self._set_health(url, False, f"{type(exc).__name__}: {exc}")
+                self._dispatch_failed(url, "stream", f"{type(exc).__name__}: {exc}")
+            else:
+                self.metrics.observe_failure(url, "stream")
             err = error_body(f"worker {url} failed mid-stream: {exc}", type_="worker_error",
                              code="worker_failed")
             yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
-            await resp.aclose()
             self.workers.end(url)
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
 
     async def models(self) -> Response:
         """``GET /v1/models`` answered by the first healthy worker that answers."""
@@ -332,12 +286,24 @@ class Router:
                               code="no_healthy_worker")
 
     def describe(self) -> list[dict[str, Any]]:
-        """The router's view of each worker (``GET /workers``)."""
-        sizes = self.trees.sizes() if self.trees is not None else {}
-        bounds = self.trees.max_sizes() if self.trees is not None else {}
+        """The router's view of each worker (``GET /workers``), with the policy's fields."""
+        extra = self.policy.describe()
         return [
-            {"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
-             "failures": w.failures, "last_error": w.last_error, "tree_size": sizes.get(w.url),
-             "tree_bound": bounds.get(w.url)}
+            {"url": w.url, "healthy": w.healthy, "breaker": w.state, "in_flight": w.in_flight,
+             "routed": w.routed, "failures": w.failures, "last_error": w.last_error,
+             **extra.get(w.url, {})}
             for w in self.workers.all()
         ]
+
+
+def _worker_caused(resp: httpx.Response) -> bool:
+    """A 5xx the worker did not blame on the request (those are retried elsewhere)."""
+    return resp.status_code >= 500 and resp.headers.get(ERROR_CAUSE_HEADER) != "request"
+
+
+def _answer_headers(resp: httpx.Response, url: str) -> dict[str, str]:
+    headers = {WORKER_HEADER: url}
+    cause = resp.headers.get(ERROR_CAUSE_HEADER)
+    if cause is not None:
+        headers[ERROR_CAUSE_HEADER] = cause
+    return headers

@@ -64,6 +64,7 @@ def engine_gauges(s: EngineStats) -> EngineGauges:
         evicted_blocks=c.evicted_blocks if c else 0,
         query_hit_rate=c.query_hit_rate if c else 0.0,
         token_hit_rate=c.token_hit_rate if c else 0.0,
+        tiers=tuple(s.tiers or ()),
     )
 
 

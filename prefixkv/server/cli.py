@@ -70,6 +70,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default by device)")
     add_vllm_flags(p)
+    t = p.add_argument_group("KV tiers (docs/tiers.md)")
+    t.add_argument("--kv-offload-size", default=None, metavar="SIZE",
+                   help="host-memory tier below the pool: blocks (512) or bytes ('2GiB'); blocks "
+                        "evicted from the pool are kept there (default: off)")
+    t.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="disk tier: one checksummed file per block, kept across restarts")
+    t.add_argument("--kv-disk-size", default=None, metavar="SIZE",
+                   help="disk tier capacity: blocks or bytes (default 10GiB)")
+    t.add_argument("--kv-remote", default=None, metavar="URL",
+                   help="shared tier on Valkey/Redis, redis://host:port[/db]: workers on it "
+                        "reuse each other's prefixes")
+    t.add_argument("--kv-remote-timeout", type=float, default=0.5, metavar="SECONDS",
+                   help="a remote call slower than this counts as down (default 0.5)")
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,6 +104,11 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "hash_algo": args.hash_algo,
         "max_pinned_blocks": args.max_pinned_blocks,
         "max_pinned_blocks_per_tenant": args.max_pinned_blocks_per_tenant,
+        "kv_offload_size": args.kv_offload_size,
+        "kv_disk_dir": args.kv_disk_dir,
+        "kv_disk_size": args.kv_disk_size,
+        "kv_remote": args.kv_remote,
+        "kv_remote_timeout": args.kv_remote_timeout,
         **vllm_kwargs(args),
     }
 
@@ -175,6 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     def stop_engine() -> None:
         engine.shutdown()
+        engine.engine.close()  # queued disk/remote tier writes land before exit
         print("prefixkv: engine stopped", flush=True)
 
     try:
@@ -311,6 +330,13 @@ def _cache_stats(args: argparse.Namespace) -> int:
         (f"  Prompt Tokens: {d['num_prompt_tokens']} ({d['num_cached_prompt_tokens']} from "
          f"cache, {100 * d['prefix_cache_hit_rate']:.1f}%)"),
     ]
+    for t in d.get("tiers") or []:  # lower KV tiers (docs/tiers.md)
+        cap = f"/{t['capacity_blocks']}" if t["capacity_blocks"] else ""
+        mean = 1000 * t["load_seconds"] / t["hits"] if t["hits"] and t["tier"] != "pool" else 0.0
+        lines.append(
+            f"  Tier {t['tier']}: {t['hits']} block hits ({t['hit_tokens']} tokens"
+            + (f", {mean:.2f}ms/block" if mean else "") + f"), holds {t['occupancy_blocks']}"
+            f"{cap} blocks, {t['evictions']} evictions, {t['errors']} errors")
     return _show(args, d, "\n".join(lines))
 
 

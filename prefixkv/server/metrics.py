@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixkv.tiers.stats import TierStats
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (
@@ -55,6 +57,7 @@ class EngineGauges:
     evicted_blocks: int
     query_hit_rate: float
     token_hit_rate: float
+    tiers: tuple[TierStats, ...] = ()
 
 
 class _EngineCollector(Collector):
@@ -98,6 +101,32 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_evictions", "Eviction calls that freed blocks.", s.evictions)
         yield counter("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache.",
                       s.evicted_blocks)
+        yield from _tier_metrics(self._model, s.tiers)
+
+
+_TIER_SERIES = (  # (name, kind, TierStats field, help); one series per tier (label "tier")
+    ("kv_tier_hits", "counter", "hits", "Blocks requests took from this KV tier."),
+    ("kv_tier_hit_tokens", "counter", "hit_tokens", "Prompt tokens served from this KV tier."),
+    ("kv_tier_stored_bytes", "counter", "stored_bytes", "Bytes written into this KV tier."),
+    ("kv_tier_loaded_bytes", "counter", "loaded_bytes", "Bytes loaded from this tier into the pool."),
+    ("kv_tier_load_seconds", "counter", "load_seconds", "Seconds spent loading from this tier."),
+    ("kv_tier_evictions", "counter", "evictions", "Blocks this tier dropped for room."),
+    ("kv_tier_errors", "counter", "errors", "Failed calls to this tier (remote down, disk I/O)."),
+    ("kv_tier_corrupt", "counter", "corrupt", "Stored blocks rejected by the checksum check."),
+    ("kv_tier_occupancy_blocks", "gauge", "occupancy_blocks", "Blocks this tier holds now."),
+    ("kv_tier_capacity_blocks", "gauge", "capacity_blocks", "Blocks this tier can hold (0: unknown)."),
+)
+
+
+def _tier_metrics(model: str, tiers: tuple[TierStats, ...]) -> Iterator[Metric]:
+    if not tiers:
+        return
+    for name, kind, field, doc in _TIER_SERIES:
+        family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        m = family(f"prefixkv:{name}", doc, labels=["model_name", "tier"])
+        for t in tiers:
+            m.add_metric([model, t.tier], float(getattr(t, field)))
+        yield m
 
 
 class ServerMetrics:

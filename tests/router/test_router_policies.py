@@ -6,30 +6,34 @@ import random
 
 import pytest
 
+from prefixkv.router.cache_aware import CacheAwarePolicy
+from prefixkv.router.health import WorkerCacheStats
+from prefixkv.router.keys import completion_key
 from prefixkv.router.policies import (
-    CacheAwarePolicy,
     LeastLoadPolicy,
     RandomPolicy,
     RoundRobinPolicy,
     make_policy,
 )
-from prefixkv.router.tree import PrefixTrees, completion_key
 
 URLS = ["http://a", "http://b", "http://c"]
 IDLE = dict.fromkeys(URLS, 0)
 
 
 def key(text: str):
-    return completion_key({"model": "m", "prompt": text})
+    return completion_key({"model": "m", "prompt": text}, 8)
 
 
 def cache_aware(**kw) -> CacheAwarePolicy:
-    return CacheAwarePolicy(PrefixTrees(URLS, max_size=10_000, eviction_interval=0), **kw)
+    kw.setdefault("eviction_interval", 0)
+    kw.setdefault("max_tree_size", 10_000)
+    return CacheAwarePolicy(URLS, **kw)
 
 
 def test_round_robin_cycles() -> None:
     p = RoundRobinPolicy()
     assert [p.select(URLS, IDLE, key("x")).url for _ in range(4)] == URLS + URLS[:1]
+    assert p.describe() == {} and p.select(URLS, IDLE, key("x")).match_ratio is None
 
 
 def test_least_load_picks_min_and_rotates_ties() -> None:
@@ -51,17 +55,22 @@ def test_cache_aware_follows_the_prefix() -> None:
     loads = {u: (5 if u == first.url else 0) for u in URLS}  # busier, but within thresholds
     again = p.select(URLS, loads, key("system prompt " * 10 + "question 2"))
     assert again.url == first.url and again.reason == "cache_hit"
-    assert 0.8 < again.match_ratio < 1.0
+    assert again.match_ratio is not None and 0.8 < again.match_ratio < 1.0
 
 
-def test_cache_aware_below_threshold_goes_to_least_loaded_then_smallest_tree() -> None:
+def test_new_prefixes_go_to_the_least_loaded_then_fewest_recent_then_smallest_tree() -> None:
     p = cache_aware(cache_threshold=0.5)
-    p.select(URLS, IDLE, key("aaaa" * 30))  # -> a (all idle, all trees empty)
-    d = p.select(URLS, IDLE, key("zz" * 100))  # no match anywhere: b's tree is smaller than a's
+    assert p.select(URLS, IDLE, key("aaaa" * 30)).url == "http://a"  # all equal: first
+    d = p.select(URLS, IDLE, key("zz" * 100))  # a got one recently: b
     assert d.reason == "least_load" and d.url == "http://b"
-    half = key("aaaa" * 30 + "q" * 120)  # matches a at exactly 0.5: not above the threshold
-    d = p.select(URLS, {"http://a": 0, "http://b": 1, "http://c": 0}, half)
-    assert d.reason == "least_load" and d.url == "http://c"
+    d = p.select(URLS, {"http://a": 1, "http://b": 1, "http://c": 0}, key("yy" * 10))
+    assert d.url == "http://c"  # least in flight first
+    d = p.select(URLS, IDLE, key("ww" * 10))
+    assert d.url == "http://c"  # recent all 1: the smallest tree (c's 3 chunks)
+    d = p.select(URLS, IDLE, key("vv" * 10))
+    assert d.url == "http://a"  # a and b have 1 recent, c 2: a's tree (15) < b's (25)
+    half = key("aaaa" * 30 + "q" * 128)  # a: 15 chunks + half of one = 124 of 248 bytes
+    assert p.select(URLS, IDLE, half).reason == "least_load"
 
 
 def test_balance_needs_both_thresholds() -> None:
@@ -80,25 +89,90 @@ def test_balance_needs_both_thresholds() -> None:
     assert p.is_imbalanced([7, 1, 3]) and not p.is_imbalanced([5, 1, 3])
 
 
+def test_a_worker_that_comes_back_gets_its_share_although_every_prompt_matches_elsewhere() -> None:
+    p = cache_aware(balance_window=60)
+    history = [f"session {i} " * 12 for i in range(6)]  # each turn extends its session
+
+    def turn(candidates: list[str], t: int):
+        i = t % 6
+        history[i] += f" turn {t}"
+        return p.select(candidates, IDLE, key(history[i]))
+
+    for t in range(60):  # b is out of rotation: a and c take every session
+        turn(["http://a", "http://c"], t)
+    # b is back (its tree is empty): every prompt matches on a or c, loads are equal
+    got = [turn(URLS, t) for t in range(60, 240)]
+    assert got[0].url == "http://b" and got[0].reason == "share"
+    assert got[6].url == "http://b" and got[6].reason == "cache_hit"  # the moved session stays
+    later = got[-60:]
+    counts = {u: sum(d.url == u for d in later) for u in URLS}
+    assert min(counts.values()) >= 5  # nobody below a quarter of a fair share (60 / 3 / 4)
+    assert counts["http://b"] >= 10  # b took sessions back
+    assert not any(d.reason == "share" for d in later)  # settled: no see-saw
+    assert sum(d.reason == "share" for d in got) <= 3
+
+
+def test_share_test_needs_a_starved_worker_and_one_above_its_share() -> None:
+    p = cache_aware(balance_window=60)  # fair share: 60 / 3 = 20
+    assert not p.share_imbalanced(20, 20)
+    assert not p.share_imbalanced(30, 5)  # 5 is a quarter of a fair share: not starved
+    assert p.share_imbalanced(30, 4)
+    assert not p.share_imbalanced(20, 0)  # the busiest is not above its share
+    assert not cache_aware(balance_window=0).share_imbalanced(50, 0)
+
+
 def test_cache_aware_records_the_choice_in_the_chosen_tree_only() -> None:
     p = cache_aware()
-    d = p.select(URLS[1:], IDLE, key("only on the candidate"))
+    k = key("only on the candidate")
+    d = p.select(URLS[1:], IDLE, k)
     assert d.url == "http://b"
-    assert p.trees.sizes()["http://b"] == len(key("only on the candidate"))
-    assert p.trees.sizes()["http://a"] == 0
+    state = p.describe()
+    assert state["http://b"]["tree_size"] == len(k) and state["http://a"]["tree_size"] == 0
+
+
+def test_trees_survive_health_changes_and_follow_worker_stats() -> None:
+    p = cache_aware(max_tree_size=1000)
+    k = key("x" * 400)  # 32 chunks of 8 bytes, then 9 of 16: 41
+    p.select(["http://a"], IDLE, k)
+    p.on_worker_health("http://a", False)
+    p.on_worker_health("http://a", True)
+    assert p.trees["http://a"].match(k) == 41  # one dropped connection empties nothing
+    stats = WorkerCacheStats(capacity_tokens=200, cached_blocks=5, prompt_tokens=100)
+    p.on_worker_stats("http://a", stats, in_flight=0)  # the baseline
+    p.select(["http://a"], IDLE, key("y" * 400))
+    p.on_worker_stats("http://a", WorkerCacheStats(200, 5, 1100), in_flight=0)
+    # 41 chunks per 1000 tokens: a 200-token cache holds about 8 chunks
+    assert p.trees["http://a"].max_size == 8 and p.trees["http://a"].size == 8
+    p.on_worker_stats("http://a", WorkerCacheStats(200, 5, 20), in_flight=1)  # restarted
+    assert p.trees["http://a"].size == 0
+    p.select(["http://a"], IDLE, k)
+    p.on_worker_stats("http://a", WorkerCacheStats(200, 0, 30), in_flight=1)  # busy: keep
+    assert p.trees["http://a"].size > 0
+    p.on_worker_stats("http://a", WorkerCacheStats(200, 0, 30), in_flight=0)  # reset
+    assert p.trees["http://a"].size == 0
+
+
+def test_trees_trim_every_eviction_interval() -> None:
+    now = [0.0]
+    p = cache_aware(max_tree_size=5, eviction_interval=10, clock=lambda: now[0])
+    p.select(["http://a"], IDLE, key("z" * 80))  # 10 chunks, above the bound until a trim
+    assert p.trees["http://a"].size == 10
+    now[0] = 11
+    p.select(["http://b"], IDLE, key("w"))
+    assert p.trees["http://a"].size == 5
 
 
 def test_make_policy_and_validation() -> None:
-    trees = PrefixTrees(URLS, max_size=100, eviction_interval=0)
-    assert make_policy("cache_aware", trees=trees).name == "cache_aware"
-    assert make_policy("least_load").name == "least_load"
+    assert make_policy("cache_aware", URLS).name == "cache_aware"
+    assert make_policy("least_load", URLS).name == "least_load"
     with pytest.raises(ValueError, match="policy"):
-        make_policy("fastest")
-    with pytest.raises(ValueError, match="trees"):
-        make_policy("cache_aware")
-    with pytest.raises(ValueError, match="cache_threshold"):
-        cache_aware(cache_threshold=1.5)
-    with pytest.raises(ValueError, match="balance_rel_threshold"):
-        cache_aware(balance_rel_threshold=0.5)
+        make_policy("fastest", URLS)
+    for bad, match in [({"cache_threshold": 1.5}, "cache_threshold"),
+                       ({"balance_rel_threshold": 0.5}, "balance_rel_threshold"),
+                       ({"balance_abs_threshold": -1}, "balance_abs_threshold"),
+                       ({"balance_window": -1}, "balance_window"),
+                       ({"eviction_interval": -1}, "eviction_interval")]:
+        with pytest.raises(ValueError, match=match):
+            cache_aware(**bad)
     with pytest.raises(ValueError, match="urls"):
         RoundRobinPolicy().select([], IDLE, key("x"))

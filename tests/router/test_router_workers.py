@@ -7,13 +7,9 @@ import asyncio
 import httpx
 import pytest
 
-from prefixkv.router.workers import (
-    WorkerRegistry,
-    free_port,
-    normalize_worker_url,
-    probe,
-    wait_until_healthy,
-)
+from prefixkv.router.health import probe, wait_until_healthy
+from prefixkv.router.local import free_port
+from prefixkv.router.workers import WorkerRegistry, normalize_worker_url
 
 
 def test_normalize_worker_url() -> None:
@@ -36,6 +32,7 @@ def test_registry_counts_and_rotation() -> None:
     assert reg.healthy() == ["http://a:1"] and reg["http://b:2"].failures == 2
     assert reg.healthy(exclude=["http://a:1"]) == []
     assert reg.mark_up("http://b:2") is True and reg.healthy() == reg.urls
+    assert reg["http://b:2"].state == "half_open" and reg.mark_up("http://b:2") is False
     with pytest.raises(ValueError, match="duplicates"):
         WorkerRegistry(["http://a:1", "http://a:1/"])
     with pytest.raises(ValueError, match="at least one"):
@@ -55,3 +52,22 @@ def test_probe_and_wait_report_a_dead_worker() -> None:
     error, message = asyncio.run(run())
     assert error is not None and "Connect" in error
     assert dead in message and "not healthy" in message
+
+
+def test_breaker_opens_after_threshold_failures_in_a_row_and_half_opens_on_a_probe() -> None:
+    reg = WorkerRegistry(["http://a:1"], failure_threshold=3)
+    url = "http://a:1"
+    assert reg.record_failure(url, "reset") is False  # one dropped connection: still in
+    assert reg.record_failure(url, "reset") is False
+    reg.record_success(url)  # the count restarts
+    assert reg.record_failure(url, "reset") is False and reg.record_failure(url, "x") is False
+    assert reg.record_failure(url, "refused") is True  # third in a row: open
+    assert reg[url].state == "open" and reg.healthy() == [] and reg[url].failures == 5
+    assert reg.record_failure(url, "again") is False  # already open
+    assert reg.mark_up(url) is True and reg[url].state == "half_open"
+    assert reg.record_failure(url, "still bad") is True  # half open: one failure reopens
+    assert reg.mark_up(url) is True
+    reg.record_success(url)
+    assert reg[url].state == "closed" and reg[url].consecutive_failures == 0
+    with pytest.raises(ValueError, match="failure_threshold"):
+        WorkerRegistry([url], failure_threshold=0)

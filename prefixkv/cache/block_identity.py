@@ -1,0 +1,50 @@
+"""Process-local identities of a radix entry's blocks, for policies that remember blocks.
+
+A block's identity is a chained hash of its tokens (``hash((parent identity, block tokens))``
+from a policy's own root value), so the same prefix has the same identities wherever it is
+cached, and after it was evicted. Policies memoize them per node; :func:`fold_identities`
+folds from the deepest memoized ancestor, iteratively (paths can be long).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def fold_identities(
+    entry: Any,
+    root: int,
+    memoized: Callable[[Any], list[int] | None],
+    remember: Callable[[Any, list[int]], None],
+) -> list[int]:
+    """Identities of ``entry``'s blocks, shallowest first.
+
+    ``memoized(node)`` returns a node's identities if the policy has them; ``remember(node,
+    identities)`` is called for every node folded here (each ancestor up to the memoized one).
+    """
+    if not entry.num_blocks:
+        return []
+    chain = []
+    base: int | None = None
+    node = entry
+    while node is not None and not node.is_root:
+        got = memoized(node)
+        if got is not None:
+            if node is entry:
+                return got
+            base = got[-1]
+            break
+        chain.append(node)
+        node = node.parent
+    h = root if base is None else base
+    out: list[int] = []
+    for node in reversed(chain):
+        key, n = node.key, node.num_blocks
+        bs = len(key) // n
+        out = []
+        for j in range(n):
+            h = hash((h, tuple(key[j * bs:(j + 1) * bs])))
+            out.append(h)
+        remember(node, out)
+    return out

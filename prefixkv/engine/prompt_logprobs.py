@@ -1,0 +1,51 @@
+"""Prompt logprobs: the engine's model step, recording them for the requests that ask.
+
+A request with ``SamplingParams.prompt_logprobs`` does not read its prompt from the prefix
+cache (``KVManager.admit`` skips the match for sample 0 until its prompt is prefilled), so
+every prompt position is computed here and its logprobs are exact; the blocks still go into
+the cache for later requests. A recompute after preemption overwrites the same entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixkv.engine.sampling import SeqSampler
+from prefixkv.engine.sequence import Sequence as Seq
+from prefixkv.runner.logits_processors import token_logprobs
+from prefixkv.runner.model_runner import ModelRunner, RunItem
+from prefixkv.runner.prompt_logits import execute_with_prompt_logits
+
+
+class PromptLogprobsRunner:
+    """Wraps ``runner.execute`` (the engine's ``Execute`` for ``run_model_isolated``)."""
+
+    def __init__(self, runner: ModelRunner, sampler: SeqSampler) -> None:
+        self.runner = runner
+        self.sampler = sampler
+
+    def execute(self, seqs: list[Seq], items: list[RunItem]) -> Any:
+        """The runner's last-token logits of ``items`` (``items[i]`` is ``seqs[i]``'s work);
+        records the prompt logprobs of the items whose request asked for them."""
+        full = [seq.index == 0 and seq.request.needs_prompt_logprobs for seq in seqs]
+        if not any(full):
+            return self.runner.execute(items)
+        logits, full_logits = execute_with_prompt_logits(self.runner, items, full)
+        for i, all_logits in full_logits.items():
+            self._record(seqs[i], all_logits)
+        return logits
+
+    def _record(self, seq: Seq, logits: Any) -> None:
+        """Row ``p`` of ``logits`` is the distribution after position ``start + p``."""
+        req = seq.request
+        start = seq.num_computed_tokens
+        end = min(start + len(logits), seq.num_prompt_tokens - 1)
+        if end <= start or req.prompt_logprobs is None:
+            return
+        found = token_logprobs(
+            logits[: end - start],
+            seq.token_ids[start + 1 : end + 1],
+            [req.params.prompt_logprobs or 0] * (end - start),
+        )
+        for pos, t in enumerate(found, start + 1):
+            req.prompt_logprobs[pos] = self.sampler.logprob_entry(t)

@@ -1,0 +1,183 @@
+"""The cache-aware policy: SGLang's (seed 003) over per-worker approximate trees it owns.
+
+For each request, over the candidate workers (healthy, not yet tried):
+
+1. **balance**: if the in-flight loads are imbalanced (``max - min > balance_abs_threshold`` and
+   ``max > min * balance_rel_threshold``, SGLang's test), the least-loaded candidate.
+2. **cache_hit**: if the best match ratio exceeds ``cache_threshold``, the candidate with the
+   longest match (ties: least in flight, fewest recent dispatches, smallest tree), unless
+   **share**: the candidate with the fewest dispatches among the last ``balance_window`` got
+   less than a quarter of its fair share (``window / workers``) while that worker got more than
+   its fair share; then the request (its session) moves to the former. At most one move per fair
+   share of dispatches, so each move shows in the counts before the next (no see-saw). This is
+   what gives a worker that comes back (killed and restarted, or hung and resumed) its share
+   again when every prompt matches elsewhere (a long shared system prompt); a moved session
+   pays one prefill, then follows its new tree.
+3. **least_load**: else (a new prefix) the candidate with the fewest requests in flight, then
+   the fewest recent dispatches, then the smallest tree. Sessions are long-lived: with ties
+   broken by tree size, a worker whose sessions happened to finish first collected the next
+   ones (max/min requests per worker up to 1.8); the recent count tracks the work a worker was
+   given.
+
+The chosen worker's tree then records the prompt. Trees are trimmed to their bound every
+``eviction_interval`` seconds (checked on each ``select``; at once after each insert when 0).
+
+Worker news (the hooks). A worker leaving the rotation keeps its tree: a dropped connection or a
+slow probe does not empty what it has cached, and a worker that was really restarted is caught by
+its stats. ``on_worker_stats`` (prefixkv workers) bounds a tree by the worker's real KV capacity,
+converted to chunks at the rate measured from the chunks routed there and the prompt tokens it
+reports (once 1,000 were seen), and empties the tree when the worker restarted (its prompt-token
+counter went back) or reports an empty cache with nothing in flight (an admin reset, a restart,
+or prefix caching off).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from prefixkv.router.policies import Decision, check_candidates
+from prefixkv.router.tree import ApproxTree
+
+if TYPE_CHECKING:
+    from prefixkv.router.health import WorkerCacheStats
+    from prefixkv.router.keys import RouteKey
+
+__all__ = ["CacheAwarePolicy"]
+
+
+class CacheAwarePolicy:
+    """Owns one :class:`ApproxTree` per worker, the recent-dispatch window and the stats baselines.
+
+    ``max_tree_size`` is in key chunks. Used from the router's event loop only.
+    """
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        urls: Iterable[str],
+        *,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+        balance_window: int = 128,
+        max_tree_size: int = 4096,
+        eviction_interval: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold!r}")
+        if balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold!r}")
+        if balance_rel_threshold < 1.0:
+            raise ValueError(f"balance_rel_threshold must be >= 1, got {balance_rel_threshold!r}")
+        if balance_window < 0:
+            raise ValueError(f"balance_window must be >= 0, got {balance_window!r}")
+        if eviction_interval < 0:
+            raise ValueError(f"eviction_interval must be >= 0, got {eviction_interval!r}")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.max_tree_size = max_tree_size
+        self.eviction_interval = eviction_interval
+        self._clock = clock
+        self._last_trim = clock()
+        self.trees = {url: ApproxTree(max_tree_size, clock=clock) for url in urls}
+        self._window: deque[str] = deque(maxlen=balance_window)
+        self.recent: Counter[str] = Counter()
+        self._fair_share = balance_window / len(self.trees) if self.trees else 0.0
+        self._dispatches = 0
+        self._last_move = -balance_window
+        # chunks routed to each worker, and (chunks, worker prompt tokens) at its first stats
+        self._routed = dict.fromkeys(self.trees, 0)
+        self._baseline: dict[str, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ choosing
+    def is_imbalanced(self, loads: Sequence[int]) -> bool:
+        """SGLang's test: both the absolute and the relative gap exceed their thresholds."""
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+
+    def share_imbalanced(self, hi: int, lo: int) -> bool:
+        """Whether a worker with ``hi`` recent dispatches should hand a session to one with
+        ``lo``: ``lo`` below a quarter of a fair share, ``hi`` above a fair share."""
+        if not self._window.maxlen:
+            return False
+        return lo < self._fair_share / 4 and hi > self._fair_share
+
+    def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
+        check_candidates(urls)
+        self._maybe_trim()
+        load = {u: loads.get(u, 0) for u in urls}
+        recent = {u: self.recent[u] for u in urls}
+        matched = {u: self.trees[u].match(key) for u in urls}
+        if self.is_imbalanced(list(load.values())):
+            url = min(urls, key=lambda u: (load[u], recent[u]))
+            reason = "balance"
+        elif key.ratio(max(matched.values())) > self.cache_threshold:
+            url = min(urls, key=lambda u: (-matched[u], load[u], recent[u], self.trees[u].size))
+            reason = "cache_hit"
+            low = min(urls, key=lambda u: (recent[u], load[u]))
+            if (self._dispatches - self._last_move >= self._fair_share
+                    and self.share_imbalanced(recent[url], recent[low])):
+                url, reason = low, "share"
+                self._last_move = self._dispatches
+        else:
+            url = min(urls, key=lambda u: (load[u], recent[u], self.trees[u].size))
+            reason = "least_load"
+        self._record(url, key)
+        return Decision(url, reason, key.ratio(matched[url]))
+
+    def _record(self, url: str, key: RouteKey) -> None:
+        tree = self.trees[url]
+        tree.insert(key)
+        if self.eviction_interval == 0:
+            tree.trim()
+        self._routed[url] += len(key)
+        self._dispatches += 1
+        if self._window.maxlen:
+            if len(self._window) == self._window.maxlen:
+                self.recent[self._window[0]] -= 1
+            self._window.append(url)
+            self.recent[url] += 1
+
+    def _maybe_trim(self) -> None:
+        now = self._clock()
+        if self.eviction_interval > 0 and now - self._last_trim >= self.eviction_interval:
+            self._last_trim = now
+            self.trim()
+
+    def trim(self) -> int:
+        """Trim every tree to its bound; returns the chunks evicted."""
+        return sum(tree.trim() for tree in self.trees.values())
+
+    # ---------------------------------------------------------------- worker news
+    def on_worker_health(self, url: str, healthy: bool) -> None:
+        """Keep the tree either way: see the module docstring (stats catch a real restart)."""
+
+    def on_worker_stats(self, url: str, stats: WorkerCacheStats, in_flight: int) -> None:
+        """Align ``url``'s tree with its prefixkv worker's real cache (module docstring)."""
+        tree = self.trees[url]
+        routed = self._routed[url]
+        base = self._baseline.get(url)
+        if base is not None and stats.prompt_tokens < base[1]:  # the worker restarted
+            tree.reset()
+            base = None
+        if base is None:
+            self._baseline[url] = base = (routed, stats.prompt_tokens)
+        tokens = stats.prompt_tokens - base[1]
+        if tokens >= 1000 and routed > base[0]:
+            bound = int(stats.capacity_tokens * (routed - base[0]) / tokens)
+            tree.max_size = max(1, min(bound, self.max_tree_size))
+            if self.eviction_interval == 0:
+                tree.trim()
+        if stats.cached_blocks == 0 and in_flight == 0:
+            tree.reset()
+
+    def describe(self) -> dict[str, dict[str, int]]:
+        """Per worker: ``tree_size`` and ``tree_bound`` (chunks), ``recent`` dispatches."""
+        return {url: {"tree_size": t.size, "tree_bound": t.max_size, "recent": self.recent[url]}
+                for url, t in self.trees.items()}

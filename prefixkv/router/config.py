@@ -1,0 +1,58 @@
+"""The router's settings: :class:`RouterConfig`, validated once when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixkv.router.keys import DEFAULT_CHUNK_BYTES
+from prefixkv.router.policies import POLICY_NAMES
+from prefixkv.router.workers import normalize_worker_url
+
+__all__ = ["RouterConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything the router needs, validated once (``ValueError`` naming the bad field).
+
+    Times are in seconds. ``max_tree_size`` is in prompt bytes (each tree holds
+    ``max_tree_size // chunk_bytes`` key chunks); ``eviction_interval == 0`` trims the trees
+    after every insert. ``failure_threshold`` failed dispatches in a row open a worker's breaker.
+    """
+
+    worker_urls: tuple[str, ...]
+    policy: str = "cache_aware"
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    balance_window: int = 128
+    max_tree_size: int = 2**18
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    eviction_interval: float = 60.0
+    health_check_interval: float = 10.0
+    health_check_timeout: float = 5.0
+    failure_threshold: int = 3
+    request_timeout: float = 600.0
+    seed: int | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        urls = tuple(normalize_worker_url(u) for u in self.worker_urls)
+        object.__setattr__(self, "worker_urls", urls)
+        if not urls:
+            raise ValueError("worker_urls must name at least one worker")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {list(POLICY_NAMES)}, got {self.policy!r}")
+        if self.max_tree_size <= 0:
+            raise ValueError(f"max_tree_size must be > 0, got {self.max_tree_size!r}")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4:
+            raise ValueError(f"chunk_bytes must be an int >= 4, got {self.chunk_bytes!r}")
+        if self.failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold!r}")
+        for name in ("health_check_interval", "health_check_timeout", "request_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def max_tree_chunks(self) -> int:
+        """Each tree's bound in key chunks."""
+        return max(1, self.max_tree_size // self.chunk_bytes)

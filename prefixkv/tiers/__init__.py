@@ -1,0 +1,20 @@
+"""Lower KV tiers below the engine's pool: host memory (L2), disk (L3), a shared Valkey/Redis
+tier. Pure Python (no torch): the runner moves the bytes (``prefixkv.runner.kv_transfer``).
+See docs/tiers.md."""
+
+from prefixkv.tiers.codec import CorruptBlockError
+from prefixkv.tiers.keys import BlockKeyer
+from prefixkv.tiers.spec import TierSpec, parse_size
+from prefixkv.tiers.stats import TierStats
+from prefixkv.tiers.store import BlockTransfer, TieredStore, TierHit
+
+__all__ = [
+    "BlockKeyer",
+    "BlockTransfer",
+    "CorruptBlockError",
+    "TierHit",
+    "TierSpec",
+    "TierStats",
+    "TieredStore",
+    "parse_size",
+]

@@ -1,0 +1,165 @@
+"""DiskTier (L3): one file per block under a directory, written off the request path.
+
+A file is ``<key hex>.kvb`` holding one :mod:`~prefixkv.tiers.codec` record, written to a
+temporary name and renamed into place (a crash leaves a ``.tmp`` file, removed at the next
+start, never a half-written ``.kvb``). At start the directory is indexed again (oldest
+modification time first), which is what makes a restarted engine answer from disk.
+
+Reads check the record (magic, version, key, layout, length, xxhash64); a corrupt or truncated
+file is a miss and is deleted. Capacity is in blocks; the least recently used file goes first
+(a read touches the file's mtime, so LRU order survives restarts).
+
+Threads: the engine thread calls :meth:`contains` / :meth:`read` / :meth:`submit`; the writer
+thread writes and evicts. The index is guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from prefixkv.tiers.codec import CorruptBlockError, decode, encode
+from prefixkv.tiers.stats import TierCounters
+from prefixkv.tiers.writer import BackgroundWriter
+
+logger = logging.getLogger(__name__)
+SUFFIX = ".kvb"
+
+
+class DiskTier:
+    """Blocks as files in ``directory``, at most ``capacity`` of them."""
+
+    def __init__(self, directory: str | Path, capacity: int, layout: str, nbytes: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"kv_disk_size must be >= 1 block, got {capacity}")
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"kv_disk_dir {str(directory)!r} is not usable: {exc}") from exc
+        if not self.directory.is_dir():
+            raise ValueError(f"kv_disk_dir {str(directory)!r} is not a directory")
+        self.capacity = capacity
+        self.layout = layout
+        self.nbytes = nbytes
+        self.counters = TierCounters("disk", capacity)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first
+        self._pending: set[bytes] = set()
+        self._scan()
+        self._writer: BackgroundWriter[tuple[bytes, bytes]] = BackgroundWriter(
+            "prefixkv-disk-writer", self._write, self._write_failed)
+
+    def _scan(self) -> None:
+        files = []
+        for p in self.directory.iterdir():
+            if p.name.endswith(".tmp"):
+                _unlink(p)
+            elif p.suffix == SUFFIX and len(p.stem) == 64:
+                try:
+                    files.append((p.stat().st_mtime_ns, bytes.fromhex(p.stem), p))
+                except (OSError, ValueError):
+                    continue
+        files.sort()
+        for _, key, p in files[max(0, len(files) - self.capacity):]:
+            self._index[key] = None
+        for _, _, p in files[: max(0, len(files) - self.capacity)]:
+            _unlink(p)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def path(self, key: bytes) -> Path:
+        """The file of ``key``."""
+        return self.directory / (key.hex() + SUFFIX)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether a file for ``key`` is indexed (or queued to be written)."""
+        with self._lock:
+            return key in self._index or key in self._pending
+
+    def submit(self, key: bytes, payload: bytes) -> None:
+        """Queue ``payload`` (one block's KV bytes) to be written under ``key``."""
+        with self._lock:
+            if key in self._index or key in self._pending:
+                return
+            self._pending.add(key)
+        if not self._writer.submit((key, payload)):
+            with self._lock:
+                self._pending.discard(key)
+            self.counters.add(dropped=1)
+
+    def read(self, key: bytes) -> bytes | None:
+        """The payload stored under ``key``, or ``None`` (absent, unreadable or corrupt)."""
+        with self._lock:
+            if key not in self._index:
+                return None
+            self._index.move_to_end(key)
+        path = self.path(key)
+        try:
+            record = path.read_bytes()
+            payload = decode(record, key, self.layout, self.nbytes)
+            os.utime(path)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except CorruptBlockError as exc:
+            logger.warning("disk tier: %s is corrupt (%s); removed", path.name, exc)
+            self.counters.add(corrupt=1)
+            self._forget(key)
+            _unlink(path)
+            return None
+        except OSError as exc:
+            logger.warning("disk tier: cannot read %s: %s", path.name, exc)
+            self.counters.add(errors=1)
+            return None
+        return payload
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for queued writes; ``False`` on timeout."""
+        return self._writer.flush(timeout)
+
+    def close(self) -> None:
+        """Finish queued writes and stop the writer thread."""
+        self._writer.close()
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            self._index.pop(key, None)
+
+    def _write(self, item: tuple[bytes, bytes]) -> None:
+        key, payload = item
+        path = self.path(key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{id(self):x}.tmp")  # unique per writer
+        try:
+            tmp.write_bytes(encode(key, self.layout, payload))
+            os.replace(tmp, path)
+        except BaseException:
+            with self._lock:
+                self._pending.discard(key)
+            _unlink(tmp)
+            raise
+        victims = []
+        with self._lock:
+            self._pending.discard(key)
+            self._index[key] = None
+            while len(self._index) > self.capacity:
+                victims.append(self._index.popitem(last=False)[0])
+        self.counters.add(stored_blocks=1, stored_bytes=len(payload), evictions=len(victims))
+        for v in victims:
+            _unlink(self.path(v))
+
+    def _write_failed(self, exc: BaseException) -> None:
+        logger.warning("disk tier: write failed: %s", exc)
+        self.counters.add(errors=1)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

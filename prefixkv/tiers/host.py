@@ -1,0 +1,79 @@
+"""HostTier (L2): which block key lives in which slot of the host arena, in LRU order.
+
+Pure bookkeeping: the arena itself is a tensor the runner owns
+(:class:`~prefixkv.runner.kv_transfer.KVTransfer`); this class only hands out slot numbers.
+Ownership: a slot is either free or holds exactly one key. :meth:`reserve` takes a slot for a
+new key, evicting the least recently used key that is not *held*; a held key (a request is
+about to copy it into the pool) is never evicted until :meth:`release`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from prefixkv.tiers.stats import TierCounters
+
+
+class HostTier:
+    """Slot index of the host-memory tier, ``capacity`` blocks. Engine thread only."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"kv_offload_size must be >= 1 block, got {capacity}")
+        self.capacity = capacity
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self._free = list(range(capacity - 1, -1, -1))
+        self._held: dict[bytes, int] = {}
+        self.counters = TierCounters("host", capacity)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slots
+
+    @property
+    def num_held(self) -> int:
+        """Keys held by requests loading them (0 whenever no admission is under way)."""
+        return len(self._held)
+
+    def reserve(self, key: bytes) -> int | None:
+        """A slot for ``key`` (the caller fills it now); ``None`` if ``key`` is stored already
+        or every slot is held. May evict the least recently used unheld key."""
+        if key in self._slots:
+            self._slots.move_to_end(key)
+            return None
+        if not self._free:
+            victim = next((k for k in self._slots if k not in self._held), None)
+            if victim is None:
+                self.counters.add(dropped=1)
+                return None
+            self._free.append(self._slots.pop(victim))
+            self.counters.add(evictions=1)
+        slot = self._free.pop()
+        self._slots[key] = slot
+        return slot
+
+    def hold(self, key: bytes) -> int | None:
+        """The slot of ``key`` (marked most recently used and held), or ``None`` if absent."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        self._slots.move_to_end(key)
+        self._held[key] = self._held.get(key, 0) + 1
+        return slot
+
+    def release(self, key: bytes) -> None:
+        """Undo one :meth:`hold`."""
+        n = self._held.get(key, 0) - 1
+        if n > 0:
+            self._held[key] = n
+        else:
+            self._held.pop(key, None)
+
+    def clear(self) -> int:
+        """Drop every unheld key; returns how many."""
+        drop = [k for k in self._slots if k not in self._held]
+        for k in drop:
+            self._free.append(self._slots.pop(k))
+        return len(drop)

@@ -1,0 +1,159 @@
+"""RemoteTier: blocks shared by every engine that points at one Valkey/Redis server.
+
+A block is stored as one string value (a :mod:`~prefixkv.tiers.codec` record) under
+``pkv:<key hex>``; keys are process independent (:mod:`~prefixkv.tiers.keys`), so a block one
+worker publishes is a hit for every other worker running the same model. Writes go through a
+background thread; reads (``MGET``) run on the engine thread with a short socket timeout.
+
+Failure policy: the remote is a cache. Any error or timeout counts in ``errors``, logs one
+warning, and opens a circuit for ``retry_after`` seconds during which every read is a miss and
+every write is dropped: requests then recompute; they never fail because of the remote.
+Eviction is the server's own (configure ``maxmemory`` + ``maxmemory-policy allkeys-lru``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prefixkv.tiers.codec import CorruptBlockError, decode, encode
+from prefixkv.tiers.stats import TierCounters
+from prefixkv.tiers.writer import BackgroundWriter
+
+logger = logging.getLogger(__name__)
+PREFIX = b"pkv:"
+KNOWN_KEYS = 1 << 17
+"""Most keys remembered as already published (their re-publication is skipped)."""
+
+
+class RemoteTier:
+    """A Valkey/Redis-backed block store; thread safe."""
+
+    def __init__(
+        self, url: str, layout: str, nbytes: int, *, timeout: float = 0.5,
+        retry_after: float = 5.0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        try:
+            import redis
+        except ImportError as exc:
+            raise ValueError("kv_remote needs the redis client: pip install 'prefixkv[remote]'") from exc
+
+        if url.startswith("valkey://"):
+            url = "redis://" + url[len("valkey://"):]
+        try:
+            self._client: Any = redis.Redis.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        except ValueError as exc:
+            raise ValueError(f"kv_remote {url!r} is not a valid redis URL: {exc}") from exc
+        self.url = url
+        self.layout = layout
+        self.nbytes = nbytes
+        self.retry_after = retry_after
+        self._clock = clock
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self.counters = TierCounters("remote", 0)
+        self._writer: BackgroundWriter[tuple[bytes, bytes]] = BackgroundWriter(
+            "prefixkv-remote-writer", self._write, self._failed)
+
+    @property
+    def is_up(self) -> bool:
+        """``False`` while the circuit is open after a failure."""
+        return self._clock() >= self._down_until
+
+    def is_known(self, key: bytes) -> bool:
+        """Whether this engine published or fetched ``key`` (recently)."""
+        with self._lock:
+            return key in self._known
+
+    def submit(self, key: bytes, payload: bytes) -> None:
+        """Publish ``payload`` under ``key`` in the background (skipped if known)."""
+        if not self.is_up:
+            self.counters.add(dropped=1)
+            return
+        with self._lock:
+            if key in self._known:
+                return
+            self._remember(key)
+        if not self._writer.submit((key, payload)):
+            with self._lock:
+                self._known.pop(key, None)
+            self.counters.add(dropped=1)
+
+    def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Payloads for ``keys`` (``None`` for a miss); all misses while the remote is down."""
+        if not keys or not self.is_up:
+            return [None] * len(keys)
+        try:
+            records = self._client.mget([PREFIX + k for k in keys])
+        except Exception as exc:  # noqa: BLE001 - any client failure degrades to a miss
+            self._failed(exc)
+            return [None] * len(keys)
+        out: list[bytes | None] = []
+        for key, rec in zip(keys, records):
+            if rec is None:
+                out.append(None)
+                continue
+            try:
+                out.append(decode(rec, key, self.layout, self.nbytes))
+            except CorruptBlockError as exc:
+                logger.warning("remote tier: block %s is corrupt (%s); deleted", key.hex()[:16], exc)
+                self.counters.add(corrupt=1)
+                self._delete(key)
+                out.append(None)
+                continue
+            with self._lock:
+                self._remember(key)
+        return out
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for queued writes; ``False`` on timeout."""
+        return self._writer.flush(timeout)
+
+    def close(self) -> None:
+        """Finish queued writes, stop the writer thread, close the connections."""
+        self._writer.close()
+        self._client.close()
+
+    def _remember(self, key: bytes) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    def _write(self, item: tuple[bytes, bytes]) -> None:
+        key, payload = item
+        if not self.is_up:
+            self.counters.add(dropped=1)
+            with self._lock:
+                self._known.pop(key, None)
+            return
+        try:
+            self._client.set(PREFIX + key, encode(key, self.layout, payload))
+        except BaseException:
+            with self._lock:
+                self._known.pop(key, None)
+            raise
+        self.counters.add(stored_blocks=1, stored_bytes=len(payload))
+
+    def _delete(self, key: bytes) -> None:
+        try:
+            self._client.delete(PREFIX + key)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.counters.add(errors=1)
+        with self._lock:
+            was_up = self._clock() >= self._down_until
+            self._down_until = self._clock() + self.retry_after
+            if was_up:  # a server that went down may come back empty: publish again
+                self._known.clear()
+        if was_up:
+            logger.warning("remote KV tier %s unavailable (%s); recomputing for %.1f s",
+                           self.url, exc, self.retry_after)

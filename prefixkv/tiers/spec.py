@@ -1,0 +1,85 @@
+"""TierSpec: what the operator asked for (sizes as given), resolved to blocks once the block
+size in bytes is known.
+
+Sizes are a block count (``512`` or ``"512"``) or bytes with a unit (``"2GiB"``, ``"512MiB"``,
+``"1.5GB"``); ``0`` / ``None`` turns a tier off. Bad values raise ``ValueError`` naming the
+argument.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+Size = int | str | None
+
+
+def parse_size(value: Size, block_nbytes: int, name: str) -> int:
+    """Blocks meant by ``value``: a plain int/str is a block count, a unit means bytes
+    (rounded down to whole blocks). ``None`` is 0. ``ValueError`` naming ``name`` if malformed."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        msg = f"{name} must be a block count or a size like '2GiB', got {value!r}"
+        raise ValueError(msg)  # noqa: TRY004 - bad arguments are ValueErrors here
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+        return value
+    m = _SIZE.match(value)
+    if m is None or (m.group(2) and m.group(2).lower() not in _UNITS):
+        raise ValueError(
+            f"{name} must be a block count or a size like '2GiB' / '512MiB', got {value!r}"
+        )
+    number, unit = m.group(1), m.group(2).lower()
+    if not unit:
+        if "." in number:
+            raise ValueError(f"{name}: a block count must be a whole number, got {value!r}")
+        return int(number)
+    return int(float(number) * _UNITS[unit]) // block_nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """The lower tiers an engine should have (the KV pool is always tier 0).
+
+    Attributes:
+        offload_size: host-memory tier (L2) capacity: blocks or bytes with a unit.
+        disk_dir: directory of the disk tier (L3); ``None``: no disk tier.
+        disk_size: disk tier capacity (default 10GiB when ``disk_dir`` is set).
+        remote: ``redis://host:port[/db]`` of a shared Valkey/Redis tier; ``None``: none.
+        remote_timeout: seconds a remote call may take before it counts as down.
+        namespace: extra key part for every stored block (e.g. a deployment name); blocks
+            stored under one namespace are invisible to engines using another.
+    """
+
+    offload_size: Size = None
+    disk_dir: str | Path | None = None
+    disk_size: Size = None
+    remote: str | None = None
+    remote_timeout: float = 0.5
+    namespace: str = ""
+
+    def __post_init__(self) -> None:
+        if self.remote is not None and not (
+            isinstance(self.remote, str) and self.remote.startswith(("redis://", "valkey://"))
+        ):
+            raise ValueError(f"kv_remote must be a redis://host:port[/db] URL, got {self.remote!r}")
+        if not isinstance(self.remote_timeout, (int, float)) or not self.remote_timeout > 0:
+            raise ValueError(f"kv_remote_timeout must be > 0, got {self.remote_timeout!r}")
+        if self.disk_size is not None and self.disk_dir is None:
+            raise ValueError("kv_disk_size needs kv_disk_dir")
+        parse_size(self.offload_size, 1, "kv_offload_size")  # malformed sizes fail before loading
+        parse_size(self.disk_size, 1, "kv_disk_size")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any lower tier is asked for."""
+        return bool(self.offload_size) or self.disk_dir is not None or self.remote is not None

@@ -1,0 +1,243 @@
+"""TieredStore: the lower tiers (host L2, disk L3, shared remote) behind one small interface.
+
+The KV pool is tier 0 and stays the engine's (:class:`~prefixkv.engine.kv_manager.KVManager`).
+This class decides where a block's KV goes when it leaves the pool or is computed, and where a
+prompt's next blocks can be found:
+
+=====================  ==================================================================
+``offload(pairs)``     write-back: blocks being evicted from the pool are copied into the
+                       host tier (its LRU drops the oldest when full)
+``publish(pairs)``     write-through: newly computed blocks are queued for the disk and
+                       remote tiers (background threads; skipped when already there)
+``lookup(keys)``       the longest run of leading ``keys`` some tier holds; host slots are
+                       held (not evictable) until ``load`` / ``cancel``
+``load(hits, ids)``    copies the hits into freshly allocated pool blocks, releases holds
+=====================  ==================================================================
+
+Ownership: pool block ids stay the caller's throughout; the store only reads and writes their
+KV through the :class:`BlockTransfer` it was given. Engine thread only (the disk and remote
+tiers have their own writer threads). Every lower tier is a cache: a failed read is a miss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefixkv.tiers.disk import DiskTier
+from prefixkv.tiers.host import HostTier
+from prefixkv.tiers.keys import BlockKeyer
+from prefixkv.tiers.remote import RemoteTier
+from prefixkv.tiers.spec import TierSpec, parse_size
+from prefixkv.tiers.stats import TierStats
+
+REMOTE_BATCH = 8
+"""Blocks fetched from the remote tier per round trip."""
+DEFAULT_DISK_SIZE = "10GiB"
+
+
+class BlockTransfer(Protocol):
+    """Moves one KV block between the pool and host memory (the runner implements it)."""
+
+    @property
+    def layout(self) -> str:
+        """dtype and shape of one block, e.g. ``float32:2x4x16x2x64`` (part of stored records)."""
+        ...
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block."""
+        ...
+
+    def to_host(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy pool blocks into host-arena slots."""
+        ...
+
+    def from_host(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Copy host-arena slots into pool blocks."""
+        ...
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """The raw bytes of pool blocks."""
+        ...
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Overwrite a pool block with raw bytes from :meth:`read_blocks`."""
+        ...
+
+
+@dataclass(slots=True)
+class TierHit:
+    """One block found below the pool: its key, the tier, and its data (a held host slot, or
+    the payload read from disk / remote) plus the seconds that read took."""
+
+    key: bytes
+    tier: str
+    slot: int | None = None
+    payload: bytes | None = None
+    seconds: float = 0.0
+
+
+class TieredStore:
+    """The host, disk and remote tiers an engine was configured with (any subset)."""
+
+    def __init__(
+        self, keyer: BlockKeyer, transfer: BlockTransfer, *, host: HostTier | None = None,
+        disk: DiskTier | None = None, remote: RemoteTier | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.keyer = keyer
+        self.transfer = transfer
+        self.host = host
+        self.disk = disk
+        self.remote = remote
+        self._timer = timer
+
+    @classmethod
+    def create(
+        cls, spec: TierSpec, transfer: BlockTransfer, fingerprint: str, block_size: int,
+        host_blocks: int,
+    ) -> TieredStore:
+        """Build the tiers ``spec`` asks for; ``host_blocks`` is the arena ``transfer`` holds."""
+        nbytes, layout = transfer.block_nbytes, transfer.layout
+        keyer = BlockKeyer(f"{fingerprint}/{layout}/{spec.namespace}", block_size)
+        host = HostTier(host_blocks) if host_blocks else None
+        disk = None
+        if spec.disk_dir is not None:
+            size = spec.disk_size if spec.disk_size is not None else DEFAULT_DISK_SIZE
+            disk = DiskTier(spec.disk_dir, parse_size(size, nbytes, "kv_disk_size"), layout, nbytes)
+        remote = None
+        if spec.remote is not None:
+            remote = RemoteTier(spec.remote, layout, nbytes, timeout=spec.remote_timeout)
+        return cls(keyer, transfer, host=host, disk=disk, remote=remote)
+
+    # ------------------------------------------------------------------ into the tiers
+    def offload(self, pairs: Sequence[tuple[int, bytes]]) -> None:
+        """Copy ``(pool block id, key)`` blocks leaving the pool into the host tier."""
+        if self.host is None or not pairs:
+            return
+        ids, slots = [], []
+        for block_id, key in pairs:
+            slot = self.host.reserve(key)
+            if slot is not None:
+                ids.append(block_id)
+                slots.append(slot)
+        if ids:
+            self.transfer.to_host(ids, slots)
+            self.host.counters.add(stored_blocks=len(ids),
+                                   stored_bytes=len(ids) * self.transfer.block_nbytes)
+
+    def publish(self, pairs: Sequence[tuple[int, bytes]]) -> None:
+        """Queue newly computed ``(pool block id, key)`` blocks for the disk and remote tiers."""
+        disk, remote = self.disk, self.remote
+        todo = [
+            (b, k) for b, k in pairs
+            if (disk is not None and not disk.contains(k))
+            or (remote is not None and not remote.is_known(k))
+        ]
+        if not todo:
+            return
+        payloads = self.transfer.read_blocks([b for b, _ in todo])
+        for (_, key), payload in zip(todo, payloads):
+            if disk is not None:
+                disk.submit(key, payload)
+            if remote is not None:
+                remote.submit(key, payload)
+
+    # ------------------------------------------------------------------ out of the tiers
+    def lookup(self, keys: Sequence[bytes]) -> list[TierHit]:
+        """Hits for the longest run of leading ``keys`` found in some tier (host first, then
+        disk, then remote). Host hits stay held until :meth:`load` or :meth:`cancel`."""
+        hits: list[TierHit] = []
+        fetched: dict[int, tuple[bytes | None, float]] = {}
+        for j, key in enumerate(keys):
+            hit = self._find(j, key, keys, fetched)
+            if hit is None:
+                break
+            hits.append(hit)
+        return hits
+
+    def _find(
+        self, j: int, key: bytes, keys: Sequence[bytes], fetched: dict[int, tuple[bytes | None, float]]
+    ) -> TierHit | None:
+        if self.host is not None:
+            slot = self.host.hold(key)
+            if slot is not None:
+                return TierHit(key, "host", slot=slot)
+        if self.disk is not None and self.disk.contains(key):
+            t0 = self._timer()
+            payload = self.disk.read(key)
+            if payload is not None:
+                return TierHit(key, "disk", payload=payload, seconds=self._timer() - t0)
+        if self.remote is None:
+            return None
+        if j not in fetched:
+            batch = list(keys[j : j + REMOTE_BATCH])
+            t0 = self._timer()
+            got = self.remote.read_many(batch)
+            each = (self._timer() - t0) / len(batch)
+            for i, payload in enumerate(got):
+                fetched[j + i] = (payload, each)
+        payload, seconds = fetched[j]
+        return None if payload is None else TierHit(key, "remote", payload=payload, seconds=seconds)
+
+    def load(self, hits: Sequence[TierHit], block_ids: Sequence[int]) -> None:
+        """Copy ``hits`` into the pool blocks ``block_ids`` (one each, same order); releases
+        the host holds. The caller owns the blocks before and after."""
+        nbytes = self.transfer.block_nbytes
+        host = [(h, b) for h, b in zip(hits, block_ids) if h.tier == "host"]
+        if host and self.host is not None:
+            t0 = self._timer()
+            self.transfer.from_host([h.slot for h, _ in host], [b for _, b in host])  # type: ignore[misc]
+            secs = self._timer() - t0
+            for h, _ in host:
+                self.host.release(h.key)
+            self.host.counters.add_load(len(host), len(host) * self.keyer.block_size,
+                                        len(host) * nbytes, secs)
+        for h, b in zip(hits, block_ids):
+            if h.payload is None:
+                continue
+            t0 = self._timer()
+            self.transfer.write_block(b, h.payload)
+            tier = self.disk if h.tier == "disk" else self.remote
+            assert tier is not None
+            tier.counters.add_load(1, self.keyer.block_size, nbytes, h.seconds + self._timer() - t0)
+
+    def cancel(self, hits: Sequence[TierHit]) -> None:
+        """Give up ``hits`` without loading them (releases host holds)."""
+        if self.host is not None:
+            for h in hits:
+                if h.tier == "host":
+                    self.host.release(h.key)
+
+    # ------------------------------------------------------------------ admin
+    def clear_host(self) -> int:
+        """Drop the host tier's blocks (the disk and remote tiers are shared/persistent)."""
+        return self.host.clear() if self.host is not None else 0
+
+    def stats(self) -> list[TierStats]:
+        """A snapshot per configured tier, top down."""
+        out = []
+        if self.host is not None:
+            out.append(self.host.counters.snapshot(len(self.host)))
+        if self.disk is not None:
+            out.append(self.disk.counters.snapshot(len(self.disk)))
+        if self.remote is not None:
+            out.append(self.remote.counters.snapshot(0))
+        return out
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until queued disk/remote writes are done; ``False`` on timeout."""
+        ok = True
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                ok = tier.flush(timeout) and ok
+        return ok
+
+    def close(self) -> None:
+        """Finish queued writes and stop the writer threads. Idempotent."""
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                tier.close()

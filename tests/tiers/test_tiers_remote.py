@@ -1,0 +1,57 @@
+"""RemoteTier against a real valkey-server: round trip, corrupt values, the circuit breaker."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+from prefixkv.tiers.remote import PREFIX, RemoteTier
+
+LAYOUT = "uint8:16"
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def test_roundtrip_and_corrupt_values(valkey: Any) -> None:
+    import redis
+
+    r = RemoteTier(valkey.url.replace("redis://", "valkey://"), LAYOUT, 16)
+    r.submit(key(0), b"a" * 16)
+    r.submit(key(1), b"b" * 16)
+    r.submit(key(1), b"b" * 16)  # known: skipped
+    assert r.flush()
+    assert r.counters.get("stored_blocks") == 2
+    client = redis.Redis.from_url(valkey.url)
+    client.set(PREFIX + key(1), client.get(PREFIX + key(1))[:-1])  # type: ignore[index]
+    assert r.read_many([key(0), key(1), key(2)]) == [b"a" * 16, None, None]
+    assert r.counters.get("corrupt") == 1 and client.get(PREFIX + key(1)) is None
+    assert r.is_known(key(0))
+    r.close()
+
+
+def test_circuit_opens_on_failure_and_closes_after(valkey: Any) -> None:
+    now = [0.0]
+    r = RemoteTier(valkey.url, LAYOUT, 16, timeout=0.2, retry_after=5.0, clock=lambda: now[0])
+    r.submit(key(0), b"a" * 16)
+    assert r.flush()
+    valkey.kill()
+    assert r.read_many([key(0)]) == [None]
+    assert r.counters.get("errors") == 1 and not r.is_up
+    assert r.read_many([key(0)]) == [None]  # circuit open: no second attempt
+    assert r.counters.get("errors") == 1
+    r.submit(key(5), b"c" * 16)
+    assert r.counters.get("dropped") == 1
+    now[0] = 6.0
+    assert r.is_up
+    assert r.read_many([key(0)]) == [None] and r.counters.get("errors") == 2
+    r.close()
+
+
+def test_bad_url() -> None:
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match="kv_remote"):
+        RemoteTier("redis://host:notaport", LAYOUT, 16)
