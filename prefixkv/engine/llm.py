@@ -145,7 +145,7 @@ def parse_size(value: int | str, name: str) -> int:
         except (ValueError, KeyError):
             raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}") from None
     else:
-        raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}")
+        raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}")  # noqa: TRY004
     if size < 1:
         raise ValueError(f"{name} must be > 0, got {value!r}")
     return size

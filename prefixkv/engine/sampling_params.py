@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 
 from prefixkv.engine.structured_output import StructuredOutputsParams
 
-
 _MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
 _MAX_SEED = 2**64 - 1
 MAX_LOGIT_BIAS = 100.0
@@ -162,7 +161,7 @@ class SamplingParams:
             )
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {so!r}")  # noqa: TRY004
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {so!r}")
         bias = self.logit_bias
         if bias is None:
             return

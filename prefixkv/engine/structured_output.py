@@ -54,7 +54,7 @@ class StructuredOutputsParams:
                 f"grammar; got {given or 'none'}"
             )
         if self.json is not None and not isinstance(self.json, (str, Mapping)):
-            raise ValueError(f"structured_outputs.json must be a schema dict or str, got {self.json!r}")  # noqa: TRY004
+            raise ValueError(f"structured_outputs.json must be a schema dict or str, got {self.json!r}")
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         for name in ("regex", "grammar"):

@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import RequestFailedError, RequestOutput
 from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
-from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from prefixkv.server.render import ChoiceRenderer
 from prefixkv.server.tools import structured_outputs
