@@ -68,11 +68,14 @@ def run(cache, bs, ops, num_blocks=NUM_BLOCKS):
         if kind == "insert":
             _, toks, ns = o
             nb = len(toks) // bs
-            m = cache.match_prefix(toks, namespace=ns)
+            # as the engine does: the matched blocks stay locked while the pool evicts for the
+            # rest (an unlocked match may be evicted, and its ids handed out again)
+            m = cache.match_prefix(toks, namespace=ns, lock=True)
             reuse = m.matched_kv_blocks
             need = nb - len(reuse)
             new = pool.allocate(need, evict_from=cache)
             if new is None:
+                cache.unlock(m)
                 continue
             for key in oracle.keys(ns, toks):
                 pass
@@ -82,6 +85,7 @@ def run(cache, bs, ops, num_blocks=NUM_BLOCKS):
                     assert not oracle.covered(key, oracle.locks) and not oracle.covered(key, oracle.pins)
                     del oracle.cached[key]
             node = cache.insert_prefix(toks, reuse + new, namespace=ns)
+            cache.unlock(m)
             pool.free(node.returned_block_ids)
             for key, bid in zip(oracle.keys(ns, toks), node.kv_block_ids):
                 assert oracle.cached.setdefault(key, bid) == bid
