@@ -1,0 +1,98 @@
+"""The router benchmark's report: the text table and the computed-tokens vs imbalance plot.
+
+Kept apart from :mod:`prefixkv.router.bench` (which runs the replays) so the figures can be
+redrawn from ``--json`` files (several runs are merged):
+``python -m prefixkv.router.bench_report a.json b.json --plot route.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["format_table", "plot_results"]
+
+Row = Mapping[str, Any]
+
+
+def _get(r: Any, name: str) -> Any:
+    return r[name] if isinstance(r, Mapping) else getattr(r, name)
+
+
+def format_table(results: Sequence[Any]) -> str:
+    """A plain-text table (rows: ``PolicyResult`` or its dict), computed tokens relative to
+    cache_aware in the same workload."""
+    base: dict[str, int] = {}
+    for r in results:
+        if _get(r, "policy") == "cache_aware":
+            base[_get(r, "workload")] = _get(r, "computed_tokens")
+    lines = [(f"{'workload':<13} {'policy':<16} {'reqs':>5} {'prompt':>8} {'computed':>9} "
+              f"{'vs CA':>6} {'cached':>7} {'req/s':>6} {'p50 s':>6} {'p99 s':>6} "
+              f"{'pol us':>6} {'rtr ms':>6} {'max/min':>7}  per worker  decisions")]
+    for r in results:
+        b = base.get(_get(r, "workload"))
+        rel = f"{_get(r, 'computed_tokens') / b:.2f}x" if b else "-"
+        cpu = _get(r, "router_cpu_ms")
+        lines.append(
+            f"{_get(r, 'workload'):<13} {_get(r, 'policy'):<16} {_get(r, 'requests'):>5} "
+            f"{_get(r, 'prompt_tokens'):>8} {_get(r, 'computed_tokens'):>9} {rel:>6} "
+            f"{_get(r, 'cached_share'):>7.1%} {_get(r, 'requests_per_s'):>6.2f} "
+            f"{_get(r, 'p50_s'):>6.2f} {_get(r, 'p99_s'):>6.2f} "
+            f"{_get(r, 'policy_cpu_us'):>6.0f} {'-' if cpu is None else f'{cpu:.2f}':>6} "
+            f"{_get(r, 'max_min_load'):>7.2f}  {list(_get(r, 'per_worker').values())}  "
+            + " ".join(f"{k}={v}" for k, v in sorted(_get(r, "reasons").items()))
+        )
+    return "\n".join(lines)
+
+
+def plot_results(results: Sequence[Any], path: str) -> None:
+    """One panel per workload: computed prompt tokens (y) against max/min requests per worker
+    (x), one labelled point per policy. Writes a PNG to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(_get(r, "workload") for r in results))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 4.4),
+                             squeeze=False)
+    for ax, w in zip(axes[0], workloads, strict=True):
+        rows = [r for r in results if _get(r, "workload") == w]
+        for r in rows:
+            x, y = min(_get(r, "max_min_load"), 10.0), _get(r, "computed_tokens")
+            ax.scatter([x], [y], s=40)
+            ax.annotate(_get(r, "policy"), (x, y), textcoords="offset points", xytext=(4, 4),
+                        fontsize=8)
+        ax.set_title(f"{w} (4 workers)")
+        ax.set_xlabel("max/min requests per worker (capped at 10)")
+        ax.set_ylabel("computed prompt tokens")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle("prefixkv bench route: computed tokens vs load imbalance (loaded 2-core machine)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Redraw the table and (``--plot``) the figure from a ``prefixkv bench route --json``."""
+    p = argparse.ArgumentParser(prog="python -m prefixkv.router.bench_report")
+    p.add_argument("json_paths", nargs="+", metavar="JSON")
+    p.add_argument("--plot", default=None, metavar="PNG")
+    args = p.parse_args(argv)
+    rows: list[Row] = []
+    for path in args.json_paths:
+        with open(path) as f:
+            rows.extend(json.load(f))
+    print(format_table(rows))
+    if args.plot:
+        plot_results(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
