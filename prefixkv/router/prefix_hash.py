@@ -7,6 +7,11 @@ Here each worker's trie is an :class:`~prefixkv.router.tree.ApproxTree` (a ``Rad
 over the route key's chunk hashes, :mod:`prefixkv.router.keys`), the same structure the
 cache-aware policy uses, bounded by ``max_tree_size`` chunks with LRU trimming.
 
+vLLM hashes prompts in chunks of 128 characters, so a match shorter than 128 bytes does not
+exist there; route keys start with 16-byte chunks (finer, for ``cache_aware``'s ratios), so a
+match only counts from ``min_match_bytes`` (128) on. Without that a short shared system prompt,
+which vLLM cannot see, would send every session to the first worker that saw it.
+
 For each request: the candidate with the longest match wins (reason ``prefix_hash``), ties to the
 fewest in flight; when no candidate matches even one chunk, the least loaded candidate (reason
 ``least_load``, ties rotate). The chosen worker's trie then records the prompt. Unlike
@@ -21,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from prefixkv.router.keys import chunk_offset
 from prefixkv.router.policies import Decision, check_candidates
 from prefixkv.router.tree import ApproxTree
 
@@ -41,13 +47,18 @@ class PrefixHashPolicy:
     name = "prefix_hash"
 
     def __init__(self, urls: Iterable[str], *, max_tree_size: int = 4096,
+                 min_match_bytes: int = 128,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(min_match_bytes, int) or min_match_bytes < 0:
+            raise ValueError(f"min_match_bytes must be an int >= 0, got {min_match_bytes!r}")
+        self.min_match_bytes = min_match_bytes
         self.trees = {url: ApproxTree(max_tree_size, clock=clock) for url in urls}
         self._turn = 0
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
         check_candidates(urls)
-        matched = {u: self.trees[u].match(key) if u in self.trees else 0 for u in urls}
+        matched = {u: self._counted(key, self.trees[u].match(key)) if u in self.trees else 0
+                   for u in urls}
         best = max(matched.values())
         if best > 0:
             url = min((u for u in urls if matched[u] == best), key=lambda u: loads.get(u, 0))
@@ -62,6 +73,12 @@ class PrefixHashPolicy:
             tree.insert(key)
             tree.trim()
         return Decision(url, reason, key.ratio(matched[url]))
+
+    def _counted(self, key: RouteKey, matched: int) -> int:
+        """``matched``, or 0 when it covers fewer than ``min_match_bytes`` (ids: 4 bytes each)."""
+        ns = key.namespace
+        per_unit = 1 if isinstance(ns, tuple) and ns and ns[0] == "text" else 4
+        return matched if chunk_offset(matched, key.unit) * per_unit >= self.min_match_bytes else 0
 
     def on_worker_health(self, url: str, healthy: bool) -> None:
         """Keep the trie either way (a dropped probe does not empty the worker's cache)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prefixkv.router.health import WorkerCacheStats
 from prefixkv.router.keys import completion_key
 from prefixkv.router.policies import make_policy
@@ -24,17 +26,34 @@ def test_longest_match_wins_even_when_loaded() -> None:
     assert longer.url == first.url and longer.reason == "prefix_hash"  # load does not count
     # a worker that saw a longer version of the prompt beats one that saw only the shared head
     p = PrefixHashPolicy(URLS)
-    p.trees["http://a"].insert(key("S" * 40))
-    p.trees["http://b"].insert(key("S" * 40 + "T" * 80))
-    d = p.select(URLS, {"http://a": 0, "http://b": 5, "http://c": 0}, key("S" * 40 + "T" * 80 + "x"))
+    p.trees["http://a"].insert(key("S" * 200))
+    p.trees["http://b"].insert(key("S" * 200 + "T" * 200))
+    loads = {"http://a": 0, "http://b": 5, "http://c": 0}
+    d = p.select(URLS, loads, key("S" * 200 + "T" * 200 + "x"))
     assert d.url == "http://b" and d.reason == "prefix_hash" and d.match_ratio > 0.9
-    # a short match still decides (no threshold): everything that shares "S" * 40 goes to a or b
-    d = p.select(URLS, IDLE, key("S" * 40 + "new"))
+    # no ratio threshold: a 200-byte match of a long prompt still decides
+    d = p.select(URLS, IDLE, key("S" * 200 + "new" * 300))
     assert d.url in ("http://a", "http://b") and d.reason == "prefix_hash"
 
 
+def test_matches_shorter_than_min_match_bytes_do_not_count() -> None:
+    p = PrefixHashPolicy(URLS)  # 128 bytes, vLLM's chunk
+    p.trees["http://a"].insert(key("S" * 100 + "one"))
+    d = p.select(URLS, {"http://a": 1, "http://b": 0, "http://c": 0}, key("S" * 100 + "two"))
+    assert d.reason == "least_load" and d.url != "http://a"
+    q = PrefixHashPolicy(URLS, min_match_bytes=0)
+    q.trees["http://a"].insert(key("S" * 100 + "one"))
+    assert q.select(URLS, {"http://a": 1, "http://b": 0, "http://c": 0},
+                    key("S" * 100 + "two")).url == "http://a"
+    ids = completion_key({"model": "m", "prompt": list(range(40))}, 8)
+    p.trees["http://b"].insert(ids)  # 40 ids count as 160 bytes
+    assert p.select(URLS, IDLE, ids).url == "http://b"
+    with pytest.raises(ValueError, match="min_match_bytes"):
+        PrefixHashPolicy(URLS, min_match_bytes=-1)
+
+
 def test_ties_go_to_least_load_and_no_match_rotates() -> None:
-    p = PrefixHashPolicy(URLS)
+    p = PrefixHashPolicy(URLS, min_match_bytes=0)
     for u in URLS:
         p.trees[u].insert(key("same prompt"))
     assert p.select(URLS, {"http://a": 2, "http://b": 0, "http://c": 1},
@@ -45,7 +64,7 @@ def test_ties_go_to_least_load_and_no_match_rotates() -> None:
 
 
 def test_follows_sessions_and_candidates() -> None:
-    p = PrefixHashPolicy(URLS)
+    p = PrefixHashPolicy(URLS, min_match_bytes=0)
     home = p.select(URLS, IDLE, key("session one turn 1")).url
     assert p.select(URLS, IDLE, key("session one turn 1 turn 2")).url == home
     rest = [u for u in URLS if u != home]
