@@ -4,7 +4,7 @@
 - ``shared_prefix``: few-shot / long document: every user's prompt starts with the same long
   text (``system_words`` words) and asks a couple of short questions.
 - ``eviction``: shorter chat sessions over workers with small KV pools (``--num-kv-blocks 64``,
-  1,024 tokens each: four sessions of up to ~750 tokens per worker), so the working set exceeds
+  1,024 tokens each: four sessions of up to ~800 tokens per worker), so the working set exceeds
   the caches and eviction decides.
 
 A flag given on the command line (``--users``, ``--turns``, the word counts, ``--worker-args``)
@@ -36,7 +36,7 @@ WORKLOADS = {
     "chat": WorkloadSpec("chat", 16, 12, 12, 20, 8, "--block-size 16 --num-kv-blocks 320"),
     "shared_prefix": WorkloadSpec("shared_prefix", 16, 2, 250, 12, 4,
                                   "--block-size 16 --num-kv-blocks 320"),
-    "eviction": WorkloadSpec("eviction", 16, 6, 12, 10, 4, "--block-size 16 --num-kv-blocks 64"),
+    "eviction": WorkloadSpec("eviction", 16, 4, 12, 20, 4, "--block-size 16 --num-kv-blocks 64"),
 }
 
 
