@@ -65,14 +65,19 @@ def plot_results(results: Sequence[Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     workloads = list(dict.fromkeys(_get(r, "workload") for r in results))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 4.4),
+    cols = min(3, len(workloads))
+    rows_n = -(-len(workloads) // cols)
+    fig, grid = plt.subplots(rows_n, cols, figsize=(5.2 * cols, 4.0 * rows_n + 0.6),
                              squeeze=False)
+    axes = [list(grid.flat)]
+    for spare in axes[0][len(workloads):]:
+        spare.set_visible(False)
     policies = list(dict.fromkeys(_get(r, "policy") for r in results))
     markers = "osD^vP*X<>"
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     style = {p: (markers[i % len(markers)], colors[i % len(colors)])
              for i, p in enumerate(policies)}
-    for ax, w in zip(axes[0], workloads, strict=True):
+    for ax, w in zip(axes[0], workloads, strict=False):
         rows = [r for r in results if _get(r, "workload") == w]
         for r in rows:
             marker, color = style[_get(r, "policy")]
@@ -87,7 +92,7 @@ def plot_results(results: Sequence[Any], path: str) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=len(policies), fontsize=8)
     fig.suptitle("prefixkv bench route: computed tokens vs load imbalance (loaded 2-core machine)",
                  fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.06 / rows_n, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
