@@ -88,3 +88,21 @@ def test_validation_and_registry() -> None:
     p = make_policy("consistent_hash", URLS, load_factor=2.0, hash_prefix_chunks=3)
     assert isinstance(p, ConsistentHashPolicy) and p.load_factor == 2.0
     assert p.prefix_chunks == 3 and p.describe() == {}
+
+
+def test_route_cli_flags_reach_the_config() -> None:
+    import argparse
+
+    from prefixkv.router.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["route", "--worker-urls", "http://a:1", "--policy",
+                              "consistent_hash", "--load-factor", "2", "--hash-prefix-chunks",
+                              "4", "--hash-replicas", "7", "--simulate-eviction",
+                              "--capacity-tokens", "512"])
+    assert (args.policy, args.load_factor, args.hash_prefix_chunks, args.hash_replicas,
+            args.simulate_eviction, args.capacity_tokens) == ("consistent_hash", 2.0, 4, 7,
+                                                              True, 512)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["route", "--worker-urls", "http://a:1", "--policy", "chwbl"])
