@@ -1,4 +1,4 @@
-"""Router benchmark: replay multi-turn chat sessions through the router under each policy.
+"""Router benchmark: replay scripted sessions through the router under each policy.
 
 Many users, several turns each, one shared system prompt; each turn sends the whole history
 (system prompt, earlier user and assistant messages from the script, the new user message) to
@@ -6,9 +6,16 @@ Many users, several turns each, one shared system prompt; each turn sends the wh
 turns come from the script, not from the model (the demo model's text is meaningless), so every
 policy replays exactly the same prompts.
 
+Workloads (:mod:`prefixkv.router.bench_workloads`): ``chat``, ``shared_prefix`` (a long
+document every user shares), ``eviction`` (chat over small KV pools); each launches its own
+workers. Policies: every ``--policy`` of ``prefixkv route`` plus ``cache_aware_sim``
+(``cache_aware --simulate-eviction``).
+
 Per policy it reports the prompt tokens the workers actually computed (``usage.prompt_tokens``
 minus ``usage.prompt_tokens_details.cached_tokens``), the cached share, throughput, and the
-requests each worker received (max/min). Before each policy the workers' caches are emptied
+requests each worker received (max/min), request latency p50/p99, the policy's own CPU per
+request (``select``, thread time, microseconds) and the router thread's CPU per request (HTTP
+stack included, Linux ``/proc``, milliseconds). Before each policy the workers' caches are emptied
 (``POST /v1/cache/reset``, prefixkv workers) so no policy inherits another's cache.
 
 ``python -m prefixkv.router.bench --help`` (or ``prefixkv bench route`` where the CLI wires it).
@@ -28,6 +35,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from prefixkv.router.bench_meters import CpuMeter, quantile, thread_cpu
+from prefixkv.router.bench_report import format_table, plot_results
+from prefixkv.router.bench_workloads import WORKLOADS, resolve
 from prefixkv.router.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -35,6 +45,11 @@ if TYPE_CHECKING:
 
 # The web stack (httpx, the router app, worker processes) is imported inside the functions that
 # use it, so that building the CLI parser stays fast.
+
+__all__ = ["BENCH_POLICIES", "PolicyResult", "Workload", "format_table", "main",
+           "make_workload", "run", "run_policy"]
+
+BENCH_POLICIES = (*POLICY_NAMES, "cache_aware_sim")
 
 _WORDS = ["cache", "prefix", "token", "block", "radix", "tree", "router", "worker", "latency", "throughput", "prompt", "session", "system", "user", "answer", "question", "model", "layer", "attention", "memory", "batch", "queue", "schedule", "evict", "reuse", "hit", "miss", "share", "load", "balance", "request", "stream", "decode", "prefill", "kernel", "tensor", "page"]
 
@@ -49,8 +64,9 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class PolicyResult:
-    """One policy's figures (``computed_ratio_vs_cache_aware`` is filled in by the report)."""
+    """One policy's figures on one workload (times in seconds unless the name says)."""
 
+    workload: str
     policy: str
     requests: int
     prompt_tokens: int
@@ -64,6 +80,10 @@ class PolicyResult:
     max_min_load: float
     errors: int
     reasons: dict[str, int]
+    p50_s: float
+    p99_s: float
+    policy_cpu_us: float
+    router_cpu_ms: float | None
 
 
 def _text(rng: random.Random, n_words: int, tag: str) -> str:
@@ -84,7 +104,7 @@ def make_workload(users: int, turns: int, *, system_words: int, user_words: int,
 
 
 async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens: int,
-                  model: str | None) -> tuple[list[dict[str, int]], Counter[str], int]:
+                  model: str | None) -> tuple[list[dict[str, float]], Counter[str], int]:
     import httpx
 
     from prefixkv.router.app import WORKER_HEADER
@@ -92,7 +112,7 @@ async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens:
     queue: asyncio.Queue[list[tuple[str, str]]] = asyncio.Queue()
     for s in workload.sessions:
         queue.put_nowait(s)
-    usages: list[dict[str, int]] = []
+    usages: list[dict[str, float]] = []
     per_worker: Counter[str] = Counter()
     errors = 0
 
@@ -107,14 +127,17 @@ async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens:
                                            "temperature": 0.0}
                 if model:
                     body["model"] = model
+                t0 = time.perf_counter()
                 resp = await client.post(f"{url}/v1/chat/completions", json=body)
+                latency = time.perf_counter() - t0
                 if resp.status_code != 200:
                     errors += 1
                 else:
                     usage = resp.json()["usage"]
                     details = usage.get("prompt_tokens_details") or {}
                     usages.append({"prompt": usage["prompt_tokens"],
-                                   "cached": details.get("cached_tokens") or 0})
+                                   "cached": details.get("cached_tokens") or 0,
+                                   "latency": latency})
                     per_worker[resp.headers[WORKER_HEADER]] += 1
                 messages.append({"role": "assistant", "content": assistant})
 
@@ -135,57 +158,56 @@ async def _reset_caches(urls: Sequence[str]) -> None:
 
 
 def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
-               args: argparse.Namespace) -> PolicyResult:
-    """Replay ``workload`` through a fresh router running ``policy``."""
+               args: argparse.Namespace, workload_name: str = "chat") -> PolicyResult:
+    """Replay ``workload`` through a fresh router running ``policy`` (a ``BENCH_POLICIES``)."""
     from prefixkv.router.app import RouterConfig, RouterServer
 
     asyncio.run(_reset_caches(worker_urls))
     config = RouterConfig(
-        worker_urls=tuple(worker_urls), policy=policy, cache_threshold=args.cache_threshold,
+        worker_urls=tuple(worker_urls), policy=policy.removesuffix("_sim"),
+        cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold, balance_window=args.balance_window,
         max_tree_size=args.max_tree_size, chunk_bytes=args.chunk_bytes,
         eviction_interval=args.eviction_interval, seed=args.seed,
+        simulate_eviction=policy.endswith("_sim"), capacity_tokens=args.capacity_tokens,
+        load_factor=args.load_factor, hash_prefix_chunks=args.hash_prefix_chunks,
+        health_check_interval=args.health_check_interval,
     )
     with RouterServer(config) as server:
+        meter = CpuMeter(server.router.policy.select)
+        setattr(server.router.policy, "select", meter)  # noqa: B010 (mypy: method assignment)
+        # one warm-up request is not needed: the first select records the router thread
         t0 = time.perf_counter()
         usages, per_worker, errors = asyncio.run(_replay(
             server.url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
             model=args.model,
         ))
         seconds = time.perf_counter() - t0
+        router_cpu = thread_cpu(meter.native_id)
         reasons: Counter[str] = Counter()
         for metric in server.router.metrics.requests.collect():
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     reasons[sample.labels["reason"]] += int(sample.value)
-    prompt = sum(u["prompt"] for u in usages)
-    cached = sum(u["cached"] for u in usages)
+    prompt = int(sum(u["prompt"] for u in usages))
+    cached = int(sum(u["cached"] for u in usages))
+    latencies = [u["latency"] for u in usages]
+    n = max(1, len(usages))
     counts = {u: per_worker.get(u, 0) for u in config.worker_urls}
     lo, hi = min(counts.values()), max(counts.values())
     return PolicyResult(
-        policy=policy, requests=len(usages), prompt_tokens=prompt, cached_tokens=cached,
-        computed_tokens=prompt - cached, cached_share=cached / prompt if prompt else 0.0,
+        workload=workload_name, policy=policy, requests=len(usages), prompt_tokens=prompt,
+        cached_tokens=cached, computed_tokens=prompt - cached,
+        cached_share=cached / prompt if prompt else 0.0,
         seconds=seconds, requests_per_s=len(usages) / seconds,
         prompt_tokens_per_s=prompt / seconds, per_worker=counts,
         max_min_load=hi / lo if lo else float("inf"), errors=errors, reasons=dict(reasons),
+        p50_s=quantile(latencies, 0.5), p99_s=quantile(latencies, 0.99),
+        policy_cpu_us=meter.seconds / n * 1e6,
+        # the router thread's CPU since it started (startup included: an upper bound)
+        router_cpu_ms=None if router_cpu is None else router_cpu / n * 1e3,
     )
-
-
-def format_table(results: Sequence[PolicyResult]) -> str:
-    """A plain-text table, with computed tokens relative to cache_aware."""
-    base = next((r.computed_tokens for r in results if r.policy == "cache_aware"), None)
-    lines = [(f"{'policy':<12} {'reqs':>5} {'prompt':>8} {'computed':>9} {'vs CA':>6} "
-              f"{'cached':>7} {'req/s':>6} {'s':>6} {'max/min':>7}  per worker  decisions")]
-    for r in results:
-        rel = f"{r.computed_tokens / base:.2f}x" if base else "-"
-        lines.append(
-            f"{r.policy:<12} {r.requests:>5} {r.prompt_tokens:>8} {r.computed_tokens:>9} "
-            f"{rel:>6} {r.cached_share:>7.1%} {r.requests_per_s:>6.2f} {r.seconds:>6.1f} "
-            f"{r.max_min_load:>7.2f}  {list(r.per_worker.values())}  "
-            + " ".join(f"{k}={v}" for k, v in sorted(r.reasons.items()))
-        )
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,18 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add the benchmark's flags to ``p``."""
     p.add_argument("--worker-urls", nargs="+", metavar="URL",
-                   help="running workers to use (default: launch --workers local prefixkv workers)")
+                   help="running workers to use (default: launch --workers local prefixkv workers "
+                   "per workload)")
     p.add_argument("--workers", type=int, default=4, help="local workers to launch")
     p.add_argument("--model", default=None, help="model for launched workers (default: demo)")
-    p.add_argument("--worker-args", default="--block-size 16 --num-kv-blocks 320",
-                   help="extra flags for launched workers (small KV pools: caches under pressure)")
-    p.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
-    p.add_argument("--users", type=int, default=16)
-    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["chat"],
+                   help="chat, shared_prefix (long shared document), eviction (small KV pools)")
+    p.add_argument("--worker-args", default=None,
+                   help="extra flags for launched workers (default: the workload's, e.g. "
+                   "\"--block-size 16 --num-kv-blocks 320\")")
+    p.add_argument("--policies", nargs="+", choices=BENCH_POLICIES, default=list(BENCH_POLICIES))
+    p.add_argument("--users", type=int, default=None, help="default: the workload's")
+    p.add_argument("--turns", type=int, default=None, help="default: the workload's")
     p.add_argument("--concurrency", type=int, default=8, help="sessions replayed at once")
-    p.add_argument("--system-words", type=int, default=12)
-    p.add_argument("--user-words", type=int, default=20)
-    p.add_argument("--assistant-words", type=int, default=8)
+    p.add_argument("--system-words", type=int, default=None)
+    p.add_argument("--user-words", type=int, default=None)
+    p.add_argument("--assistant-words", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=2)
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=32)
@@ -218,43 +244,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-size", type=int, default=2**18)
     p.add_argument("--chunk-bytes", type=int, default=16)
     p.add_argument("--eviction-interval", type=float, default=60.0)
+    p.add_argument("--capacity-tokens", type=int, default=None,
+                   help="cache_aware_sim: workers' KV capacity (default: from their stats)")
+    p.add_argument("--load-factor", type=float, default=1.25, help="consistent_hash")
+    p.add_argument("--hash-prefix-chunks", type=int, default=16, help="consistent_hash")
+    p.add_argument("--health-check-interval", type=float, default=1.0,
+                   help="also how often the workers' cache stats are read")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write computed tokens vs max/min load per policy and workload")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark; prints the table (and writes ``--json``). Exit code 0."""
+async def _ready(urls: Sequence[str]) -> None:
     import httpx
 
     from prefixkv.router.health import wait_until_healthy
+
+    async with httpx.AsyncClient() as client:
+        await wait_until_healthy(client, urls, timeout=300.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; prints the table (and writes ``--json`` / ``--plot``). Exit code 0."""
     from prefixkv.router.local import LocalWorkers
 
-    workload = make_workload(args.users, args.turns, system_words=args.system_words,
-                             user_words=args.user_words, assistant_words=args.assistant_words,
-                             seed=args.seed)
-    launched = None
-    if args.worker_urls:
-        urls = list(args.worker_urls)
-    else:
-        launched = LocalWorkers(args.workers, args.model, shlex.split(args.worker_args))
-        urls = launched.urls
-    try:
-        async def ready() -> None:
-            async with httpx.AsyncClient() as client:
-                await wait_until_healthy(client, urls, timeout=300.0)
-
-        asyncio.run(ready())
-        results = []
-        for policy in args.policies:
-            results.append(run_policy(policy, urls, workload, args))
-            print(format_table(results[-1:]).splitlines()[1], file=sys.stderr, flush=True)
-    finally:
-        if launched is not None:
-            launched.stop()
+    results: list[PolicyResult] = []
+    for name in args.workloads:
+        spec = resolve(name, args)
+        workload = make_workload(spec.users, spec.turns, system_words=spec.system_words,
+                                 user_words=spec.user_words,
+                                 assistant_words=spec.assistant_words, seed=args.seed)
+        launched = None
+        if args.worker_urls:
+            urls = list(args.worker_urls)
+        else:
+            launched = LocalWorkers(args.workers, args.model, shlex.split(spec.worker_args))
+            urls = launched.urls
+        try:
+            asyncio.run(_ready(urls))
+            for policy in args.policies:
+                results.append(run_policy(policy, urls, workload, args, name))
+                print(format_table(results[-1:]).splitlines()[1], file=sys.stderr, flush=True)
+        finally:
+            if launched is not None:
+                launched.stop()
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)
+    if args.plot:
+        plot_results(results, args.plot)
     return 0
 
 

@@ -29,6 +29,16 @@ converted to chunks at the rate measured from the chunks routed there and the pr
 reports (once 1,000 were seen), and empties the tree when the worker restarted (its prompt-token
 counter went back) or reports an empty cache with nothing in flight (an admin reset, a restart,
 or prefix caching off).
+
+**Simulated eviction** (``simulate_eviction=True``; the Gateway API Inference Extension EPP's
+prefix plugin, seed 003): each tree is bounded by its worker's real KV capacity, read from the
+worker's stats or given as ``capacity_tokens`` (which wins; vLLM and SGLang workers have no
+stats), and trimmed after every insert instead of every ``eviction_interval`` with up to twice
+the bound in between. The tree thus replays the worker's LRU eviction (prefixkv's default
+policy) and forgets a prefix when the worker must have evicted it, so the router stops sending a
+session back to a worker that no longer holds its prefix. Tokens are converted to chunks at the
+rate measured from the worker's prompt-token counter, or, until 1,000 tokens were measured (or
+without stats), estimated at ``BYTES_PER_TOKEN`` bytes per token of the routed text prompts.
 """
 
 from __future__ import annotations
@@ -45,7 +55,9 @@ if TYPE_CHECKING:
     from prefixkv.router.health import WorkerCacheStats
     from prefixkv.router.keys import RouteKey
 
-__all__ = ["CacheAwarePolicy"]
+__all__ = ["BYTES_PER_TOKEN", "CacheAwarePolicy"]
+
+BYTES_PER_TOKEN = 4  # typical for BPE tokenizers on English text; only until a rate is measured
 
 
 class CacheAwarePolicy:
@@ -67,6 +79,8 @@ class CacheAwarePolicy:
         max_tree_size: int = 4096,
         eviction_interval: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        simulate_eviction: bool = False,
+        capacity_tokens: int | None = None,
     ) -> None:
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold!r}")
@@ -78,6 +92,12 @@ class CacheAwarePolicy:
             raise ValueError(f"balance_window must be >= 0, got {balance_window!r}")
         if eviction_interval < 0:
             raise ValueError(f"eviction_interval must be >= 0, got {eviction_interval!r}")
+        if capacity_tokens is not None and (not isinstance(capacity_tokens, int)
+                                            or isinstance(capacity_tokens, bool)
+                                            or capacity_tokens <= 0):
+            raise ValueError(f"capacity_tokens must be a positive int, got {capacity_tokens!r}")
+        self.simulate_eviction = simulate_eviction
+        self.capacity_tokens = capacity_tokens
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -94,6 +114,10 @@ class CacheAwarePolicy:
         # chunks routed to each worker, and (chunks, worker prompt tokens) at its first stats
         self._routed = dict.fromkeys(self.trees, 0)
         self._baseline: dict[str, tuple[int, int]] = {}
+        # simulated eviction: estimated prompt tokens routed, the capacity and measured rate
+        self._routed_tokens = dict.fromkeys(self.trees, 0.0)
+        self._capacity: dict[str, int] = {}
+        self._rate: dict[str, float] = {}
 
     # ------------------------------------------------------------------ choosing
     def is_imbalanced(self, loads: Sequence[int]) -> bool:
@@ -134,9 +158,15 @@ class CacheAwarePolicy:
     def _record(self, url: str, key: RouteKey) -> None:
         tree = self.trees[url]
         tree.insert(key)
-        if self.eviction_interval == 0:
-            tree.trim()
         self._routed[url] += len(key)
+        if self.simulate_eviction:
+            ns = key.namespace
+            text = isinstance(ns, tuple) and bool(ns) and ns[0] == "text"
+            self._routed_tokens[url] += key.size / BYTES_PER_TOKEN if text else key.size
+            self._set_bound(url)
+            tree.trim()
+        elif self.eviction_interval == 0:
+            tree.trim()
         self._dispatches += 1
         if self._window.maxlen:
             if len(self._window) == self._window.maxlen:
@@ -169,13 +199,29 @@ class CacheAwarePolicy:
         if base is None:
             self._baseline[url] = base = (routed, stats.prompt_tokens)
         tokens = stats.prompt_tokens - base[1]
+        self._capacity[url] = stats.capacity_tokens
         if tokens >= 1000 and routed > base[0]:
-            bound = int(stats.capacity_tokens * (routed - base[0]) / tokens)
-            tree.max_size = max(1, min(bound, self.max_tree_size))
-            if self.eviction_interval == 0:
+            self._rate[url] = (routed - base[0]) / tokens
+            self._set_bound(url)
+            if self.eviction_interval == 0 or self.simulate_eviction:
                 tree.trim()
         if stats.cached_blocks == 0 and in_flight == 0:
             tree.reset()
+
+    def _set_bound(self, url: str) -> None:
+        """Bound ``url``'s tree by its KV capacity in chunks, once a capacity and rate are known.
+
+        Without simulated eviction only the measured rate and the worker's capacity are used.
+        """
+        capacity = self._capacity.get(url)
+        rate = self._rate.get(url)
+        if self.simulate_eviction:
+            capacity = self.capacity_tokens or capacity
+            if rate is None and self._routed_tokens[url] > 0:
+                rate = self._routed[url] / self._routed_tokens[url]
+        if capacity is None or rate is None:
+            return
+        self.trees[url].max_size = max(1, min(int(capacity * rate), self.max_tree_size))
 
     def describe(self) -> dict[str, dict[str, int]]:
         """Per worker: ``tree_size`` and ``tree_bound`` (chunks), ``recent`` dispatches."""

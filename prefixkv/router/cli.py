@@ -52,6 +52,18 @@ def register(subparsers: Any) -> None:
                    help="prompt bytes per route-key chunk (routing granularity)")
     p.add_argument("--eviction-interval", type=float, default=60.0,
                    help="seconds between tree trims (0: trim after every insert)")
+    p.add_argument("--simulate-eviction", action="store_true",
+                   help="cache_aware: bound each worker's tree by its real KV capacity and "
+                   "replay its LRU eviction after every insert (EPP's prefix plugin)")
+    p.add_argument("--capacity-tokens", type=int, default=None,
+                   help="with --simulate-eviction: each worker's KV capacity in tokens "
+                   "(default: read from a prefixkv worker's /v1/cache/stats)")
+    p.add_argument("--load-factor", type=float, default=1.25,
+                   help="consistent_hash: no worker takes more than this times the average load")
+    p.add_argument("--hash-prefix-chunks", type=int, default=16,
+                   help="consistent_hash: leading route-key chunks hashed (16 = 256 bytes)")
+    p.add_argument("--hash-replicas", type=int, default=100,
+                   help="consistent_hash: virtual nodes per worker on the ring")
     p.add_argument("--health-check-interval", type=float, default=10.0,
                    help="seconds between /health probes of every worker")
     p.add_argument("--health-check-timeout", type=float, default=5.0)
@@ -114,6 +126,9 @@ def run_route(args: argparse.Namespace) -> int:
             balance_rel_threshold=args.balance_rel_threshold, balance_window=args.balance_window,
             max_tree_size=args.max_tree_size, chunk_bytes=args.chunk_bytes,
             eviction_interval=args.eviction_interval,
+            simulate_eviction=args.simulate_eviction, capacity_tokens=args.capacity_tokens,
+            load_factor=args.load_factor, hash_prefix_chunks=args.hash_prefix_chunks,
+            hash_replicas=args.hash_replicas,
             health_check_interval=args.health_check_interval,
             health_check_timeout=args.health_check_timeout,
             failure_threshold=args.failure_threshold, request_timeout=args.request_timeout,

@@ -17,7 +17,10 @@ class RouterConfig:
 
     Times are in seconds. ``max_tree_size`` is in prompt bytes (each tree holds
     ``max_tree_size // chunk_bytes`` key chunks); ``eviction_interval == 0`` trims the trees
-    after every insert. ``failure_threshold`` failed dispatches in a row open a worker's breaker.
+    after every insert; ``simulate_eviction`` bounds them by each worker's KV capacity
+    (``capacity_tokens``, else the worker's stats) and trims after every insert.
+    ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas`` configure ``consistent_hash``.
+    ``failure_threshold`` failed dispatches in a row open a worker's breaker.
     """
 
     worker_urls: tuple[str, ...]
@@ -33,6 +36,11 @@ class RouterConfig:
     health_check_timeout: float = 5.0
     failure_threshold: int = 3
     request_timeout: float = 600.0
+    simulate_eviction: bool = False
+    capacity_tokens: int | None = None
+    load_factor: float = 1.25
+    hash_prefix_chunks: int = 16
+    hash_replicas: int = 100
     seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -46,6 +54,13 @@ class RouterConfig:
             raise ValueError(f"max_tree_size must be > 0, got {self.max_tree_size!r}")
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4:
             raise ValueError(f"chunk_bytes must be an int >= 4, got {self.chunk_bytes!r}")
+        if self.capacity_tokens is not None and self.capacity_tokens <= 0:
+            raise ValueError(f"capacity_tokens must be > 0, got {self.capacity_tokens!r}")
+        if not self.load_factor >= 1.0:
+            raise ValueError(f"load_factor must be >= 1, got {self.load_factor!r}")
+        for name in ("hash_prefix_chunks", "hash_replicas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold!r}")
         for name in ("health_check_interval", "health_check_timeout", "request_timeout"):

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["POLICY_NAMES", "Decision", "LeastLoadPolicy", "Policy", "RandomPolicy",
            "RoundRobinPolicy", "StatelessPolicy", "check_candidates", "make_policy"]
 
-POLICY_NAMES = ("cache_aware", "round_robin", "least_load", "random")
+POLICY_NAMES = ("cache_aware", "consistent_hash", "prefix_hash", "round_robin", "least_load",
+                "random")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,9 @@ class Decision:
     ``reason`` is one of ``cache_hit`` (best match ratio above the threshold), ``balance`` (the
     in-flight loads were imbalanced), ``share`` (a worker got far less than its share of recent
     requests, e.g. it just came back), ``least_load`` (no good match, or the least-load policy),
-    ``round_robin`` or ``random``. ``match_ratio`` is the chosen worker's estimated share of the
+    ``round_robin``, ``random``, ``hash`` / ``overflow`` (consistent hashing: the key's own
+    worker, or a later one on the ring because that one was over its load bound) or
+    ``prefix_hash`` (the longest chunk-hash match). ``match_ratio`` is the chosen worker's estimated share of the
     prompt already cached there, ``None`` for policies that keep no trees.
     """
 
@@ -142,12 +145,20 @@ def make_policy(
     balance_window: int = 128,
     max_tree_size: int = 4096,
     eviction_interval: float = 60.0,
+    simulate_eviction: bool = False,
+    capacity_tokens: int | None = None,
+    load_factor: float = 1.25,
+    hash_prefix_chunks: int = 16,
+    hash_replicas: int = 100,
     rng: random.Random | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Policy:
     """Build a policy by name (``POLICY_NAMES``) for the workers ``urls``.
 
-    The cache-aware settings (``max_tree_size`` in key chunks) are ignored by the others.
+    Each policy reads its own settings and ignores the rest: ``cache_aware`` the thresholds,
+    window, ``max_tree_size`` (key chunks), ``eviction_interval``, ``simulate_eviction`` and
+    ``capacity_tokens``; ``prefix_hash`` ``max_tree_size``; ``consistent_hash``
+    ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas``.
     """
     if name == "cache_aware":
         from prefixkv.router.cache_aware import CacheAwarePolicy
@@ -156,7 +167,17 @@ def make_policy(
             urls, cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
             balance_rel_threshold=balance_rel_threshold, balance_window=balance_window,
             max_tree_size=max_tree_size, eviction_interval=eviction_interval, clock=clock,
+            simulate_eviction=simulate_eviction, capacity_tokens=capacity_tokens,
         )
+    if name == "consistent_hash":
+        from prefixkv.router.chwbl import ConsistentHashPolicy
+
+        return ConsistentHashPolicy(urls, load_factor=load_factor,
+                                    prefix_chunks=hash_prefix_chunks, replicas=hash_replicas)
+    if name == "prefix_hash":
+        from prefixkv.router.prefix_hash import PrefixHashPolicy
+
+        return PrefixHashPolicy(urls, max_tree_size=max_tree_size, clock=clock)
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_load":

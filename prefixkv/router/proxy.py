@@ -78,7 +78,9 @@ class Router:
             balance_rel_threshold=config.balance_rel_threshold,
             balance_window=config.balance_window, max_tree_size=config.max_tree_chunks,
             eviction_interval=config.eviction_interval, rng=random.Random(config.seed),
-            clock=clock,
+            clock=clock, simulate_eviction=config.simulate_eviction,
+            capacity_tokens=config.capacity_tokens, load_factor=config.load_factor,
+            hash_prefix_chunks=config.hash_prefix_chunks, hash_replicas=config.hash_replicas,
         )
         self.metrics = RouterMetrics()
         self._client: httpx.AsyncClient | None = None

@@ -219,13 +219,18 @@ def test_bench_replays_the_same_sessions_under_each_policy(
     out = tmp_path / "route.json"
     assert bench.main(["--worker-urls", *workers.urls, "--users", "3", "--turns", "3",
                        "--concurrency", "3", "--policies", "cache_aware", "round_robin",
+                       "consistent_hash", "prefix_hash", "cache_aware_sim",
                        "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["policy"] for r in rows] == ["cache_aware", "round_robin"]
+    assert [r["policy"] for r in rows] == ["cache_aware", "round_robin", "consistent_hash",
+                                          "prefix_hash", "cache_aware_sim"]
+    assert set(rows[2]["reasons"]) <= {"hash", "overflow"}
+    assert set(rows[3]["reasons"]) <= {"prefix_hash", "least_load"}
     for r in rows:
         assert r["requests"] == 9 and r["errors"] == 0 and sum(r["per_worker"].values()) == 9
         assert r["computed_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
-    assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"]  # the same prompts replayed
+    assert len({r["prompt_tokens"] for r in rows}) == 1  # the same prompts replayed
+    assert all(r["p99_s"] >= r["p50_s"] > 0 and r["policy_cpu_us"] > 0 for r in rows)
     assert rows[0]["cached_tokens"] > 0
     assert "cache_aware" in capsys.readouterr().out
 
