@@ -148,18 +148,22 @@ def test_a_huge_prompt_is_refused_fast_and_health_stays_responsive(
                 health.append(time.perf_counter() - t)
                 time.sleep(0.02)
 
+    # encoded before the clock starts: this process also hosts the server (one GIL)
+    body = json.dumps({"prompt": "word " * 2_000_000, "max_tokens": 1}).encode()
     prober = threading.Thread(target=probe)
     prober.start()
     try:
         t0 = time.perf_counter()
-        r = http.post("/v1/completions", json={"prompt": "word " * 2_000_000, "max_tokens": 1})
+        r = http.post("/v1/completions", content=body,
+                      headers={"content-type": "application/json"})
         elapsed = time.perf_counter() - t0
     finally:
         stop.set()
         prober.join()
     assert "far more than the model's context" in _error(r, 400)["message"]
-    assert elapsed < 5, elapsed  # was 20-50 s of tokenizing before
-    assert health and max(health) < 2.0
+    # was 20-50 s of tokenizing on a quiet machine; bounds generous for a loaded one
+    assert elapsed < 8, elapsed
+    assert health and max(health) < 4.0
 
 
 def test_n_and_batch_size_are_capped(http: httpx.Client) -> None:
