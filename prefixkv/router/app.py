@@ -6,7 +6,8 @@ its routes parse nothing but what routing needs and leave the rest to the worker
 with an OpenAI-style error body); its route key and ``stream`` flag go to ``Router.dispatch``,
 which forwards the body unchanged (retries, streaming and failures: see
 :mod:`prefixkv.router.proxy`). Also ``GET /v1/models`` (from a healthy worker), ``GET /health``,
-``GET /workers`` (the router's view) and ``GET /metrics``. :class:`RouterServer` serves the app
+``GET /workers`` (the router's view), ``GET /metrics``, and the workers' cache admin routes
+fanned out to every worker (:mod:`prefixkv.router.admin`). :class:`RouterServer` serves the app
 with uvicorn in a background thread.
 
 Client disconnects. While the router waits for a worker's answer, the request's ASGI ``receive``
@@ -30,6 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixkv.router.admin import add_admin_routes
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.errors import error_response
 from prefixkv.router.keys import RouteKey, chat_key, completion_key
@@ -98,6 +100,8 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
         text = router.metrics.render(router.workers, router.policy.describe())
         return Response(text, media_type=CONTENT_TYPE)
 
+    add_admin_routes(app, config.worker_urls, lambda: router.client, config.admin_api_key,
+                     config.request_timeout)
     return app
 
 

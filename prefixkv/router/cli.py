@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import signal
 from types import FrameType
@@ -70,6 +71,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--failure-threshold", type=int, default=3,
                    help="failed requests in a row that take a worker out of rotation")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--admin-api-key", default=os.environ.get("PREFIXKV_ADMIN_API_KEY"),
+                   help="the fleet's admin key: needed for the router's /v1/cache/* routes "
+                        "(fanned out to every worker) and sent on to the workers (default: "
+                        "$PREFIXKV_ADMIN_API_KEY; without one, loopback clients only)")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="seconds to wait for every worker to answer /health at start")
     p.add_argument("--log-level", default="info")
@@ -132,6 +137,7 @@ def run_route(args: argparse.Namespace) -> int:
             health_check_interval=args.health_check_interval,
             health_check_timeout=args.health_check_timeout,
             failure_threshold=args.failure_threshold, request_timeout=args.request_timeout,
+            admin_api_key=args.admin_api_key,
         )
 
         async def check() -> None:

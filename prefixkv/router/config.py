@@ -21,6 +21,8 @@ class RouterConfig:
     (``capacity_tokens``, else the worker's stats) and trims after every insert.
     ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas`` configure ``consistent_hash``.
     ``failure_threshold`` failed dispatches in a row open a worker's breaker.
+    ``admin_api_key``: the fleet's admin key, needed for the router's cache admin routes and
+    sent on to the workers (and with the stats reads); see :mod:`prefixkv.router.admin`.
     """
 
     worker_urls: tuple[str, ...]
@@ -41,6 +43,7 @@ class RouterConfig:
     load_factor: float = 1.25
     hash_prefix_chunks: int = 16
     hash_replicas: int = 100
+    admin_api_key: str | None = None
     seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:

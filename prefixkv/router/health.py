@@ -39,12 +39,13 @@ class WorkerCacheStats:
 
 
 async def fetch_cache_stats(
-    client: httpx.AsyncClient, url: str, timeout: float
+    client: httpx.AsyncClient, url: str, timeout: float, headers: dict[str, str] | None = None
 ) -> WorkerCacheStats | None:
     """The worker's cache figures, or ``None`` when it has no such endpoint (vLLM, SGLang),
-    does not answer, or answers something else."""
+    does not answer, refuses (an admin route: ``headers`` carry the fleet's admin key), or
+    answers something else."""
     try:
-        resp = await client.get(f"{url}/v1/cache/stats", timeout=timeout)
+        resp = await client.get(f"{url}/v1/cache/stats", timeout=timeout, headers=headers)
         d = resp.json()
     except (httpx.HTTPError, ValueError):
         return None

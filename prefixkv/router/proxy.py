@@ -42,6 +42,7 @@ import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from prefixkv.router.admin import admin_headers
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.errors import error_body, error_response
 from prefixkv.router.health import WorkerCacheStats, fetch_cache_stats, health_loop, probe
@@ -135,7 +136,8 @@ class Router:
             await asyncio.sleep(cfg.health_check_interval)
             urls = self.workers.healthy()
             stats = await asyncio.gather(
-                *(fetch_cache_stats(self.client, u, cfg.health_check_timeout) for u in urls)
+                *(fetch_cache_stats(self.client, u, cfg.health_check_timeout,
+                                    admin_headers(cfg.admin_api_key)) for u in urls)
             )
             for url, st in zip(urls, stats):
                 if st is not None:

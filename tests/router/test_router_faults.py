@@ -251,3 +251,44 @@ def test_a_request_that_breaks_real_workers_is_tried_on_one_worker_only() -> Non
             live.stop()
         for eng in engines:
             eng.shutdown()
+
+
+def test_cache_admin_through_the_router_fans_out_to_every_worker() -> None:
+    """Issue 10: the router forwards /v1/cache/* to all workers (or one with ?worker=), under
+    the same admin rule as a worker: the fleet's admin key, passed on."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
+    from server_live import start_server
+
+    from prefixkv.engine import AsyncEngine
+
+    key = "fleet-admin"
+    engines = [AsyncEngine.from_args(None, block_size=4, num_kv_blocks=64) for _ in range(2)]
+    lives = [start_server(e, admin_api_key=key) for e in engines]
+    try:
+        config = RouterConfig(worker_urls=tuple(w.url for w in lives), policy="round_robin",
+                              health_check_interval=1.0, admin_api_key=key)
+        admin = {"Authorization": f"Bearer {key}"}
+        with RouterServer(config) as server:
+            base = server.url
+            assert httpx.get(f"{base}/v1/cache/stats", timeout=30).status_code == 403
+            r = httpx.get(f"{base}/v1/cache/stats", headers=admin, timeout=30)
+            assert r.status_code == 200
+            assert sorted(d["worker"] for d in r.json()["data"]) == sorted(w.url for w in lives)
+            assert all(d["body"]["num_kv_blocks"] == 64 for d in r.json()["data"])
+            pin = httpx.post(f"{base}/v1/cache/pin", headers=admin, timeout=60,
+                             json={"token_ids": list(range(40, 60))})
+            assert pin.status_code == 200 and all(d["body"]["pinned"] for d in pin.json()["data"])
+            one = httpx.get(f"{base}/v1/cache/pinned", params={"worker": lives[0].url},
+                            headers=admin, timeout=30).json()["data"]
+            assert len(one) == 1 and one[0]["body"]["data"][0]["num_blocks"] == 5
+            bad = httpx.post(f"{base}/v1/cache/pin", headers=admin, timeout=30,
+                             json={"token_ids": [1]})  # shorter than a block: every worker 400
+            assert bad.status_code == 400
+            reset = httpx.post(f"{base}/v1/cache/reset", headers=admin, timeout=30)
+            assert reset.status_code == 200
+            assert all(d["body"]["reset"] for d in reset.json()["data"])
+    finally:
+        for live in lives:
+            live.stop()
+        for eng in engines:
+            eng.shutdown()
