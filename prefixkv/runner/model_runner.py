@@ -163,6 +163,16 @@ class ModelRunner:
         ``block_table[p // block_size] * block_size + p % block_size``. Items may mix prefill
         chunks and single-token decodes. Two items must not write the same slot.
         """
+        with torch.inference_mode():
+            hidden, ends = self.hidden_states(items)
+            last = torch.tensor(ends, device=self.device) - 1
+            return self.model.compute_logits(hidden[last]).float()
+
+    def hidden_states(self, items: list[RunItem]) -> tuple[torch.Tensor, list[int]]:
+        """The model over ``items`` (validated; K/V written as :meth:`execute` says): the hidden
+        states of every new token, flat ``[tokens, hidden]``, and each item's end offset in
+        them. Call it under ``torch.inference_mode()``; :meth:`execute` and the prompt-logits
+        step (``runner/prompt_logits.py``) are the callers."""
         if not items:
             raise ValueError("items must not be empty")
         tokens: list[int] = []
@@ -171,19 +181,16 @@ class ModelRunner:
             self._validate(i, item)
             tokens.extend(item.token_ids)
             positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
-        with torch.inference_mode():
-            attention = PagedAttention(
-                self.kv_pool,
-                start_positions=[it.start_pos for it in items],
-                query_lens=[len(it.token_ids) for it in items],
-                block_tables=[it.block_table for it in items],
-            )
-            input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-            hidden = self.model(input_ids, pos, attention)
-            ends = list(accumulate(len(it.token_ids) for it in items))
-            last = torch.tensor(ends, device=self.device) - 1
-            return self.model.compute_logits(hidden[last]).float()
+        attention = PagedAttention(
+            self.kv_pool,
+            start_positions=[it.start_pos for it in items],
+            query_lens=[len(it.token_ids) for it in items],
+            block_tables=[it.block_table for it in items],
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, attention)
+        return hidden, list(accumulate(len(it.token_ids) for it in items))
 
     def copy_block_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         """Copy the first ``num_rows`` KV rows of ``src_block`` into ``dst_block`` (all layers)."""

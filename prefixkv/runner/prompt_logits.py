@@ -10,11 +10,9 @@ in ``full``, the logits of all their new tokens. Only flagged items pay for the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
 
 import torch
 
-from prefixkv.runner.attention import PagedAttention
 from prefixkv.runner.model_runner import ModelRunner, RunItem
 
 
@@ -26,27 +24,10 @@ def execute_with_prompt_logits(
     Row ``p`` of ``full_logits[i]`` is the distribution of the token after position
     ``items[i].start_pos + p``. Same contract and validation as :meth:`ModelRunner.execute`.
     """
-    if not items:
-        raise ValueError("items must not be empty")
     if len(full) != len(items):
         raise ValueError(f"full has {len(full)} flags for {len(items)} items")
-    tokens: list[int] = []
-    positions: list[int] = []
-    for i, item in enumerate(items):
-        runner._validate(i, item)
-        tokens.extend(item.token_ids)
-        positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
     with torch.inference_mode():
-        attention = PagedAttention(
-            runner.kv_pool,
-            start_positions=[it.start_pos for it in items],
-            query_lens=[len(it.token_ids) for it in items],
-            block_tables=[it.block_table for it in items],
-        )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=runner.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=runner.device)
-        hidden = runner.model(input_ids, pos, attention)
-        ends = list(accumulate(len(it.token_ids) for it in items))
+        hidden, ends = runner.hidden_states(items)
         last = torch.tensor(ends, device=runner.device) - 1
         last_logits = runner.model.compute_logits(hidden[last]).float()
         per_item: dict[int, torch.Tensor] = {}
