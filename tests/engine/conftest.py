@@ -36,6 +36,16 @@ class Helpers:
         rng = random.Random(seed)
         return [rng.randrange(32, 127) for _ in range(n)]
 
+    @classmethod
+    def shared_prefix_workload(cls, n: int) -> list[list[int]]:
+        """``n`` prompts on one 40-token system prompt, one unrelated prompt, and a strict
+        prefix of the shared part (the equivalence tests' workload)."""
+        system = cls.tokens(0, 40)
+        prompts = [system + cls.tokens(100 + i, 3 + (i * 5) % 17) for i in range(n)]
+        prompts.append(cls.tokens(7, 50))  # unrelated
+        prompts.append(system[:23])  # a strict prefix of the shared part
+        return prompts
+
     @staticmethod
     def assert_no_leak(llm: LLM) -> None:
         """Every KV block is free or cached once nothing runs, and nothing stays locked."""

@@ -17,11 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 def workload(helpers: Any) -> list[list[int]]:
-    system = helpers.tokens(0, 40)
-    prompts = [system + helpers.tokens(100 + i, 3 + (i * 5) % 17) for i in range(8)]
-    prompts.append(helpers.tokens(7, 50))  # unrelated
-    prompts.append(system[:23])  # a strict prefix of the shared part
-    return prompts
+    return helpers.shared_prefix_workload(8)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
