@@ -97,6 +97,17 @@ def add_trace(sub: Any) -> None:
                    help="write a PNG of the expert an adaptive policy (experts) chose over time, "
                    "one panel per capacity")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t = p.add_argument_group("tiers (instead of the policy grid: LRU pool + LRU tiers below it)")
+    t.add_argument("--tiers", nargs="+", metavar="N", default=None,
+                   help="tokens of pool then of each tier below it, e.g. 3M 30M [300M]; "
+                   "reports hit rate per tier and the prefill time saved")
+    t.add_argument("--tier-bandwidth-gbps", nargs="+", type=float, default=[], metavar="GBPS",
+                   help="load bandwidth of each tier below the pool (default 25 3 1: host, "
+                   "disk, remote)")
+    t.add_argument("--prefill-tokens-per-s", type=float, default=4000.0,
+                   help="cost model: prefill speed (default 4000)")
+    t.add_argument("--kv-bytes-per-token", type=int, default=524288,
+                   help="cost model: KV bytes per token (default 524288: a 7B model in fp16)")
     p.set_defaults(func=run_trace)
 
 
@@ -138,6 +149,8 @@ def run_trace(args: argparse.Namespace) -> int:
     requests = load_trace(args.file, block_size=args.block_size)
     if args.limit is not None:
         requests = requests[: args.limit]
+    if args.tiers is not None:
+        return _run_tiers(args, requests)
     runs: list[tuple[str, int | None]] = [(p, c) for p in policies for c in caps]
     if not args.no_unbounded:
         runs.append(("lru", None))
@@ -190,3 +203,27 @@ def _progress(total: int, *, disable: bool) -> Any:
 
     return tqdm(total=total, unit="req", disable=disable or not sys.stderr.isatty(),
                 leave=False, dynamic_ncols=True)
+
+
+def _run_tiers(args: argparse.Namespace, requests: list[Any]) -> int:
+    """``prefixkv bench trace FILE --tiers POOL TIER...``."""
+    from prefixkv.bench.trace import parse_tokens, replay
+    from prefixkv.bench.trace_tiers import format_tier_row, replay_tiered
+
+    caps = [parse_tokens(t) for t in args.tiers]
+    if any(c is None for c in caps):
+        raise ValueError(f"--tiers takes finite capacities, got {args.tiers}")
+    row = replay_tiered(requests, [c for c in caps if c is not None],
+                        block_size=args.block_size, bandwidths_gbps=args.tier_bandwidth_gbps,
+                        prefill_tokens_per_s=args.prefill_tokens_per_s,
+                        kv_bytes_per_token=args.kv_bytes_per_token, clock=args.clock)
+    unbounded = None if args.no_unbounded else replay(
+        requests, None, "lru", block_size=args.block_size, index=args.index,
+        clock=args.clock).hit_rate
+    print(f"{args.file}: {len(requests)} requests, {row.input_tokens:,} input tokens, "
+          f"block size {args.block_size}, LRU in every tier")
+    print(format_tier_row(row, unbounded))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({**asdict(row), "unbounded_hit_rate": unbounded}, f, indent=1)
+    return 0
