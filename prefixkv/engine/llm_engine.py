@@ -267,7 +267,8 @@ class LLMEngine:
             seqs = [s.seq for s in plan.scheduled]
             fail = lambda seq, exc: self._fail(seq.request, exc, changed)
             ran, logits = run_model_isolated(
-                self._prompt_logprobs.execute, seqs, [s.num_new_tokens for s in plan.scheduled], self.fault_hook, fail)
+                self._prompt_logprobs.execute, seqs, [s.num_new_tokens for s in plan.scheduled],
+                self.fault_hook, fail)
             rows, sampled = [], []
             for i, s in enumerate(plan.scheduled):
                 seq = s.seq
