@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -68,3 +69,18 @@ def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, Any]:
 def unique_text(tag: str, n_words: int = 40) -> str:
     """A prompt no other test uses (so cache hits are this test's own)."""
     return " ".join(f"{tag}{i}" for i in range(n_words))
+
+
+def wait_for_health(url: str, proc: subprocess.Popen[str], timeout: float = 90.0) -> None:
+    """Poll ``url``/health until a ``prefixkv serve`` child answers 200; fails with its output
+    if it exits, or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)

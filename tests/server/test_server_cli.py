@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server_live import start_server
+from server_live import start_server, wait_for_health
 
 from prefixkv.cli import build_parser, main
 from prefixkv.engine import AsyncEngine
@@ -51,16 +50,7 @@ def test_serve_process_runs_examples_and_stops_on_sigterm() -> None:
          "--num-kv-blocks", "512", "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
+        wait_for_health(url, proc)
         run = subprocess.run([sys.executable, "examples/openai_client.py"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120, check=False)
         assert run.returncode == 0, run.stdout + run.stderr

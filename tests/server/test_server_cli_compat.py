@@ -7,11 +7,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from server_live import wait_for_health
 
 from prefixkv.cli import main
 
@@ -38,16 +38,7 @@ def test_engine_start_with_vllm_flags(tmp_path: Path, capsys: pytest.CaptureFixt
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
+        wait_for_health(url, proc)
         models = httpx.get(url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["a", "b"] and models[0]["max_model_len"] == 512
         stats = httpx.get(url + "/v1/cache/stats").json()
