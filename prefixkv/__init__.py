@@ -1,8 +1,8 @@
 """prefixkv: prefix caching for LLM inference.
 
-The cache core (``prefixkv.cache``) is pure Python and imported eagerly. The engine layer
-(``LLM``, ``SamplingParams``, ...) imports torch, so it is loaded lazily on first use: importing
-``prefixkv`` or ``prefixkv.cache`` never imports torch.
+The cache core (``prefixkv.cache``) and :class:`EngineConfig` are pure Python and imported
+eagerly. The engine layer (``LLM``, ``SamplingParams``, ...) imports torch, so it is loaded
+lazily on first use: importing ``prefixkv`` or ``prefixkv.cache`` never imports torch.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from prefixkv.cache import (
     make_cache,
     make_policy,
 )
+from prefixkv.config import CacheSettings, EngineConfig, ModelSettings, SchedulerSettings
 
 __version__ = "0.1.0"
 
@@ -55,8 +56,10 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "BlockPool",
+    "CacheSettings",
     "CacheStats",
     "CompletionOutput",
+    "EngineConfig",
     "EngineStats",
     "EvictionPolicy",
     "FIFOPolicy",
@@ -64,6 +67,7 @@ __all__ = [
     "HashPrefixCache",
     "LFUPolicy",
     "LRUPolicy",
+    "ModelSettings",
     "PinError",
     "PinnedPrefix",
     "PrefixCache",
@@ -72,6 +76,7 @@ __all__ = [
     "RadixPrefixCache",
     "RequestOutput",
     "SamplingParams",
+    "SchedulerSettings",
     "make_cache",
     "make_policy",
 ]

@@ -80,7 +80,8 @@ class AsyncEngine:
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncEngine:
-        """Build the engine like :class:`~prefixkv.engine.llm.LLM` (same arguments)."""
+        """Build the engine like :class:`~prefixkv.engine.llm.LLM` (same arguments: flat
+        settings or ``config=EngineConfig(...)``)."""
         from prefixkv.engine.llm import build_engine
 
         return cls(build_engine(model, **kwargs))

@@ -3,6 +3,7 @@
     llm = LLM()                                   # the built-in demo model (meaningless text)
     llm = LLM("smollm2-135m-instruct")            # a real model, fetched once (~93 MB)
     llm = LLM("path/to/model.gguf")               # or a GGUF file, or an HF directory
+    llm = LLM(config=EngineConfig.from_kwargs(block_size=16, max_num_seqs=8))
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
     outs[0].outputs[0].text, outs[0].num_cached_tokens, outs[0].metrics.time_to_first_token
 """
@@ -14,111 +15,55 @@ from pathlib import Path
 from typing import Any
 
 from prefixkv.cache.protocol import CacheStats, PinError, PinnedPrefix
+from prefixkv.config import EngineConfig, parse_size
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.models.loader import load_tokenizer
 from prefixkv.models.tokenizer import Tokenizer
 from prefixkv.runner.model_runner import ModelRunner
-from prefixkv.tiers.spec import TierSpec
 
 Messages = Sequence[Mapping[str, Any]]
 
 
 def build_engine(
-    model: str | Path | None = None,
-    *,
-    enable_prefix_caching: bool = True,
-    block_size: int = 16,
-    num_kv_blocks: int | None = None,
-    kv_cache_memory_bytes: int | None = None,
-    kv_cache_memory: int | str | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
-    max_model_len: int | None = None,
-    tokenizer: str | Path | None = None,
-    chat_template: str | Path | None = None,
-    index: str = "radix",
-    eviction_policy: str = "lru",
-    hash_algo: str = "sha256",
-    max_pinned_blocks: int | None = None,
-    max_pinned_blocks_per_tenant: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 4096,
-    seed: int = 0,
-    threads: int | None = None,
-    schedule_policy: str = "fcfs",
-    kv_offload_size: int | str | None = None,
-    kv_disk_dir: str | Path | None = None,
-    kv_disk_size: int | str | None = None,
-    kv_remote: str | None = None,
-    kv_remote_timeout: float = 0.5,
+    model: str | Path | None = None, *, config: EngineConfig | None = None, **kwargs: Any
 ) -> LLMEngine:
-    """Load the model and build an :class:`LLMEngine`.
+    """Load the model and build an :class:`LLMEngine` from one :class:`EngineConfig`.
+
+    Give ``config``, or flat settings (``block_size=16, max_num_seqs=32, ...``: every name in
+    :data:`prefixkv.config.OPTIONS`, vLLM's where vLLM has one) that build it; both: the
+    settings override the config's. An unknown name is a ``TypeError`` naming it, a bad value
+    a ``ValueError`` naming it, both before anything loads.
 
     ``model``: ``None`` (the built-in demo model), an HF-format directory, a ``.gguf`` file, or
     a name from :data:`prefixkv.models.catalog.CATALOG` (``"smollm2-135m-instruct"``, fetched
-    into the cache directory on first use). ``threads``: torch CPU threads (default: physical
-    cores, never more than torch already uses). ``schedule_policy``: order of admission when
-    many requests wait (``fcfs``, ``lpm``, ``dfs-weight``; see :mod:`prefixkv.engine.scheduler`).
-    The prefix index always uses the engine's ``block_size`` (radix with ``block_size=1`` is
-    SGLang-style token granularity). Bad arguments raise ``ValueError`` naming them.
-    vLLM's names work too: ``max_model_len`` (shrinks the context), ``tokenizer`` (another
-    tokenizer directory), ``dtype="auto"`` (the device default), ``kv_cache_memory`` (bytes
-    or a size such as ``"2GiB"``, an alias of ``kv_cache_memory_bytes``), ``chat_template``
-    (a file or the template text, replacing the tokenizer's).
-
-    Lower KV tiers (docs/tiers.md): ``kv_offload_size`` (host memory, blocks or e.g.
-    ``"2GiB"``), ``kv_disk_dir`` / ``kv_disk_size`` (files that survive restarts), ``kv_remote``
-    (``redis://host:port[/db]``, shared by every engine on it; ``kv_remote_timeout`` seconds).
+    into the cache directory on first use). The engine's tokenizer is the model's (or
+    ``tokenizer``'s directory), with ``chat_template`` (a file or the template text) if given.
     """
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    if kv_cache_memory is not None:
-        if kv_cache_memory_bytes is not None:
-            raise ValueError("give kv_cache_memory or kv_cache_memory_bytes, not both")
-        kv_cache_memory_bytes = parse_size(kv_cache_memory, "kv_cache_memory")
-    if dtype == "auto":
-        dtype = None
-    tiers = TierSpec(kv_offload_size, kv_disk_dir, kv_disk_size, kv_remote, kv_remote_timeout)
-    if model is None:
+    if config is None:
+        config = EngineConfig.from_kwargs(model, **kwargs)
+    elif model is not None or kwargs:
+        config = config.replace(**({"model": model} if model is not None else {}), **kwargs)
+    m, c = config.model, config.cache
+    if m.model is None:
         from prefixkv.models.demo import ensure_demo_model
 
-        model, name = ensure_demo_model(), "prefixkv-demo"
+        path, name = ensure_demo_model(), "prefixkv-demo"
     else:
         from prefixkv.models.catalog import resolve_model
 
-        name = Path(model).name or str(model)
-        model = resolve_model(model)
-    runner = ModelRunner(
-        model,
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        kv_cache_memory_bytes=kv_cache_memory_bytes,
-        device=device,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        tokenizer=tokenizer,
-        threads=threads,
-    )
-    if chat_template is not None:
-        runner.tokenizer = _with_template(runner.tokenizer, chat_template)
-    return LLMEngine(
-        runner,
-        enable_prefix_caching=enable_prefix_caching,
-        index=index,
-        eviction_policy=eviction_policy,
-        hash_algo=hash_algo,
-        max_pinned_blocks=max_pinned_blocks,
-        max_pinned_blocks_per_tenant=max_pinned_blocks_per_tenant,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        seed=seed,
-        model_name=name,
-        schedule_policy=schedule_policy,
-        tiers=tiers,
-    )
+        name = Path(m.model).name or str(m.model)
+        path = resolve_model(m.model)
+    runner = ModelRunner(path, block_size=c.block_size, num_kv_blocks=c.num_kv_blocks,
+                         kv_cache_memory_bytes=c.kv_cache_memory, device=m.device, dtype=m.dtype,
+                         max_model_len=m.max_model_len, tokenizer=m.tokenizer, threads=m.threads)
+    tokenizer = load_tokenizer(path if m.tokenizer is None else m.tokenizer)
+    if m.chat_template is not None:
+        tokenizer = _with_template(tokenizer, m.chat_template)
+    return LLMEngine(runner, config, tokenizer=tokenizer, model_name=name)
 
 
 def _with_template(tok: Tokenizer, template: str | Path) -> Tokenizer:
@@ -128,37 +73,17 @@ def _with_template(tok: Tokenizer, template: str | Path) -> Tokenizer:
     return Tokenizer(tok.backend, bos_token=tok.bos_token, eos_token=tok.eos_token, chat_template=text)
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_size(value: int | str, name: str) -> int:
-    """Bytes from an int or a size such as ``"512MiB"``, ``"2GiB"``, ``"1.5G"`` (``ValueError`` naming ``name``)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(num):]
-        try:
-            size = int(float(num) * _UNITS[unit])
-        except (ValueError, KeyError):
-            raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}") from None
-    else:
-        raise ValueError(f"{name} must be bytes or a size like '2GiB', got {value!r}")  # noqa: TRY004
-    if size < 1:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return size
-
-
 class LLM:
-    """Offline generation with prefix caching. Arguments as :func:`build_engine`.
+    """Offline generation with prefix caching. Arguments as :func:`build_engine`:
+    ``LLM(model, **settings)`` or ``LLM(config=EngineConfig(...))``.
 
     Not thread safe; for concurrent serving use :class:`~prefixkv.engine.async_engine.AsyncEngine`.
     """
 
-    def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
-        self.engine = build_engine(model, **kwargs)
+    def __init__(
+        self, model: str | Path | None = None, *, config: EngineConfig | None = None, **kwargs: Any
+    ) -> None:
+        self.engine = build_engine(model, config=config, **kwargs)
 
     @property
     def tokenizer(self) -> Any:
@@ -296,3 +221,6 @@ def _as_batch(prompts: Any) -> list[PromptInput]:
     if isinstance(prompts, Sequence) and prompts:
         return list(prompts)
     raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r}")
+
+
+__all__ = ["LLM", "build_engine", "parse_size"]

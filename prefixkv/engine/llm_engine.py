@@ -20,6 +20,7 @@ from typing import Any
 
 from prefixkv.cache import make_cache
 from prefixkv.cache.protocol import PinnedPrefix
+from prefixkv.config import EngineConfig
 from prefixkv.engine.cache_admin import CacheAdmin
 from prefixkv.engine.isolation import FaultHook, run_model_isolated, sample_isolated
 from prefixkv.engine.kv_manager import KVManager, make_tier_store
@@ -32,89 +33,70 @@ from prefixkv.engine.scheduler import Scheduler
 from prefixkv.engine.sequence import Request, SequenceStatus
 from prefixkv.engine.sequence import Sequence as Seq
 from prefixkv.engine.structured_output import GrammarCompiler
-from prefixkv.tiers.spec import TierSpec
+from prefixkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from prefixkv.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-from prefixkv.models.tokenizer import IncrementalDetokenizer
-from prefixkv.runner.model_runner import ModelRunner
 
 
 class LLMEngine:
     """Requests in, :class:`RequestOutput` snapshots out, one step at a time.
 
     Args:
-        runner: the model runner (owns model, tokenizer and KV tensors).
-        enable_prefix_caching: with ``False`` there is no index: blocks go straight back to the
-            pool when a request finishes.
-        index / eviction_policy / hash_algo / max_pinned_blocks: the prefix index
-            (``make_cache``); its block size is the runner's. ``max_pinned_blocks=None`` is
-            20% of the pool.
-        max_pinned_blocks_per_tenant: most blocks one namespace (``cache_salt``) may keep
-            pinned (``None``: only the global budget).
-        max_num_seqs: most sequences running at once.
-        max_num_batched_tokens: token budget of one step (prefill chunk size).
-        seed: seeds the generator of unseeded sampling requests.
+        runner: the model runner (owns the model and the KV tensors; its block size and
+            context length are the engine's).
+        config: every setting (:class:`~prefixkv.config.EngineConfig`); the engine reads its
+            cache, scheduler and tier sections and ``model.seed``. ``None``: built from
+            ``settings`` (flat names, as ``LLM(...)`` takes them) at the runner's block size;
+            with a config, ``settings`` override it.
+        tokenizer: the engine's tokenizer (prompts, detokenizing, stop strings); ``None``:
+            the runner's.
         clock: time source for request timings.
         model_name: a display name (the model directory's name, or ``"prefixkv-demo"``).
-        schedule_policy: admission order of waiting requests (``fcfs``, ``lpm``, ``dfs-weight``).
-        tiers: lower KV tiers below the pool (host memory, disk, a shared Valkey/Redis;
-            docs/tiers.md); ``None``: the pool only.
     """
 
     def __init__(
         self,
         runner: ModelRunner,
+        config: EngineConfig | None = None,
         *,
-        enable_prefix_caching: bool = True,
-        index: str = "radix",
-        eviction_policy: str = "lru",
-        hash_algo: str = "sha256",
-        max_pinned_blocks: int | None = None,
-        max_pinned_blocks_per_tenant: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 4096,
-        seed: int = 0,
+        tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.time,
         model_name: str = "model",
-        schedule_policy: str = "fcfs",
-        tiers: TierSpec | None = None,
+        **settings: Any,
     ) -> None:
+        if config is None:
+            config = EngineConfig.from_kwargs(**{"block_size": runner.block_size, **settings})
+        elif settings:
+            config = config.replace(**settings)
+        if config.cache.block_size != runner.block_size:
+            raise ValueError(f"config.cache.block_size ({config.cache.block_size}) is not the "
+                             f"runner's ({runner.block_size})")
+        self.config = config
         self.runner = runner
         self.model_name = model_name
-        self.tokenizer = runner.tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else runner.tokenizer
         self.block_size = runner.block_size
         self.max_model_len = runner.max_model_len
         self.clock = clock
+        cc, sc = config.cache, config.scheduler
         cache = None
-        if enable_prefix_caching:
-            cache = make_cache(
-                index=index,
-                max_blocks=runner.num_kv_blocks,
-                block_size=runner.block_size,
-                eviction_policy=eviction_policy,
-                hash_algo=hash_algo,
-                max_pinned_blocks=max_pinned_blocks,
-            )
-        if tiers is not None and tiers.enabled and cache is None:
-            raise ValueError("kv_offload_size / kv_disk_dir / kv_remote need prefix caching")
-        store = make_tier_store(tiers, runner) if tiers is not None else None
+        if cc.enable_prefix_caching:
+            cache = make_cache(index=cc.index, max_blocks=runner.num_kv_blocks,
+                               block_size=runner.block_size, eviction_policy=cc.eviction_policy,
+                               hash_algo=cc.hash_algo, max_pinned_blocks=cc.max_pinned_blocks)
         self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows,
-                            store)
-        self.scheduler = Scheduler(
-            self.kv,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            clock=clock,
-            policy=schedule_policy,
-        )
+                            make_tier_store(config.tiers, runner))
+        self.scheduler = Scheduler(self.kv, max_num_seqs=sc.max_num_seqs,
+                                   max_num_batched_tokens=sc.max_num_batched_tokens, clock=clock,
+                                   policy=sc.schedule_policy)
         eos = set(runner.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self._eos = frozenset(eos)
         self.sampler = SeqSampler(
-            runner, seed, self._eos, lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
+            runner, config.model.seed, self._eos,
+            lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
         )
         self._prompt_logprobs = PromptLogprobsRunner(runner, self.sampler)
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
@@ -124,7 +106,7 @@ class LLMEngine:
         self._counters = {"finished": 0, "prompt": 0, "cached": 0, "generated": 0, "steps": 0,
                           "failed": 0}
         self.fault_hook: FaultHook | None = None
-        self.cache_admin = CacheAdmin(self.kv, max_pinned_blocks_per_tenant)
+        self.cache_admin = CacheAdmin(self.kv, cc.max_pinned_blocks_per_tenant)
         self._max_chars: int | None = None
 
     # ------------------------------------------------------------------ requests

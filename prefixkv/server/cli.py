@@ -19,8 +19,9 @@ import os
 import socket
 from typing import Any
 
-from prefixkv.cache.policies import POLICIES
-from prefixkv.server.cli_compat import add_vllm_flags, register_engine, vllm_kwargs
+from prefixkv.config import EngineConfig
+from prefixkv.server.cli_compat import register_engine
+from prefixkv.server.cli_flags import add_engine_flags, engine_kwargs
 from prefixkv.server.limits import ServerLimits
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -29,88 +30,12 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``serve``, ``cache`` and ``generate`` to the ``prefixkv`` parser."""
     _register_serve(sub)
-    register_engine(sub, _add_engine_flags, _add_server_flags, _serve)
+    register_engine(sub, add_engine_flags, _add_server_flags, _serve)
     _register_cache(sub)
     _register_generate(sub)
 
 
-# ---------------------------------------------------------------- engine flags
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="HF-format model directory, .gguf file, or a known name such as "
-                        "smollm2-135m-instruct (fetched once, ~93 MB; default: the built-in demo "
-                        "model, deterministic weights, meaningless text)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                   help="same as the positional MODEL")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: physical cores, or fewer if "
-                        "OMP_NUM_THREADS says so)")
-    g.add_argument("--schedule-policy", choices=("fcfs", "lpm", "dfs-weight"), default="fcfs",
-                   help="admission order when requests wait: fcfs, lpm (cached prefix first), "
-                        "dfs-weight (shared prefixes grouped) (default fcfs)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks in the pool (default: sized from the model and memory)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse cached KV for shared prompt prefixes (default: on)")
-    g.add_argument("--index", choices=("radix", "hash"), default="radix",
-                   help="prefix index kind (default radix)")
-    g.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES),
-                   help="which unused cached blocks go first (default lru)")
-    g.add_argument("--hash-algo", choices=("sha256", "xxhash", "builtin"), default="sha256",
-                   help="block hash for --index hash (default sha256)")
-    g.add_argument("--max-pinned-blocks", type=int, default=None,
-                   help="most blocks that may be pinned (default: 20%% of the pool)")
-    g.add_argument("--max-pinned-blocks-per-tenant", type=int, default=None,
-                   help="most blocks one cache_salt may keep pinned (default: only the global "
-                        "budget)")
-    g.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default by device)")
-    add_vllm_flags(p)
-    t = p.add_argument_group("KV tiers (docs/tiers.md)")
-    t.add_argument("--kv-offload-size", default=None, metavar="SIZE",
-                   help="host-memory tier below the pool: blocks (512) or bytes ('2GiB'); blocks "
-                        "evicted from the pool are kept there (default: off)")
-    t.add_argument("--kv-disk-dir", default=None, metavar="DIR",
-                   help="disk tier: one checksummed file per block, kept across restarts")
-    t.add_argument("--kv-disk-size", default=None, metavar="SIZE",
-                   help="disk tier capacity: blocks or bytes (default 10GiB)")
-    t.add_argument("--kv-remote", default=None, metavar="URL",
-                   help="shared tier on Valkey/Redis, redis://host:port[/db]: workers on it "
-                        "reuse each other's prefixes")
-    t.add_argument("--kv-remote-timeout", type=float, default=0.5, metavar="SECONDS",
-                   help="a remote call slower than this counts as down (default 0.5)")
-
-
-def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    if args.model_flag is not None:
-        if args.model is not None and args.model != args.model_flag:
-            raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
-        args.model = args.model_flag
-    return {
-        "model": args.model,
-        "threads": args.threads,
-        "schedule_policy": args.schedule_policy,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "device": args.device,
-        "dtype": args.dtype,
-        "index": args.index,
-        "eviction_policy": args.eviction_policy,
-        "hash_algo": args.hash_algo,
-        "max_pinned_blocks": args.max_pinned_blocks,
-        "max_pinned_blocks_per_tenant": args.max_pinned_blocks_per_tenant,
-        "kv_offload_size": args.kv_offload_size,
-        "kv_disk_dir": args.kv_disk_dir,
-        "kv_disk_size": args.kv_disk_size,
-        "kv_remote": args.kv_remote,
-        "kv_remote_timeout": args.kv_remote_timeout,
-        **vllm_kwargs(args),
-    }
+_llm_kwargs = engine_kwargs  # the engine flags (generated from prefixkv.config) as kwargs
 
 
 # ---------------------------------------------------------------- serve
@@ -120,7 +45,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p = sub.add_parser("serve", help="run the OpenAI-compatible server",
                        description="Serve MODEL over an OpenAI-compatible HTTP API with prefix "
                                    "caching, cache admin routes and Prometheus metrics.")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     _add_server_flags(p)
 
 
@@ -179,14 +104,14 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_prompts=args.max_prompts_per_request,
                           default_chat_max_tokens=args.default_chat_max_tokens)
-    kwargs = _llm_kwargs(args)  # resolves --model before the name is derived
+    config = EngineConfig.from_kwargs(**_llm_kwargs(args))  # resolves --model first
     sock = _listen(args.host, args.port)
     names = list(args.served_model_name or [])
     name = names[0] if names else (
         os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME)
     aliases = (args.model,) if args.model else ()
     try:
-        engine = AsyncEngine.from_args(**kwargs)
+        engine = AsyncEngine.from_args(config=config)
     except BaseException:
         sock.close()
         raise
@@ -203,11 +128,11 @@ def _serve(args: argparse.Namespace) -> int:
                          strict_fields=getattr(args, "strict_fields", False),
                          on_shutdown=stop_engine)
         print(f"prefixkv: serving {name!r} on http://{args.host}:{args.port} "
-              f"(prefix caching {'on' if args.enable_prefix_caching else 'off'})", flush=True)
+              f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'})", flush=True)
         # On SIGINT/SIGTERM uvicorn stops accepting, lets running requests finish (up to 10 s),
         # runs the app's shutdown (which stops the engine thread), then re-raises the signal.
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10)
-        uvicorn.Server(config).run(sockets=[sock])
+        uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10)
+        uvicorn.Server(uv_config).run(sockets=[sock])
     finally:
         engine.shutdown()  # idempotent; covers a failed start
         sock.close()

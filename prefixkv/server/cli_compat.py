@@ -1,41 +1,15 @@
-"""vLLM's engine flags and seed 004's ``prefixkv engine start`` spelling, for ``prefixkv serve``.
+"""Seed 004's ``prefixkv engine start`` spelling of ``prefixkv serve``.
 
-``add_vllm_flags`` adds vLLM's names (``--max-model-len``, ``--max-num-seqs``,
-``--max-num-batched-tokens``, ``--seed``, ``--tokenizer``, ``--chat-template``,
-``--kv-cache-memory``) so vLLM launch lines run unchanged; ``vllm_kwargs`` passes the given
-ones to ``build_engine``. ``register_engine`` adds ``engine start``, an alias of ``serve``.
+vLLM's engine flags (``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--seed``, ``--tokenizer``, ``--chat-template``, ``--kv-cache-memory``) are ``serve`` flags
+generated from :class:`~prefixkv.config.EngineConfig` (``server/cli_flags.py``), so vLLM launch
+lines run unchanged. ``register_engine`` adds ``engine start``, an alias of ``serve``.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
-
-
-def add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags, same names and meaning (so vLLM launch scripts run unchanged)."""
-    g = p.add_argument_group("vLLM-compatible engine flags")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most sequences running at once (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step, the prefill chunk size (default 4096)")
-    g.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling (default 0)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--chat-template", default=None,
-                   help="chat template: a file or the template text (default: the tokenizer's)")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size in bytes or like '2GiB' (instead of --num-kv-blocks)")
-
-
-def vllm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The vLLM-compatible flags that were given, as ``build_engine`` arguments."""
-    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "tokenizer",
-             "chat_template", "kv_cache_memory")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-
 
 
 def register_engine(
