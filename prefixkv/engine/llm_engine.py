@@ -1,8 +1,9 @@
 """LLMEngine: the synchronous core. ``step()`` = schedule -> run the model -> postprocess.
 
 Not thread safe: one thread drives it (``LLM`` in the caller's thread, ``AsyncEngine`` on its
-engine thread). It owns the scheduler, the KV manager (pool + prefix index) and the requests;
-the runner owns the model and the KV tensors.
+engine thread). It owns the scheduler, the KV manager (pool + prefix index), the requests, its
+tokenizer and the output processor (text, stops, reports); the runner owns the model and the
+KV tensors.
 
 Failure isolation: when the model or the sampler raises in a step, the step is retried one
 sequence at a time (K/V writes are idempotent: a sequence only writes its own private slots),
@@ -24,6 +25,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.cache_admin import CacheAdmin
 from prefixkv.engine.isolation import FaultHook, run_model_isolated, sample_isolated
 from prefixkv.engine.kv_manager import KVManager, make_tier_store
+from prefixkv.engine.output_processor import OutputProcessor
 from prefixkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from prefixkv.engine.prompt_logprobs import PromptLogprobsRunner
 from prefixkv.engine.prompts import PromptInput, render_chat, resolve_prompt
@@ -98,6 +100,9 @@ class LLMEngine:
             runner, config.model.seed, self._eos,
             lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
         )
+        self.output = OutputProcessor(
+            lambda sp: IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sp.skip_special_tokens),
+            self._eos, self.max_model_len)
         self._prompt_logprobs = PromptLogprobsRunner(runner, self.sampler)
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._requests: dict[str, Request] = {}
@@ -192,14 +197,10 @@ class LLMEngine:
             sp = params.for_sample(i)
             seq = Seq(next(self._seq_ids), req, i, sp, list(ids), len(ids))
             seq.generator = self.sampler.generator_for(sp)
-            if sp.logprobs is not None:
-                seq.logprobs = []
             if grammar is not None and sp.structured_outputs is not None:
                 seq.grammar = grammar.new_state(sp.structured_outputs)
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=sp.skip_special_tokens
-            )
             req.seqs.append(seq)
+        self.output.add(req)
         for seq in req.seqs:
             self.scheduler.add(seq)
         self._requests[rid] = req
@@ -232,7 +233,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns a snapshot of every request that changed (``finished`` marks the last)."""
+        """Run one step; returns the output of every request that changed (``finished`` marks the
+        last); each output's deltas are since that request's previous one."""
         plan = self.scheduler.schedule()
         changed: dict[str, Request] = {}
         for seq in plan.aborted:  # can never fit: the whole request goes, with the reason
@@ -274,7 +276,7 @@ class LLMEngine:
                 self._requests.pop(req.request_id, None)
                 outs.append(self._finish_request(req))
             else:
-                outs.append(req.snapshot())
+                outs.append(self.output.report(req))
         return outs
 
     def _fail(self, req: Request, exc: BaseException, changed: dict[str, Request]) -> None:
@@ -314,7 +316,7 @@ class LLMEngine:
             return
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        seq.append_token(pick.token_id, self._eos, self.max_model_len, pick.logprobs)
+        self.output.process_token(seq, pick.token_id, pick.logprobs)
         self._counters["generated"] += 1
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
@@ -326,7 +328,7 @@ class LLMEngine:
         c["finished"] += 1
         c["prompt"] += len(req.prompt_token_ids)
         c["cached"] += req.num_cached_tokens or 0
-        return req.snapshot()
+        return self.output.finish(req)
 
     # ------------------------------------------------------------------ cache admin
     def get_stats(self) -> EngineStats:
