@@ -80,3 +80,14 @@ def test_help_defaults_are_the_codes() -> None:
 def test_bad_flag_value_is_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--max-num-seqs", "0", "--port", "1"]) == 1
     assert "max_num_seqs" in capsys.readouterr().err
+
+
+def test_docs_table_lists_every_serve_flag() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    serve = _sub(build_parser(), "serve")
+    flags = [s for a in serve._actions for s in a.option_strings
+             if s.startswith("--") and s not in ("--help", "--model") and not s.startswith("--no-")]
+    missing = [f for f in flags if f"`{f}`" not in doc and f"`{f} " not in doc]
+    assert not missing, f"docs/server.md does not list {missing}"
