@@ -19,11 +19,16 @@ a call costs O(leaves touched x log n) Python steps plus the C-speed copies of t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protection import is_evictable_leaf
+
+if TYPE_CHECKING:
+    from prefixkv.cache.forest import Entry
+
+E = TypeVar("E", bound="Entry")
 
 
 class _AtDepth:
@@ -45,7 +50,7 @@ def key_at_depth(policy: EvictionPolicy, entry: Any, depth: int) -> Any:
     return policy.key(_AtDepth(entry, depth))
 
 
-class Evictor:
+class Evictor(Generic[E]):
     """Frees blocks of one index in policy order through the index's own operations.
 
     Args:
@@ -61,9 +66,9 @@ class Evictor:
     __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh")
 
     def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
-                 drop_tail: Callable[[Any, int], list[int]],
-                 key_at: Callable[[Any, int], Any], refresh: Callable[[Any], None],
-                 gone: Callable[[Any], None]) -> None:
+                 drop_tail: Callable[[E, int], list[int]],
+                 key_at: Callable[[E, int], Any], refresh: Callable[[Entry | None], None],
+                 gone: Callable[[E], None]) -> None:
         self._heap = heap
         self._policy = policy
         self._drop_tail = drop_tail
@@ -76,7 +81,7 @@ class Evictor:
         out: list[int] = []
         heap, key = self._heap, self._policy.key
         runs = self._policy.depth_monotone_keys
-        e = None
+        e: E | None = None
         while len(out) < num_blocks:
             if e is None:
                 e = heap.pop()
@@ -104,7 +109,7 @@ class Evictor:
             self._refresh(parent)
         return out
 
-    def _run_length(self, e: Any, k: int) -> int:
+    def _run_length(self, e: E, k: int) -> int:
         """How many of ``e``'s last ``k`` blocks go before any other leaf's (at least one).
 
         Dropping ``j`` tail blocks leaves ``e`` at depth ``depth - j``; the per-block order
@@ -128,7 +133,7 @@ class Evictor:
                 hi = mid
         return lo + 1
 
-    def _trim_per_block(self, e: Any, num_blocks: int, out: list[int]) -> None:
+    def _trim_per_block(self, e: E, num_blocks: int, out: list[int]) -> None:
         """Trim ``e`` one block at a time while it stays the policy's choice (its key may change
         with its tail block: a per-block policy state)."""
         heap, key = self._heap, self._policy.key

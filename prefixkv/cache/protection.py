@@ -10,18 +10,21 @@ children, holding blocks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.policies import EvictionPolicy
 
+if TYPE_CHECKING:
+    from prefixkv.cache.forest import Entry
 
-def is_evictable_leaf(e: Any) -> bool:
+
+def is_evictable_leaf(e: Entry) -> bool:
     """Unlocked, unpinned, childless, and not a root sentinel."""
     return e.lock_ref == 0 and e.pin_ref == 0 and e.num_children == 0 and not e.is_root
 
 
-def path_up(e: Any) -> list[Any]:
+def path_up(e: Entry | None) -> list[Entry]:
     """``e`` and its ancestors, deepest first, without the root sentinel."""
     out = []
     while e is not None and not e.is_root:
@@ -41,7 +44,7 @@ class Protection:
         self.pinned_blocks = 0
         self.protected_blocks = 0
 
-    def refresh(self, e: Any) -> None:
+    def refresh(self, e: Entry | None) -> None:
         """Re-file ``e`` in the heap after anything about it changed (key or evictability)."""
         if e is None or e.is_root:
             return
@@ -50,7 +53,7 @@ class Protection:
         else:
             self.heap.discard(e)
 
-    def add_lock(self, target: Any, delta: int) -> None:
+    def add_lock(self, target: Entry, delta: int) -> None:
         """Lock (``+1``) or unlock (``-1``) ``target`` and its ancestors."""
         for e in path_up(target):
             before = e.lock_ref
@@ -62,7 +65,7 @@ class Protection:
                     self.protected_blocks += sign * e.num_blocks
                 self.refresh(e)
 
-    def add_pin(self, target: Any, delta: int) -> None:
+    def add_pin(self, target: Entry, delta: int) -> None:
         """Pin (``+1``) or unpin (``-1``) ``target`` and its ancestors."""
         for e in path_up(target):
             before = e.pin_ref
@@ -74,6 +77,6 @@ class Protection:
                     self.protected_blocks += sign * e.num_blocks
                 self.refresh(e)
 
-    def new_pinned_blocks(self, target: Any) -> int:
+    def new_pinned_blocks(self, target: Entry) -> int:
         """Blocks that pinning ``target`` would newly pin (for the budget check)."""
         return sum(e.num_blocks for e in path_up(target) if e.pin_ref == 0)

@@ -137,13 +137,15 @@ class PrefixNode:
 
 @dataclass(frozen=True, slots=True)
 class PinnedPrefix:
-    """One pinned prefix, as listed by ``list_pinned``."""
+    """One pinned prefix, as listed by ``list_pinned`` (``extra_keys``: its blocks' extra keys,
+    part of what names it, or ``None``)."""
 
     token_ids: list[int]
     num_blocks: int
     namespace: Namespace
     description: str | None
     pinned_at: float
+    extra_keys: list[Hashable | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,11 @@
-"""What the radix and the hashed index share: the protocol's methods over *entries*.
+"""PrefixIndex: the one driver of a prefix forest (radix tree or hash table).
 
-An *entry* is a radix node (many blocks) or a hashed block (one block). Entries form a forest:
-each has a ``parent`` (``None`` or a root sentinel at the top). A subclass knows how to walk a
-query (``_walk``), cut an entry at a block boundary (``_cut``), drop an evictable leaf's tail
-blocks (``_drop_tail``) and insert (``_insert``); everything else lives here: match with
-recency and locking, unlock, evict, the pin registry and its budget, reset, statistics.
-Path-wide lock/pin counts and the evictable-leaf heap are in :mod:`prefixkv.cache.protection`;
-the eviction order in :mod:`prefixkv.cache.eviction`; which block ids the index holds, in
-:mod:`prefixkv.cache.held_ids`.
+The forest (:mod:`prefixkv.cache.forest`) knows its shape: walk, cut, add, drop a tail. This
+class owns everything around it: the index lock, recency and the policy's hooks, lock and pin
+counts and the evictable-leaf heap (:mod:`prefixkv.cache.protection`), the eviction loop
+(:mod:`prefixkv.cache.eviction`), the pin registry (:mod:`prefixkv.cache.pins`), which block
+ids are held (:mod:`prefixkv.cache.held_ids`) and the statistics. It implements the
+:class:`~prefixkv.cache.protocol.PrefixCache` contract.
 
 Thread safety: every public method takes ``self._lock`` (one re-entrant lock per index).
 """
@@ -17,18 +15,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, Generic, cast
 
-from prefixkv.cache._checks import (
-    as_token_list,
-    check_count,
-    check_positive_int,
-    check_tokens,
-)
-from prefixkv.cache.eviction import Evictor, key_at_depth
-from prefixkv.cache.held_ids import HeldIds
+from prefixkv.cache._checks import check_count, check_positive_int, check_tokens
+from prefixkv.cache.eviction import Evictor
+from prefixkv.cache.forest import E, Entry, ExtraKeys, Forest
+from prefixkv.cache.held_ids import HeldIds, Packed
+from prefixkv.cache.pins import PinRegistry, pin_key
 from prefixkv.cache.policies import EvictionPolicy, make_policy
 from prefixkv.cache.protection import Protection, is_evictable_leaf
 from prefixkv.cache.protocol import (
@@ -43,30 +37,22 @@ from prefixkv.cache.protocol import (
 from prefixkv.cache.stats import Counters
 
 
-@dataclass(slots=True)
-class Walk:
-    """A read-only walk of the index along a query (what ``match_prefix`` found).
+class PrefixIndex(Generic[E]):
+    """A prefix index over one forest. See :class:`~prefixkv.cache.protocol.PrefixCache`.
 
-    ``path`` holds the entries the match went through, the last one possibly only for its
-    first ``last_used`` blocks. ``partial_entry``/``partial_index`` locate the block whose
-    leading ``partial`` tokens equal the query's next tokens.
+    Args:
+        forest: the structure (a :class:`~prefixkv.cache.radix.RadixForest` or
+            :class:`~prefixkv.cache.hashed.HashForest`), empty and owned by this index.
+        max_blocks: size of the block-id space ``[0, max_blocks)`` (the KV pool size).
+        block_size: tokens per block (the forest's).
+        eviction_policy: ``"lru"`` (default), ``"lfu"``, ``"fifo"``, ... or an ``EvictionPolicy``.
+        max_pinned_blocks: pinned-block budget (default 20% of ``max_blocks``).
+        clock: time source for recency (injectable for tests).
     """
-
-    ids: list[int]
-    path: list[Any]
-    last_used: int
-    partial: int = 0
-    partial_entry: Any = None
-    partial_index: int = 0
-
-
-class PrefixIndexBase:
-    """Shared machinery; subclasses implement ``_walk``, ``_cut``, ``_drop_tail``, ``insert``."""
-
-    index_name = "base"
 
     def __init__(
         self,
+        forest: Forest[E],
         max_blocks: int,
         block_size: int,
         *,
@@ -81,6 +67,7 @@ class PrefixIndexBase:
         self.max_pinned_blocks = check_count(max_pinned_blocks, "max_pinned_blocks")
         if not callable(clock):
             raise ValueError("clock must be a callable returning a float")  # noqa: TRY004
+        self._forest = forest
         self._policy = make_policy(eviction_policy)
         hooks = type(self._policy)
         self._has_access_hook = hooks.on_access is not EvictionPolicy.on_access
@@ -92,9 +79,8 @@ class PrefixIndexBase:
                                 key_at=self._key_at, refresh=self._prot.refresh,
                                 gone=self._gone)
         self._counters = Counters()
-        self._pins: dict[tuple[Namespace, tuple[int, ...]], tuple[PinnedPrefix, Any]] = {}
+        self._pins: PinRegistry[E] = PinRegistry()
         self._ids = HeldIds(max_blocks)
-        self._num_entries = 0
         self._tick = 0
         self.last_pin_error: str | None = None
 
@@ -128,42 +114,8 @@ class PrefixIndexBase:
         """Whether the index holds ``block_id``."""
         return block_id in self._ids
 
-    # ------------------------------------------------------------ subclass hooks
-    def _walk(self, tokens: Sequence[int], n: int, namespace: Namespace, extra: Any) -> Walk:
-        raise TypeError("subclass must implement _walk")
-
-    def _cut(self, entry: Any, k: int) -> Any:
-        """Return an entry on ``entry``'s path that ends exactly after its ``k``-th block."""
-        raise TypeError("subclass must implement _cut")
-
-    def _drop_tail(self, entry: Any, k: int) -> list[int]:
-        """Remove the last ``k`` blocks of an evictable leaf; detach it when empty."""
-        raise TypeError("subclass must implement _drop_tail")
-
-    def _memory_bytes(self) -> int:
-        raise TypeError("subclass must implement _memory_bytes")
-
-    def _insert(
-        self,
-        tokens: Sequence[int],
-        nb: int,
-        ids: list[int],
-        pin: bool,
-        namespace: Namespace,
-        extra_keys: Sequence[Hashable | None] | None,
-        lock: bool,
-        description: str | None,
-        shown: Sequence[int],
-    ) -> PrefixNode:
-        """Insert ``nb`` full blocks (``ids`` already length-checked); takes ``self._lock``."""
-        raise TypeError("subclass must implement _insert")
-
-    def _as_tokens(self, token_ids: Any) -> Sequence[int]:
-        """The index's working form of a query (a list, or an array kept as is)."""
-        return as_token_list(token_ids)
-
     # ------------------------------------------------------------- entry helpers
-    def _touch(self, entries: Sequence[Any], now: float) -> None:
+    def _touch(self, entries: Sequence[E], now: float) -> None:
         self._tick += 1
         tick = self._tick
         for e in entries:
@@ -184,10 +136,31 @@ class PrefixIndexBase:
             elif is_evictable_leaf(last):
                 self._prot.refresh(last)
 
-    def _take_lock(self, target: Any, num_blocks: int) -> LockHandle:
+    def _cut(self, entry: E, k: int) -> E:
+        """The forest's cut; ``entry`` (now the lower part) is re-filed if it is in the heap."""
+        upper = self._forest.cut(entry, k)
+        if upper is not entry and entry.in_heap:
+            self._prot.heap.push(entry)
+        return upper
+
+    def _take_lock(self, target: E | None, num_blocks: int) -> LockHandle:
         if target is not None:
             self._prot.add_lock(target, +1)
         return LockHandle(target=target, num_blocks=num_blocks)
+
+    def _drop_tail(self, entry: E, k: int) -> list[int]:
+        ids, packed = self._forest.drop_tail(entry, k)
+        self._ids.release(ids, packed)
+        return ids
+
+    def _key_at(self, entry: E, depth: int) -> Any:
+        return self._forest.key_at(self._policy, entry, depth)
+
+    def _gone(self, entry: E) -> None:
+        """``entry`` left the index (all its blocks evicted)."""
+        self._counters.evictions += 1
+        if self._has_evict_hook:
+            self._policy.on_evict(entry)
 
     # ------------------------------------------------------------------ protocol
     def match_prefix(
@@ -195,19 +168,19 @@ class PrefixIndexBase:
         token_ids: Sequence[int],
         *,
         namespace: Namespace = None,
-        extra_keys: Sequence[Hashable | None] | None = None,
+        extra_keys: ExtraKeys = None,
         lock: bool = False,
     ) -> PrefixMatch:
         """Longest cached block-aligned prefix of ``token_ids`` (see :class:`PrefixCache`)."""
-        tokens = self._as_tokens(token_ids)
+        tokens = self._forest.as_tokens(token_ids)
         with self._lock:
             t0 = perf_counter_ns()
-            w = self._walk(tokens, len(tokens), namespace, extra_keys)
+            w = self._forest.walk(tokens, len(tokens), namespace, extra_keys)
             match_length = len(w.ids) * self._bs
             # matched tokens equal cached (validated) keys; check the rest before any change
             check_tokens(tokens[match_length:])
             partial_bid = None
-            if w.partial:  # read before any split below moves blocks between nodes
+            if w.partial_entry is not None:  # read before a split below moves blocks
                 partial_bid = w.partial_entry.blocks[w.partial_index]
             if w.path:
                 last = w.path[-1]
@@ -219,7 +192,7 @@ class PrefixIndexBase:
                 self._touch(w.path, self._clock())
             handle = None
             if lock:
-                if w.partial:
+                if w.partial_entry is not None:
                     target = self._cut(w.partial_entry, w.partial_index + 1)
                 elif w.path:
                     target = self._cut(w.path[-1], w.last_used)
@@ -248,7 +221,7 @@ class PrefixIndexBase:
                 raise ValueError("lock already released")
             handle.released = True
             if handle.target is not None:
-                self._prot.add_lock(handle.target, -1)
+                self._prot.add_lock(cast("Entry", handle.target), -1)
 
     def insert_prefix(
         self,
@@ -257,7 +230,7 @@ class PrefixIndexBase:
         pin: bool = False,
         *,
         namespace: Namespace = None,
-        extra_keys: Sequence[Hashable | None] | None = None,
+        extra_keys: ExtraKeys = None,
         lock: bool = False,
         description: str | None = None,
     ) -> PrefixNode:
@@ -266,15 +239,51 @@ class PrefixIndexBase:
         ``len(kv_block_ids)`` must be ``len(token_ids) // block_size``; ``pin=True`` also pins
         the inserted prefix (with ``description``), ``lock=True`` locks it until ``unlock``.
         """
-        tokens, nb = self._aligned(token_ids)
+        tokens = self._forest.as_tokens(token_ids)
+        bs = self._bs
+        nb = len(tokens) // bs
         ids = kv_block_ids if isinstance(kv_block_ids, list) else list(kv_block_ids)
         if len(ids) != nb:
             raise ValueError(
                 f"kv_block_ids has {len(ids)} ids but token_ids has {len(tokens)} tokens = "
-                f"{nb} full blocks of {self._bs}"
+                f"{nb} full blocks of {bs}"
             )
-        shown = token_ids if type(token_ids) is list else tokens
-        return self._insert(tokens, nb, ids, pin, namespace, extra_keys, lock, description, shown)
+        with self._lock:
+            w = self._forest.walk(tokens, nb * bs, namespace, extra_keys)
+            returned: list[int] = []
+
+            def claim(stop: int) -> Packed | None:  # the last check: marks ids[m:stop] held
+                got, packed = self._ids.claim(ids, w.ids, stop)
+                returned.extend(got)
+                return packed
+
+            now = self._clock()
+            added = self._forest.add(tokens, nb, w, namespace, extra_keys, ids, claim, now)
+            # --- stored: nothing below fails
+            for e in added.refile:
+                self._prot.refresh(e)
+            self._counters.inserts += 1
+            if added.path:
+                self._touch(added.path, now)
+            target = added.target
+            handle = self._take_lock(target, nb) if lock else None
+            is_pinned = False
+            if pin and nb:
+                is_pinned = self.pin_prefix(tokens[: nb * bs], namespace=namespace,
+                                            description=description, extra_keys=extra_keys)
+            elif target is not None:
+                is_pinned = target.pin_ref > 0
+            shown = token_ids if type(token_ids) is list else tokens
+            return PrefixNode(
+                token_ids=shown[: nb * bs],
+                kv_block_ids=added.ids,
+                returned_block_ids=returned,
+                is_pinned=is_pinned,
+                ref_count=target.lock_ref if target is not None else 0,
+                last_access_time=now,
+                namespace=namespace,
+                lock=handle,
+            )
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids.
@@ -288,42 +297,30 @@ class PrefixIndexBase:
             self._counters.evicted_blocks += len(out)
             return out
 
-    def _gone(self, entry: Any) -> None:
-        """``entry`` left the index (all its blocks evicted)."""
-        self._counters.evictions += 1
-        if self._has_evict_hook:
-            self._policy.on_evict(entry)
-
-    def _key_at(self, entry: Any, depth: int) -> Any:
-        """The policy's key for ``entry`` as if its blocks below ``depth`` were gone."""
-        return key_at_depth(self._policy, entry, depth)
-
     def evict_lru(self, num_blocks: int) -> list[int]:
         """Seed 004's name for :meth:`evict`."""
         return self.evict(num_blocks)
 
-    def _aligned(self, token_ids: Sequence[int]) -> tuple[Sequence[int], int]:
-        tokens = self._as_tokens(token_ids)
-        nb = len(tokens) // self._bs
-        return tokens, nb
-
+    # ---------------------------------------------------------------------- pins
     def pin(
         self,
         token_ids: Sequence[int],
         *,
         namespace: Namespace = None,
         description: str | None = None,
-        extra_keys: Sequence[Hashable | None] | None = None,
+        extra_keys: ExtraKeys = None,
     ) -> PinnedPrefix:
         """Pin the full blocks of a cached prefix; raises :class:`PinError` with the reason."""
-        tokens, nb = self._aligned(token_ids)
+        tokens = self._forest.as_tokens(token_ids)
+        nb = len(tokens) // self._bs
         if nb == 0:
             raise PinError(f"prefix of {len(tokens)} tokens is shorter than one block ({self._bs})")
         with self._lock:
-            key = (namespace, tuple(tokens[: nb * self._bs]))
-            if key in self._pins:
-                return self._pins[key][0]
-            w = self._walk(tokens, nb * self._bs, namespace, extra_keys)
+            w = self._forest.walk(tokens, nb * self._bs, namespace, extra_keys)
+            key = pin_key(namespace, extra_keys, tokens, nb, self._bs)
+            known = self._pins.get(key)
+            if known is not None:
+                return known
             if len(w.ids) < nb:
                 raise PinError(f"prefix not cached: {len(w.ids)} of its {nb} blocks are cached")
             target = self._cut(w.path[-1], w.last_used)
@@ -335,15 +332,7 @@ class PrefixIndexBase:
                     f"{self.max_pinned_blocks} ({pinned} pinned)"
                 )
             self._prot.add_pin(target, +1)
-            info = PinnedPrefix(
-                token_ids=list(key[1]),
-                num_blocks=nb,
-                namespace=namespace,
-                description=description,
-                pinned_at=self._clock(),
-            )
-            self._pins[key] = (info, target)
-            return info
+            return self._pins.add(key, target, nb, description, self._clock())
 
     def pin_prefix(
         self,
@@ -351,39 +340,47 @@ class PrefixIndexBase:
         *,
         namespace: Namespace = None,
         description: str | None = None,
+        extra_keys: ExtraKeys = None,
     ) -> bool:
         """Seed 004's pin: ``True`` on success, else ``False`` with ``last_pin_error`` set."""
         try:
-            self.pin(token_ids, namespace=namespace, description=description)
+            self.pin(token_ids, namespace=namespace, description=description,
+                     extra_keys=extra_keys)
         except PinError as exc:
             self.last_pin_error = str(exc)
             return False
         self.last_pin_error = None
         return True
 
-    def unpin_prefix(self, token_ids: Sequence[int], *, namespace: Namespace = None) -> bool:
+    def unpin_prefix(self, token_ids: Sequence[int], *, namespace: Namespace = None,
+                     extra_keys: ExtraKeys = None) -> bool:
         """Unpin a pinned prefix; ``False`` if that prefix was not pinned."""
-        tokens, nb = self._aligned(token_ids)
+        tokens = self._forest.as_tokens(token_ids)
+        try:
+            key = pin_key(namespace, extra_keys, tokens, len(tokens) // self._bs, self._bs)
+            hash(key)
+        except TypeError:
+            raise ValueError("namespace and extra_keys must be hashable") from None
         with self._lock:
-            entry = self._pins.pop((namespace, tuple(tokens[: nb * self._bs])), None)
-            if entry is None:
+            target = self._pins.pop(key)
+            if target is None:
                 return False
-            self._prot.add_pin(entry[1], -1)
+            self._prot.add_pin(target, -1)
             return True
 
     def list_pinned(self) -> list[PinnedPrefix]:
         """Pinned prefixes, oldest first."""
         with self._lock:
-            return [info for info, _ in self._pins.values()]
+            return self._pins.records()
 
     def reset(self) -> list[int]:
         """Unpin all and evict every unlocked block; returns the freed ids (caller owns them)."""
         with self._lock:
-            for _, target in self._pins.values():
+            for target in self._pins.clear():
                 self._prot.add_pin(target, -1)
-            self._pins.clear()
             return self.evict(self.num_evictable_blocks)
 
+    # --------------------------------------------------------------------- stats
     def get_hit_rate(self) -> float:
         """Queries with a non-empty match over all queries (seed 004)."""
         with self._lock:
@@ -399,51 +396,36 @@ class PrefixIndexBase:
         """Snapshot of counters and sizes."""
         with self._lock:
             return self._counters.snapshot(
-                index=self.index_name,
+                index=self._forest.name,
                 block_size=self._bs,
                 max_blocks=self._max_blocks,
                 cached_blocks=self._ids.count,
                 pinned_blocks=self._prot.pinned_blocks,
                 locked_blocks=self._prot.locked_blocks,
                 evictable_blocks=self.num_evictable_blocks,
-                num_nodes=self._num_entries,
-                memory_bytes=self._memory_bytes(),
+                num_nodes=self._forest.num_entries,
+                memory_bytes=self._forest.memory_bytes() + self._ids.memory_bytes(),
                 policy=self._policy.name,
             )
 
-    # --------------------------------------------------------------- insert help
-    def _finish_insert(
-        self,
-        tokens: Sequence[int],
-        nb: int,
-        path: list[Any],
-        all_ids: list[int],
-        returned: list[int],
-        target: Any,
-        pin: bool,
-        lock: bool,
-        namespace: Namespace,
-        now: float,
-        description: str | None,
-        shown: Sequence[int],
-    ) -> PrefixNode:
-        self._counters.inserts += 1
-        if path:
-            self._touch(path, now)
-        handle = self._take_lock(target, nb) if lock else None
-        is_pinned = False
-        if pin and nb:
-            is_pinned = self.pin_prefix(tokens[: nb * self._bs], namespace=namespace,
-                                        description=description)
-        elif target is not None:
-            is_pinned = target.pin_ref > 0
-        return PrefixNode(
-            token_ids=shown[: nb * self._bs],
-            kv_block_ids=all_ids,
-            returned_block_ids=returned,
-            is_pinned=is_pinned,
-            ref_count=target.lock_ref if target is not None else 0,
-            last_access_time=now,
-            namespace=namespace,
-            lock=handle,
-        )
+    def check_invariants(self) -> None:
+        """Assert every structural and accounting invariant (tests and debugging)."""
+        with self._lock:
+            seen: set[int] = set()
+            locked = pinned = protected = entries = 0
+            for e in self._forest.check():
+                entries += 1
+                n = e.num_blocks
+                for b in e.blocks:
+                    assert b not in seen, f"block {b} cached twice"
+                    seen.add(b)
+                if e.parent is not None and not e.parent.is_root:
+                    assert e.lock_ref <= e.parent.lock_ref and e.pin_ref <= e.parent.pin_ref
+                locked += n if e.lock_ref else 0
+                pinned += n if e.pin_ref else 0
+                protected += n if (e.lock_ref or e.pin_ref) else 0
+                assert e.in_heap == is_evictable_leaf(e), "heap out of sync"
+            assert seen == self._ids.as_set(), "held ids out of sync"
+            assert (locked, pinned, protected) == (
+                self._prot.locked_blocks, self._prot.pinned_blocks, self._prot.protected_blocks)
+            assert entries == self._forest.num_entries
