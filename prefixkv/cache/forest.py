@@ -56,6 +56,26 @@ class Entry(CacheEntry, Protocol):
         ...
 
 
+class EntryState:
+    """The fields every entry carries besides its shape: the policy's (recency, frequency,
+    age, tick), the protection counts and the evictable heap's slots. Both entry types extend
+    it (a slotted record, not a template: it has no methods)."""
+
+    __slots__ = ("access_count", "created_time", "heap_ver", "in_heap", "last_access_time",
+                 "lock_ref", "num_children", "pin_ref", "tick")
+
+    def __init__(self, now: float) -> None:
+        self.lock_ref = 0
+        self.pin_ref = 0
+        self.num_children = 0
+        self.last_access_time = now
+        self.created_time = now
+        self.access_count = 0
+        self.tick = 0
+        self.heap_ver = 0
+        self.in_heap = False
+
+
 E = TypeVar("E", bound=Entry)
 
 ExtraKeys = Sequence[Hashable | None] | None

@@ -21,7 +21,7 @@ from typing import Any
 
 from prefixkv.cache._checks import as_token_list, check_tokens
 from prefixkv.cache.eviction import key_at_depth
-from prefixkv.cache.forest import Added, Claim, ExtraKeys, Walk
+from prefixkv.cache.forest import Added, Claim, EntryState, ExtraKeys, Walk
 from prefixkv.cache.hashing import BlockHasher, check_key_part, make_block_hasher, root_hash
 from prefixkv.cache.held_ids import Packed
 from prefixkv.cache.index import PrefixIndex
@@ -29,33 +29,16 @@ from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protocol import Namespace
 
 
-class HashBlock:
+class HashBlock(EntryState):
     """One cached block: its chained hash, id, tokens, extra key and tree links."""
 
-    __slots__ = (
-        "access_count",
-        "block_id",
-        "children",
-        "created_time",
-        "depth",
-        "extra",
-        "hash",
-        "heap_ver",
-        "in_heap",
-        "last_access_time",
-        "lock_ref",
-        "namespace",
-        "num_blocks",
-        "num_children",
-        "parent",
-        "pin_ref",
-        "tick",
-        "tokens",
-    )
+    __slots__ = ("block_id", "children", "depth", "extra", "hash", "namespace", "num_blocks",
+                 "parent", "tokens")
     is_root = False
 
     def __init__(self, h: Any, block_id: int, parent: HashBlock | None, tokens: list[int],
                  extra: Any, namespace: Namespace, depth: int, now: float) -> None:
+        super().__init__(now)
         self.hash = h
         self.block_id = block_id
         self.parent = parent
@@ -63,17 +46,8 @@ class HashBlock:
         self.extra = extra
         self.namespace = namespace
         self.children: dict[int, list[HashBlock]] | None = None
-        self.num_children = 0
-        self.lock_ref = 0
-        self.pin_ref = 0
-        self.last_access_time = now
-        self.access_count = 0
-        self.created_time = now
-        self.tick = 0
         self.depth = depth
         self.num_blocks = 1
-        self.heap_ver = 0
-        self.in_heap = False
 
     @property
     def blocks(self) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter_ns
 from typing import Any, Generic, cast
 
@@ -24,7 +24,7 @@ from prefixkv.cache.forest import E, Entry, ExtraKeys, Forest
 from prefixkv.cache.held_ids import HeldIds, Packed
 from prefixkv.cache.pins import PinRegistry, pin_key
 from prefixkv.cache.policies import EvictionPolicy, make_policy
-from prefixkv.cache.protection import Protection, is_evictable_leaf
+from prefixkv.cache.protection import Protection
 from prefixkv.cache.protocol import (
     CacheStats,
     LockHandle,
@@ -64,14 +64,12 @@ class PrefixIndex(Generic[E]):
         self._bs = check_positive_int(block_size, "block_size")
         if max_pinned_blocks is None:
             max_pinned_blocks = max_blocks // 5
-        self.max_pinned_blocks = check_count(max_pinned_blocks, "max_pinned_blocks")
+        budget = check_count(max_pinned_blocks, "max_pinned_blocks")
         if not callable(clock):
             raise ValueError("clock must be a callable returning a float")  # noqa: TRY004
         self._forest = forest
         self._policy = make_policy(eviction_policy)
-        hooks = type(self._policy)
-        self._has_access_hook = hooks.on_access is not EvictionPolicy.on_access
-        self._has_evict_hook = hooks.on_evict is not EvictionPolicy.on_evict
+        self._has_evict_hook = type(self._policy).on_evict is not EvictionPolicy.on_evict
         self._clock = clock
         self._lock = threading.RLock()
         self._prot = Protection(self._policy)
@@ -79,12 +77,16 @@ class PrefixIndex(Generic[E]):
                                 key_at=self._key_at, refresh=self._prot.refresh,
                                 gone=self._gone)
         self._counters = Counters()
-        self._pins: PinRegistry[E] = PinRegistry()
+        self._pins: PinRegistry[E] = PinRegistry(self._prot, budget)
         self._ids = HeldIds(max_blocks)
-        self._tick = 0
         self.last_pin_error: str | None = None
 
     # ----------------------------------------------------------------- properties
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The pinned-block budget."""
+        return self._pins.budget
+
     @property
     def block_size(self) -> int:
         """Tokens per block."""
@@ -115,27 +117,6 @@ class PrefixIndex(Generic[E]):
         return block_id in self._ids
 
     # ------------------------------------------------------------- entry helpers
-    def _touch(self, entries: Sequence[E], now: float) -> None:
-        self._tick += 1
-        tick = self._tick
-        for e in entries:
-            e.last_access_time = now
-            e.access_count += 1
-            e.tick = tick
-        if self._has_access_hook:
-            for e in entries:
-                self._policy.on_access(e)
-        # Only the last entry of a path can be a leaf. A new leaf joins the heap here; one
-        # already in it is re-filed, unless keys are monotone: then its stored key stays a valid
-        # lower bound and the heap refreshes it lazily.
-        if entries:
-            last = entries[-1]
-            if last.in_heap:
-                if not self._policy.monotone_keys:
-                    self._prot.refresh(last)
-            elif is_evictable_leaf(last):
-                self._prot.refresh(last)
-
     def _cut(self, entry: E, k: int) -> E:
         """The forest's cut; ``entry`` (now the lower part) is re-filed if it is in the heap."""
         upper = self._forest.cut(entry, k)
@@ -189,7 +170,7 @@ class PrefixIndex(Generic[E]):
                     if w.partial_entry is last:  # it now starts at the first unmatched block
                         w.partial_index -= w.last_used
                     w.last_used = w.path[-1].num_blocks
-                self._touch(w.path, self._clock())
+                self._prot.touch(w.path, self._clock())
             handle = None
             if lock:
                 if w.partial_entry is not None:
@@ -264,7 +245,7 @@ class PrefixIndex(Generic[E]):
                 self._prot.refresh(e)
             self._counters.inserts += 1
             if added.path:
-                self._touch(added.path, now)
+                self._prot.touch(added.path, now)
             target = added.target
             handle = self._take_lock(target, nb) if lock else None
             is_pinned = False
@@ -324,15 +305,7 @@ class PrefixIndex(Generic[E]):
             if len(w.ids) < nb:
                 raise PinError(f"prefix not cached: {len(w.ids)} of its {nb} blocks are cached")
             target = self._cut(w.path[-1], w.last_used)
-            new = self._prot.new_pinned_blocks(target)
-            pinned = self._prot.pinned_blocks
-            if pinned + new > self.max_pinned_blocks:
-                raise PinError(
-                    f"pinning {new} more blocks would exceed max_pinned_blocks="
-                    f"{self.max_pinned_blocks} ({pinned} pinned)"
-                )
-            self._prot.add_pin(target, +1)
-            return self._pins.add(key, target, nb, description, self._clock())
+            return self._pins.pin(key, target, nb, description, self._clock())
 
     def pin_prefix(
         self,
@@ -362,11 +335,7 @@ class PrefixIndex(Generic[E]):
         except TypeError:
             raise ValueError("namespace and extra_keys must be hashable") from None
         with self._lock:
-            target = self._pins.pop(key)
-            if target is None:
-                return False
-            self._prot.add_pin(target, -1)
-            return True
+            return self._pins.unpin(key)
 
     def list_pinned(self) -> list[PinnedPrefix]:
         """Pinned prefixes, oldest first."""
@@ -376,8 +345,7 @@ class PrefixIndex(Generic[E]):
     def reset(self) -> list[int]:
         """Unpin all and evict every unlocked block; returns the freed ids (caller owns them)."""
         with self._lock:
-            for target in self._pins.clear():
-                self._prot.add_pin(target, -1)
+            self._pins.unpin_all()
             return self.evict(self.num_evictable_blocks)
 
     # --------------------------------------------------------------------- stats
@@ -411,21 +379,6 @@ class PrefixIndex(Generic[E]):
     def check_invariants(self) -> None:
         """Assert every structural and accounting invariant (tests and debugging)."""
         with self._lock:
-            seen: set[int] = set()
-            locked = pinned = protected = entries = 0
-            for e in self._forest.check():
-                entries += 1
-                n = e.num_blocks
-                for b in e.blocks:
-                    assert b not in seen, f"block {b} cached twice"
-                    seen.add(b)
-                if e.parent is not None and not e.parent.is_root:
-                    assert e.lock_ref <= e.parent.lock_ref and e.pin_ref <= e.parent.pin_ref
-                locked += n if e.lock_ref else 0
-                pinned += n if e.pin_ref else 0
-                protected += n if (e.lock_ref or e.pin_ref) else 0
-                assert e.in_heap == is_evictable_leaf(e), "heap out of sync"
-            assert seen == self._ids.as_set(), "held ids out of sync"
-            assert (locked, pinned, protected) == (
-                self._prot.locked_blocks, self._prot.pinned_blocks, self._prot.protected_blocks)
-            assert entries == self._forest.num_entries
+            entries = list(self._forest.check())
+            assert self._prot.check(entries) == self._ids.as_set(), "held ids out of sync"
+            assert len(entries) == self._forest.num_entries

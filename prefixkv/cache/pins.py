@@ -2,19 +2,23 @@
 
 A pin is keyed by ``(namespace, extra keys of its blocks, its block-aligned tokens)``, so two
 prefixes with the same tokens but different extra keys (multimodal hashes) are two pins. Each
-record keeps the entry its pin counts were added to (the deepest entry of the prefix); the
-driver adds and removes those counts (:class:`~prefixkv.cache.protection.Protection`), the
-registry only remembers them. Guarded by the index's lock.
+record keeps the entry its pin counts were added to (the deepest entry of the prefix, which a
+split never moves), so unpinning removes exactly what pinning added. The budget is checked
+before anything changes. Guarded by the index's lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from prefixkv.cache.protocol import Namespace, PinnedPrefix
+from prefixkv.cache.protection import Protection
+from prefixkv.cache.protocol import Namespace, PinError, PinnedPrefix
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from prefixkv.cache.forest import Entry
+
+E = TypeVar("E", bound="Entry")
 
 PinKey = tuple[Namespace, tuple[Hashable | None, ...] | None, tuple[int, ...]]
 
@@ -26,47 +30,59 @@ def pin_key(namespace: Namespace, extra_keys: Sequence[Hashable | None] | None,
     return (namespace, extra, tuple(tokens[: num_blocks * block_size]))
 
 
-class PinRegistry(Generic[T]):
-    """Pinned prefixes (oldest first) and the entry each one pinned."""
+class PinRegistry(Generic[E]):
+    """Pinned prefixes (oldest first), the entry each one pinned, and the pinned-block budget.
 
-    __slots__ = ("_pins",)
+    Args:
+        prot: the index's protection counts (a pin adds ``pin_ref`` along its path).
+        budget: at most this many blocks pinned at once (``max_pinned_blocks``).
+    """
 
-    def __init__(self) -> None:
-        self._pins: dict[PinKey, tuple[PinnedPrefix, T]] = {}
+    __slots__ = ("_pins", "_prot", "budget")
 
-    def __len__(self) -> int:
-        return len(self._pins)
+    def __init__(self, prot: Protection, budget: int) -> None:
+        self._pins: dict[PinKey, tuple[PinnedPrefix, E]] = {}
+        self._prot = prot
+        self.budget = budget
 
     def get(self, key: PinKey) -> PinnedPrefix | None:
         """The record pinned under ``key``, if any."""
         got = self._pins.get(key)
         return None if got is None else got[0]
 
-    def add(self, key: PinKey, target: T, num_blocks: int, description: str | None,
+    def pin(self, key: PinKey, target: E, num_blocks: int, description: str | None,
             now: float) -> PinnedPrefix:
-        """Record a new pin of ``target`` (``num_blocks`` deep) under ``key``; returns its record."""
+        """Pin ``target`` (the deepest entry of a ``num_blocks``-block prefix) under ``key``;
+        :class:`PinError` if that would exceed the budget (nothing changes then)."""
+        new = self._prot.new_pinned_blocks(target)
+        pinned = self._prot.pinned_blocks
+        if pinned + new > self.budget:
+            raise PinError(
+                f"pinning {new} more blocks would exceed max_pinned_blocks={self.budget} "
+                f"({pinned} pinned)"
+            )
+        self._prot.add_pin(target, +1)
         namespace, extra, tokens = key
-        info = PinnedPrefix(token_ids=list(tokens), num_blocks=num_blocks,
-                            namespace=namespace, description=description, pinned_at=now,
+        info = PinnedPrefix(token_ids=list(tokens), num_blocks=num_blocks, namespace=namespace,
+                            description=description, pinned_at=now,
                             extra_keys=None if extra is None else list(extra))
         self._pins[key] = (info, target)
         return info
 
-    def pop(self, key: PinKey) -> T | None:
-        """Forget the pin under ``key``; returns the entry it pinned (``None``: not pinned)."""
+    def unpin(self, key: PinKey) -> bool:
+        """Remove the pin under ``key``; ``False`` if there was none."""
         got = self._pins.pop(key, None)
-        return None if got is None else got[1]
+        if got is None:
+            return False
+        self._prot.add_pin(got[1], -1)
+        return True
 
-    def clear(self) -> list[T]:
-        """Forget every pin; returns the entries they pinned."""
-        targets = [target for _, target in self._pins.values()]
+    def unpin_all(self) -> None:
+        """Remove every pin."""
+        for _, target in self._pins.values():
+            self._prot.add_pin(target, -1)
         self._pins.clear()
-        return targets
 
     def records(self) -> list[PinnedPrefix]:
         """The records, oldest first."""
         return [info for info, _ in self._pins.values()]
-
-    def __iter__(self) -> Iterator[T]:
-        return (target for _, target in self._pins.values())
-

@@ -11,10 +11,11 @@ from array import array
 from collections.abc import Sequence
 
 from prefixkv.cache._checks import check_tokens
+from prefixkv.cache.forest import EntryState
 from prefixkv.cache.held_ids import Packed
 
 
-class RadixNode:
+class RadixNode(EntryState):
     """One edge of the tree: ``key`` tokens stored in ``blocks`` (``len(key) == len(blocks) * bs``).
 
     ``key`` is an ``array('I')`` (4 bytes a token, compared in C), ``blocks`` a list (matches
@@ -27,43 +28,18 @@ class RadixNode:
     first block).
     """
 
-    __slots__ = (
-        "__weakref__",
-        "access_count",
-        "bids",
-        "blocks",
-        "children",
-        "created_time",
-        "heap_ver",
-        "in_heap",
-        "is_root",
-        "key",
-        "last_access_time",
-        "lock_ref",
-        "num_children",
-        "parent",
-        "pin_ref",
-        "start_depth",
-        "tick",
-    )
+    __slots__ = ("__weakref__", "bids", "blocks", "children", "is_root", "key", "parent",
+                 "start_depth")
 
     def __init__(self, key: array[int], blocks: list[int], parent: RadixNode | None, now: float,
                  start_depth: int = 0, is_root: bool = False) -> None:
+        super().__init__(now)
         self.key = key
         self.blocks = blocks
         self.bids: Packed | None = None  # the same ids packed (HeldIds.claim), for long runs
         self.parent = parent
         self.children: dict[int, list[RadixNode]] = {}
-        self.num_children = 0
-        self.lock_ref = 0
-        self.pin_ref = 0
-        self.last_access_time = now
-        self.access_count = 0
-        self.created_time = now
-        self.tick = 0
         self.start_depth = start_depth
-        self.heap_ver = 0
-        self.in_heap = False
         self.is_root = is_root
 
     @property
