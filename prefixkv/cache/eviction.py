@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prefixkv.cache.evictable import EvictableHeap
+from prefixkv.cache.held_ids import Packed
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protection import is_evictable_leaf
 
@@ -57,21 +58,24 @@ class Evictor(Generic[E]):
         heap: the index's evictable leaves.
         policy: its eviction policy.
         drop_tail: ``drop_tail(entry, k)`` removes an evictable leaf's last ``k`` blocks (and
-            detaches it when empty), releasing their ids; returns them deepest first.
+            detaches it when empty); returns their ids deepest first, and packed or ``None``.
+        release: ``release(ids, packed)``, the index stops holding dropped ids.
         key_at: ``key_at(entry, depth)``, the policy's key at a smaller depth (a probe).
         refresh: re-files an entry in the heap after it changed (its children, its blocks).
         gone: called for each entry whose last block was evicted, before anything else moves.
     """
 
-    __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh")
+    __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh", "_release")
 
     def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
-                 drop_tail: Callable[[E, int], list[int]],
+                 drop_tail: Callable[[E, int], tuple[list[int], Packed | None]],
+                 release: Callable[[list[int], Packed | None], None],
                  key_at: Callable[[E, int], Any], refresh: Callable[[Entry | None], None],
                  gone: Callable[[E], None]) -> None:
         self._heap = heap
         self._policy = policy
         self._drop_tail = drop_tail
+        self._release = release
         self._key_at = key_at
         self._refresh = refresh
         self._gone = gone
@@ -88,8 +92,10 @@ class Evictor(Generic[E]):
                 if e is None:
                     break
             if runs:
-                out += self._drop_tail(e, self._run_length(e, min(num_blocks - len(out),
-                                                                   e.num_blocks)))
+                ids, packed = self._drop_tail(e, self._run_length(e, min(num_blocks - len(out),
+                                                                         e.num_blocks)))
+                self._release(ids, packed)
+                out += ids
             else:
                 self._trim_per_block(e, num_blocks, out)
             if e.num_blocks:
@@ -138,7 +144,9 @@ class Evictor(Generic[E]):
         with its tail block: a per-block policy state)."""
         heap, key = self._heap, self._policy.key
         while True:
-            out.extend(self._drop_tail(e, 1))
+            ids, packed = self._drop_tail(e, 1)
+            self._release(ids, packed)
+            out += ids
             if not e.num_blocks or len(out) >= num_blocks:
                 break
             top = heap.peek_key()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from collections.abc import Callable, Sequence
 from time import perf_counter_ns
 from typing import Any, Generic, cast
@@ -73,12 +74,13 @@ class PrefixIndex(Generic[E]):
         self._clock = clock
         self._lock = threading.RLock()
         self._prot = Protection(self._policy)
-        self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=self._drop_tail,
-                                key_at=self._key_at, refresh=self._prot.refresh,
-                                gone=self._gone)
+        self._ids = HeldIds(max_blocks)
+        self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=forest.drop_tail,
+                                release=self._ids.release,
+                                key_at=partial(forest.key_at, self._policy),
+                                refresh=self._prot.refresh, gone=self._gone)
         self._counters = Counters()
         self._pins: PinRegistry[E] = PinRegistry(self._prot, budget)
-        self._ids = HeldIds(max_blocks)
         self.last_pin_error: str | None = None
 
     # ----------------------------------------------------------------- properties
@@ -128,14 +130,6 @@ class PrefixIndex(Generic[E]):
         if target is not None:
             self._prot.add_lock(target, +1)
         return LockHandle(target=target, num_blocks=num_blocks)
-
-    def _drop_tail(self, entry: E, k: int) -> list[int]:
-        ids, packed = self._forest.drop_tail(entry, k)
-        self._ids.release(ids, packed)
-        return ids
-
-    def _key_at(self, entry: E, depth: int) -> Any:
-        return self._forest.key_at(self._policy, entry, depth)
 
     def _gone(self, entry: E) -> None:
         """``entry`` left the index (all its blocks evicted)."""
