@@ -241,9 +241,11 @@ class PrefixCache(Protocol):
         namespace: Namespace = None,
         extra_keys: Sequence[Hashable | None] | None = None,
         lock: bool = False,
+        description: str | None = None,
     ) -> PrefixNode:
         """Cache the full blocks of ``token_ids``; ``len(kv_block_ids)`` must equal
         ``len(token_ids) // block_size``. See the module docstring for who owns which id after.
+        ``pin=True`` also pins the prefix (with ``description``); ``lock=True`` locks it.
         """
         ...
 
@@ -277,14 +279,21 @@ class PrefixCache(Protocol):
         ...
 
     def pin_prefix(
-        self, token_ids: Sequence[int], *, namespace: Namespace = None, description: str | None = None
+        self,
+        token_ids: Sequence[int],
+        *,
+        namespace: Namespace = None,
+        description: str | None = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
     ) -> bool:
         """Pin the cached full blocks of a prefix; ``False`` (reason in ``last_pin_error``) when
         the prefix is not cached or the pinned-block budget would be exceeded."""
         ...
 
-    def unpin_prefix(self, token_ids: Sequence[int], *, namespace: Namespace = None) -> bool:
-        """Unpin a prefix pinned before; ``False`` if it was not pinned."""
+    def unpin_prefix(self, token_ids: Sequence[int], *, namespace: Namespace = None,
+                     extra_keys: Sequence[Hashable | None] | None = None) -> bool:
+        """Unpin a prefix pinned before (named by its tokens, namespace and extra keys);
+        ``False`` if it was not pinned."""
         ...
 
     def list_pinned(self) -> list[PinnedPrefix]:
