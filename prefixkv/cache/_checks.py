@@ -104,7 +104,7 @@ def _from_numpy(x: np.ndarray[Any, Any], name: str) -> array[int]:
             _check_range(x, name)
         x = x.astype(np.uint32)
     out = array("I")
-    out.frombytes(memoryview(np.ascontiguousarray(x)).cast("B"))  # one copy, any strides
+    out.frombytes(np.ascontiguousarray(x).data.cast("B"))  # one copy, any strides
     return out
 
 
