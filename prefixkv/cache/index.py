@@ -176,15 +176,8 @@ class PrefixIndex(Generic[E]):
                 handle = self._take_lock(target, len(w.ids) + (1 if w.partial else 0))
             self._counters.record_query(len(tokens), match_length, w.partial,
                                         perf_counter_ns() - t0)
-            return PrefixMatch(
-                token_ids=token_ids if type(token_ids) is list else tokens,
-                match_length=match_length,
-                matched_kv_blocks=w.ids,
-                partial_tokens=w.partial,
-                partial_block_id=partial_bid,
-                namespace=namespace,
-                lock=handle,
-            )
+            return PrefixMatch(token_ids if type(token_ids) is list else tokens, match_length,
+                               w.ids, w.partial, partial_bid, namespace, handle)
 
     def unlock(self, ref: PrefixMatch | PrefixNode) -> None:
         """Release a lock taken with ``lock=True``; ``ValueError`` if none or already released."""
