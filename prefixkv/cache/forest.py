@@ -135,7 +135,8 @@ class Forest(Protocol[E]):
     def walk(self, tokens: Sequence[int], n: int, namespace: Namespace,
              extra_keys: ExtraKeys) -> Walk[E]:
         """Match the first ``n`` tokens in whole blocks (plus partial rows of the next block);
-        ``ValueError`` for ``extra_keys`` the forest does not take. Changes nothing."""
+        ``ValueError`` for ``extra_keys`` the forest does not take, or for any token value not in
+        ``[0, 2**32)`` (checked here or by :meth:`as_tokens`). Changes nothing."""
         ...
 
     def cut(self, entry: E, k: int) -> E:

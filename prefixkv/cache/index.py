@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from time import perf_counter_ns
 from typing import Any, Generic, cast
 
-from prefixkv.cache._checks import check_count, check_positive_int, check_tokens
+from prefixkv.cache._checks import check_count, check_positive_int
 from prefixkv.cache.eviction import Evictor
 from prefixkv.cache.forest import E, Entry, ExtraKeys, Forest
 from prefixkv.cache.held_ids import HeldIds, Packed
@@ -151,9 +151,7 @@ class PrefixIndex(Generic[E]):
         with self._lock:
             t0 = perf_counter_ns()
             w = self._forest.walk(tokens, len(tokens), namespace, extra_keys)
-            match_length = len(w.ids) * self._bs
-            # matched tokens equal cached (validated) keys; check the rest before any change
-            check_tokens(tokens[match_length:])
+            match_length = len(w.ids) * self._bs  # the query's values are valid (Forest.walk)
             partial_bid = None
             if w.partial_entry is not None:  # read before a split below moves blocks
                 partial_bid = w.partial_entry.blocks[w.partial_index]
