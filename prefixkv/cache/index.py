@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import partial
 from collections.abc import Callable, Sequence
+from functools import partial
 from time import perf_counter_ns
-from typing import Any, Generic, cast
+from typing import Generic, cast
 
 from prefixkv.cache._checks import check_count, check_positive_int
 from prefixkv.cache.eviction import Evictor
