@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -85,22 +86,41 @@ def _reject_non_sequence(token_ids: Any, name: str) -> None:
 
 
 def _from_numpy(x: np.ndarray[Any, Any], name: str) -> array[int]:
-    """A 1-D numpy int array as a checked ``array('I')`` (one bounds check, one cast, one copy)."""
+    """A 1-D numpy int array as a checked ``array('I')``: one check pass, one cast, one copy.
+
+    64-bit ints (``array('q')``, numpy/torch int64) are checked by counting their set high
+    words, which catches negatives and values >= 2**32 in one C pass.
+    """
     if x.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
-    if x.dtype.kind not in "iu":
+    kind = x.dtype.kind
+    if kind not in "iu":
         raise ValueError(f"{name} must contain ints, got dtype {x.dtype}")
     if x.dtype != np.uint32 and x.size:
-        if x.dtype.kind == "i":
-            lo = int(x.min())
-            if lo < 0:
-                raise ValueError(f"{name} must be non-negative, found {lo}")
-        if x.dtype.itemsize > 4:
-            hi = int(x.max())
-            if hi > MAX_TOKEN_ID:
-                raise ValueError(f"{name} must be < 2**32, found {hi}")
+        if x.dtype.itemsize == 8 and x.dtype.isnative and _LITTLE and x.flags.c_contiguous:
+            if np.count_nonzero(x.view(np.uint32)[1::2]):  # a high word set: out of range
+                _check_range(x, name)
+        elif kind == "i" or x.dtype.itemsize > 4:
+            _check_range(x, name)
         x = x.astype(np.uint32)
-    return array("I", x.tobytes())  # a C-order copy whatever x's strides
+    out = array("I")
+    out.frombytes(np.ascontiguousarray(x).data.cast("B"))  # one copy, any strides
+    return out
+
+
+def _check_range(x: np.ndarray[Any, Any], name: str) -> None:
+    """``ValueError`` naming the first bound ``x`` breaks (negative, or >= 2**32)."""
+    if x.dtype.kind == "i":
+        lo = int(x.min())
+        if lo < 0:
+            raise ValueError(f"{name} must be non-negative, found {lo}")
+    if x.dtype.itemsize > 4:
+        hi = int(x.max())
+        if hi > MAX_TOKEN_ID:
+            raise ValueError(f"{name} must be < 2**32, found {hi}")
+
+
+_LITTLE = sys.byteorder == "little"
 
 
 MAX_TOKEN_ID = 2**32 - 1

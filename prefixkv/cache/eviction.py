@@ -19,11 +19,17 @@ a call costs O(leaves touched x log n) Python steps plus the C-speed copies of t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prefixkv.cache.evictable import EvictableHeap
+from prefixkv.cache.held_ids import Packed
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protection import is_evictable_leaf
+
+if TYPE_CHECKING:
+    from prefixkv.cache.forest import Entry
+
+E = TypeVar("E", bound="Entry")
 
 
 class _AtDepth:
@@ -45,28 +51,31 @@ def key_at_depth(policy: EvictionPolicy, entry: Any, depth: int) -> Any:
     return policy.key(_AtDepth(entry, depth))
 
 
-class Evictor:
+class Evictor(Generic[E]):
     """Frees blocks of one index in policy order through the index's own operations.
 
     Args:
         heap: the index's evictable leaves.
         policy: its eviction policy.
         drop_tail: ``drop_tail(entry, k)`` removes an evictable leaf's last ``k`` blocks (and
-            detaches it when empty), releasing their ids; returns them deepest first.
+            detaches it when empty); returns their ids deepest first, and packed or ``None``.
+        release: ``release(ids, packed)``, the index stops holding dropped ids.
         key_at: ``key_at(entry, depth)``, the policy's key at a smaller depth (a probe).
         refresh: re-files an entry in the heap after it changed (its children, its blocks).
         gone: called for each entry whose last block was evicted, before anything else moves.
     """
 
-    __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh")
+    __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh", "_release")
 
     def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
-                 drop_tail: Callable[[Any, int], list[int]],
-                 key_at: Callable[[Any, int], Any], refresh: Callable[[Any], None],
-                 gone: Callable[[Any], None]) -> None:
+                 drop_tail: Callable[[E, int], tuple[list[int], Packed | None]],
+                 release: Callable[[list[int], Packed | None], None],
+                 key_at: Callable[[E, int], Any], refresh: Callable[[Entry | None], None],
+                 gone: Callable[[E], None]) -> None:
         self._heap = heap
         self._policy = policy
         self._drop_tail = drop_tail
+        self._release = release
         self._key_at = key_at
         self._refresh = refresh
         self._gone = gone
@@ -76,15 +85,17 @@ class Evictor:
         out: list[int] = []
         heap, key = self._heap, self._policy.key
         runs = self._policy.depth_monotone_keys
-        e = None
+        e: E | None = None
         while len(out) < num_blocks:
             if e is None:
                 e = heap.pop()
                 if e is None:
                     break
             if runs:
-                out += self._drop_tail(e, self._run_length(e, min(num_blocks - len(out),
-                                                                   e.num_blocks)))
+                ids, packed = self._drop_tail(e, self._run_length(e, min(num_blocks - len(out),
+                                                                         e.num_blocks)))
+                self._release(ids, packed)
+                out += ids
             else:
                 self._trim_per_block(e, num_blocks, out)
             if e.num_blocks:
@@ -104,7 +115,7 @@ class Evictor:
             self._refresh(parent)
         return out
 
-    def _run_length(self, e: Any, k: int) -> int:
+    def _run_length(self, e: E, k: int) -> int:
         """How many of ``e``'s last ``k`` blocks go before any other leaf's (at least one).
 
         Dropping ``j`` tail blocks leaves ``e`` at depth ``depth - j``; the per-block order
@@ -128,12 +139,14 @@ class Evictor:
                 hi = mid
         return lo + 1
 
-    def _trim_per_block(self, e: Any, num_blocks: int, out: list[int]) -> None:
+    def _trim_per_block(self, e: E, num_blocks: int, out: list[int]) -> None:
         """Trim ``e`` one block at a time while it stays the policy's choice (its key may change
         with its tail block: a per-block policy state)."""
         heap, key = self._heap, self._policy.key
         while True:
-            out.extend(self._drop_tail(e, 1))
+            ids, packed = self._drop_tail(e, 1)
+            self._release(ids, packed)
+            out += ids
             if not e.num_blocks or len(out) >= num_blocks:
                 break
             top = heap.peek_key()

@@ -48,6 +48,10 @@ class HeldIds:
         return (type(block_id) is int and 0 <= block_id < self.max_blocks
                 and bool(self._flags[block_id]))
 
+    def memory_bytes(self) -> int:
+        """Bytes of the flags (one per id of the space)."""
+        return self.max_blocks
+
     def as_set(self) -> set[int]:
         """Every held id (O(max_blocks); for invariant checks)."""
         return {int(b) for b in np.flatnonzero(self._view)}

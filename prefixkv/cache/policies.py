@@ -36,9 +36,13 @@ class CacheEntry(Protocol):
 
     last_access_time: float
     access_count: int
-    depth: int
     created_time: float
     tick: int
+
+    @property
+    def depth(self) -> int:
+        """Blocks from the root through the entry's deepest block."""
+        ...
 
     @property
     def num_blocks(self) -> int:

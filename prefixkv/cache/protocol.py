@@ -67,9 +67,12 @@ class LockHandle:
     released: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixMatch:
     """Result of ``match_prefix``: the longest cached block-aligned prefix of a query.
+
+    A read-only record by contract; not ``frozen`` only because building a frozen record
+    costs about a microsecond, a sixth of a whole match at block size 1.
 
     Attributes:
         token_ids: the query (as passed in; not copied).
@@ -137,13 +140,15 @@ class PrefixNode:
 
 @dataclass(frozen=True, slots=True)
 class PinnedPrefix:
-    """One pinned prefix, as listed by ``list_pinned``."""
+    """One pinned prefix, as listed by ``list_pinned`` (``extra_keys``: its blocks' extra keys,
+    part of what names it, or ``None``)."""
 
     token_ids: list[int]
     num_blocks: int
     namespace: Namespace
     description: str | None
     pinned_at: float
+    extra_keys: list[Hashable | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,9 +244,11 @@ class PrefixCache(Protocol):
         namespace: Namespace = None,
         extra_keys: Sequence[Hashable | None] | None = None,
         lock: bool = False,
+        description: str | None = None,
     ) -> PrefixNode:
         """Cache the full blocks of ``token_ids``; ``len(kv_block_ids)`` must equal
         ``len(token_ids) // block_size``. See the module docstring for who owns which id after.
+        ``pin=True`` also pins the prefix (with ``description``); ``lock=True`` locks it.
         """
         ...
 
@@ -275,14 +282,21 @@ class PrefixCache(Protocol):
         ...
 
     def pin_prefix(
-        self, token_ids: Sequence[int], *, namespace: Namespace = None, description: str | None = None
+        self,
+        token_ids: Sequence[int],
+        *,
+        namespace: Namespace = None,
+        description: str | None = None,
+        extra_keys: Sequence[Hashable | None] | None = None,
     ) -> bool:
         """Pin the cached full blocks of a prefix; ``False`` (reason in ``last_pin_error``) when
         the prefix is not cached or the pinned-block budget would be exceeded."""
         ...
 
-    def unpin_prefix(self, token_ids: Sequence[int], *, namespace: Namespace = None) -> bool:
-        """Unpin a prefix pinned before; ``False`` if it was not pinned."""
+    def unpin_prefix(self, token_ids: Sequence[int], *, namespace: Namespace = None,
+                     extra_keys: Sequence[Hashable | None] | None = None) -> bool:
+        """Unpin a prefix pinned before (named by its tokens, namespace and extra keys);
+        ``False`` if it was not pinned."""
         ...
 
     def list_pinned(self) -> list[PinnedPrefix]:

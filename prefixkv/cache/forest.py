@@ -1,0 +1,170 @@
+"""The forest contract: what :class:`~prefixkv.cache.index.PrefixIndex` needs from a structure.
+
+An index is a *forest* of typed *entries* (a radix node holding a run of blocks, or a hashed
+block holding one) driven by one :class:`~prefixkv.cache.index.PrefixIndex`. The forest knows
+only its shape: how a query walks it, how an entry is cut at a block boundary, how new blocks
+are added, and how an evictable leaf loses its tail. Everything else (the lock, lock and pin
+counts, the eviction order, the pin registry, held block ids, statistics) is the driver's.
+
+Ownership: a forest never frees or claims block ids itself. ``add`` calls the driver's
+``claim`` as its last check (after it, nothing fails); ``drop_tail`` returns the ids it
+dropped and the driver releases them. A forest is guarded by its driver's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, Self, TypeVar
+
+from prefixkv.cache.held_ids import Packed
+from prefixkv.cache.policies import CacheEntry, EvictionPolicy
+from prefixkv.cache.protocol import Namespace
+
+
+class Entry(CacheEntry, Protocol):
+    """An entry of a forest: the policy's fields plus links, protection counts and heap slots.
+
+    ``lock_ref`` / ``pin_ref`` count locks and pins on the entry *and its descendants* (see
+    :mod:`prefixkv.cache.protection`); ``heap_ver`` / ``in_heap`` belong to the evictable heap.
+    A root sentinel (``is_root``) holds no blocks and is never locked, pinned or evicted.
+    """
+
+    lock_ref: int
+    pin_ref: int
+    heap_ver: int
+    in_heap: bool
+
+    @property
+    def parent(self) -> Self | None:
+        """The entry above (``None`` or a root sentinel at the top)."""
+        ...
+
+    @property
+    def num_children(self) -> int:
+        """Cached entries directly below."""
+        ...
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is a namespace's root sentinel."""
+        ...
+
+    @property
+    def blocks(self) -> list[int]:
+        """The block ids held, shallowest first."""
+        ...
+
+
+class EntryState:
+    """The fields every entry carries besides its shape: the policy's (recency, frequency,
+    age, tick), the protection counts and the evictable heap's slots. Both entry types extend
+    it (a slotted record, not a template: it has no methods)."""
+
+    __slots__ = ("access_count", "created_time", "heap_ver", "in_heap", "last_access_time",
+                 "lock_ref", "num_children", "pin_ref", "tick")
+
+    def __init__(self, now: float) -> None:
+        self.lock_ref = 0
+        self.pin_ref = 0
+        self.num_children = 0
+        self.last_access_time = now
+        self.created_time = now
+        self.access_count = 0
+        self.tick = 0
+        self.heap_ver = 0
+        self.in_heap = False
+
+
+E = TypeVar("E", bound=Entry)
+
+ExtraKeys = Sequence[Hashable | None] | None
+"""One extra key per block (hashed index only), or ``None``."""
+
+Claim = Callable[[int], "Packed | None"]
+"""``claim(stop)``: the driver validates and holds the caller's ids up to position ``stop``."""
+
+
+@dataclass(slots=True)
+class Walk(Generic[E]):
+    """A read-only walk of a forest along a query (what a match found).
+
+    ``path`` holds the entries the match went through, the last one possibly only for its
+    first ``last_used`` blocks; ``ids`` the matched block ids. ``partial_entry`` /
+    ``partial_index`` locate the cached block whose leading ``partial`` tokens equal the
+    query's next tokens (``partial_entry`` is ``None`` when ``partial`` is 0).
+    """
+
+    ids: list[int] = field(default_factory=list)
+    path: list[E] = field(default_factory=list)
+    last_used: int = 0
+    partial: int = 0
+    partial_entry: E | None = None
+    partial_index: int = 0
+
+
+@dataclass(slots=True)
+class Added(Generic[E]):
+    """What :meth:`Forest.add` stored: ``path`` (walked entries then new ones, shallowest
+    first), the cached ``ids`` of the stored blocks, the deepest entry ``target`` (``None``
+    when nothing is stored), and ``refile``: existing entries whose evictability or key may
+    have changed (one that gained a child, the lower part of a split); the driver re-files
+    them in the evictable heap."""
+
+    path: list[E]
+    ids: list[int]
+    target: E | None
+    refile: list[E] = field(default_factory=list)
+
+
+class Forest(Protocol[E]):
+    """The structure a :class:`~prefixkv.cache.index.PrefixIndex` drives (see module doc)."""
+
+    name: str
+    """The index kind in statistics (``"radix"``, ``"hash"``)."""
+
+    @property
+    def num_entries(self) -> int:
+        """Entries held (root sentinels excluded)."""
+        ...
+
+    def as_tokens(self, token_ids: Any) -> Sequence[int]:
+        """A query in the forest's working form (container checked; values checked where new)."""
+        ...
+
+    def walk(self, tokens: Sequence[int], n: int, namespace: Namespace,
+             extra_keys: ExtraKeys) -> Walk[E]:
+        """Match the first ``n`` tokens in whole blocks (plus partial rows of the next block);
+        ``ValueError`` for ``extra_keys`` the forest does not take, or for any token value not in
+        ``[0, 2**32)`` (checked here or by :meth:`as_tokens`). Changes nothing."""
+        ...
+
+    def cut(self, entry: E, k: int) -> E:
+        """An entry on ``entry``'s path ending exactly after its ``k``-th block (``k >= 1``),
+        splitting ``entry`` if needed: ``entry`` keeps the lower part (so handles naming it stay
+        valid), a new parent takes the upper part with ``entry``'s counts."""
+        ...
+
+    def add(self, tokens: Sequence[int], nb: int, walk: Walk[E], namespace: Namespace,
+            extra_keys: ExtraKeys, ids: list[int], claim: Claim, now: float) -> Added[E]:
+        """Store the ``nb`` full blocks of ``tokens`` beyond ``walk`` (a walk over them),
+        holding ``ids[len(walk.ids):stop]``. Validates first, then calls ``claim(stop)``,
+        then changes the forest; ``ValueError`` before the claim leaves everything unchanged."""
+        ...
+
+    def drop_tail(self, entry: E, k: int) -> tuple[list[int], Packed | None]:
+        """Remove an evictable leaf's last ``k`` blocks; detach it when none are left.
+        Returns their ids deepest first, and the same ids packed (or ``None``) for release."""
+        ...
+
+    def key_at(self, policy: EvictionPolicy, entry: E, depth: int) -> Any:
+        """``policy.key(entry)`` as if its blocks below ``depth`` were gone (a probe)."""
+        ...
+
+    def memory_bytes(self) -> int:
+        """Estimated bytes held by the structure."""
+        ...
+
+    def check(self) -> Iterator[E]:
+        """Assert the structural invariants; yield every entry (tests and debugging)."""
+        ...

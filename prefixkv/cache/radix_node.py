@@ -1,0 +1,97 @@
+"""RadixNode, one edge of the radix tree, and the token-key comparisons the tree walks with.
+
+A node's ``key`` is an ``array('I')`` (4 bytes a token); a query is packed once into the same
+type, so comparing a whole key is one C-speed slice comparison. Binary searches over slices
+(:func:`common_blocks`) find where a query leaves a node in about one pass over the common part.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from prefixkv.cache._checks import check_tokens
+from prefixkv.cache.forest import EntryState
+from prefixkv.cache.held_ids import Packed
+
+
+class RadixNode(EntryState):
+    """One edge of the tree: ``key`` tokens stored in ``blocks`` (``len(key) == len(blocks) * bs``).
+
+    ``key`` is an ``array('I')`` (4 bytes a token, compared in C), ``blocks`` a list (matches
+    extend their result from it without creating ints), and ``bids`` the same ids packed as an
+    ``array('I')`` or a ``range`` when the node was created from a bulk claim (so eviction
+    releases them in C), else ``None``.
+
+    ``children`` maps a child's first token to the children starting with it (one child per
+    token at block size 1; several may share a first token above 1, differing later in their
+    first block).
+    """
+
+    __slots__ = ("__weakref__", "bids", "blocks", "children", "is_root", "key", "parent",
+                 "start_depth")
+
+    def __init__(self, key: array[int], blocks: list[int], parent: RadixNode | None, now: float,
+                 start_depth: int = 0, is_root: bool = False) -> None:
+        super().__init__(now)
+        self.key = key
+        self.blocks = blocks
+        self.bids: Packed | None = None  # the same ids packed (HeldIds.claim), for long runs
+        self.parent = parent
+        self.children: dict[int, list[RadixNode]] = {}
+        self.start_depth = start_depth
+        self.is_root = is_root
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held by this node."""
+        return len(self.blocks)
+
+    @property
+    def depth(self) -> int:
+        """Blocks from the root through this node's last block."""
+        return self.start_depth + len(self.blocks)
+
+    def __repr__(self) -> str:
+        return f"RadixNode(depth={self.depth}, blocks={len(self.blocks)}, lock={self.lock_ref})"
+
+
+def seg(tokens: Sequence[int], start: int, stop: int) -> array[int]:
+    """``tokens[start:stop]`` as an ``array('I')`` (a slice if ``tokens`` already is one).
+
+    Converting also validates: a non-int raises ``ValueError``, and so does a negative or
+    too large (>= 2**32) token id.
+    """
+    if type(tokens) is array and tokens.typecode == "I":
+        return tokens[start:stop]
+    seg = tokens[start:stop]
+    try:
+        return array("I", seg)
+    except (TypeError, OverflowError):
+        check_tokens(seg)  # raises the precise ValueError
+        raise
+
+
+def lcp(key: array[int], start: int, tokens: Sequence[int], i: int, limit: int) -> int:
+    """Length of the common prefix of ``key[start:]`` and ``tokens[i:]``, at most ``limit``."""
+    p = 0
+    stop = min(limit, len(key) - start)
+    while p < stop and key[start + p] == tokens[i + p]:
+        p += 1
+    return p
+
+
+def common_blocks(key: array[int], tokens: Sequence[int], i: int, n: int, bs: int) -> int:
+    """Largest k with ``tokens[i:i+k*bs] == key[:k*bs]``.
+
+    Binary search in which each probe compares only the not-yet-verified segment
+    ``[lo, mid)``, so the total work is about one pass over the common prefix (at C speed).
+    """
+    lo, hi = 0, min(len(key), n - i) // bs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if seg(tokens, i + lo * bs, i + mid * bs) == key[lo * bs : mid * bs]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
