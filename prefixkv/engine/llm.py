@@ -54,6 +54,7 @@ def build_engine(
     kv_disk_size: int | str | None = None,
     kv_remote: str | None = None,
     kv_remote_timeout: float = 0.5,
+    kv_events_config: str | dict[str, Any] | None = None,
 ) -> LLMEngine:
     """Load the model and build an :class:`LLMEngine`.
 
@@ -72,6 +73,7 @@ def build_engine(
     Lower KV tiers (docs/tiers.md): ``kv_offload_size`` (host memory, blocks or e.g.
     ``"2GiB"``), ``kv_disk_dir`` / ``kv_disk_size`` (files that survive restarts), ``kv_remote``
     (``redis://host:port[/db]``, shared by every engine on it; ``kv_remote_timeout`` seconds).
+    ``kv_events_config``: vLLM's KV events JSON (publish BlockStored / BlockRemoved over ZMQ).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -118,6 +120,7 @@ def build_engine(
         model_name=name,
         schedule_policy=schedule_policy,
         tiers=tiers,
+        kv_events_config=kv_events_config,
     )
 
 

@@ -61,6 +61,8 @@ class LLMEngine:
         schedule_policy: admission order of waiting requests (``fcfs``, ``lpm``, ``dfs-weight``).
         tiers: lower KV tiers below the pool (host memory, disk, a shared Valkey/Redis;
             docs/tiers.md); ``None``: the pool only.
+        kv_events_config: vLLM's ``--kv-events-config`` (JSON text or dict): publish KV events
+            over ZMQ (:mod:`prefixkv.engine.kv_events`, docs/router.md).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class LLMEngine:
         model_name: str = "model",
         schedule_policy: str = "fcfs",
         tiers: TierSpec | None = None,
+        kv_events_config: str | dict[str, Any] | None = None,
     ) -> None:
         self.runner = runner
         self.model_name = model_name
@@ -102,6 +105,10 @@ class LLMEngine:
         store = make_tier_store(tiers, runner) if tiers is not None else None
         self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows,
                             store)
+        if kv_events_config is not None:
+            from prefixkv.engine.kv_events_zmq import make_kv_event_sink
+
+            self.kv.events = make_kv_event_sink(kv_events_config, self.block_size)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=max_num_seqs,
@@ -377,6 +384,8 @@ class LLMEngine:
         the engine is still usable for the pool and host tier afterwards."""
         if self.kv.tiers is not None:
             self.kv.tiers.close()
+        if self.kv.events is not None:
+            self.kv.events.close()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; ``False`` with prefix caching off."""

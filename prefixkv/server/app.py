@@ -44,6 +44,7 @@ from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.serving import OpenAIServing
+from prefixkv.server.kv_events import build_kv_events_router
 from prefixkv.server.tokenizer_routes import build_tokenizer_router
 
 DEFAULT_MODEL_NAME = "prefixkv-demo"
@@ -173,6 +174,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
 
     app.include_router(v1)
     app.include_router(build_tokenizer_router(engine, check_model, policy),
+                       dependencies=[Depends(_auth_dependency(api_key))])
+    app.include_router(build_kv_events_router(engine),
                        dependencies=[Depends(_auth_dependency(api_key))])
     admin, reset = build_admin_router(engine)
     admin_check = [Depends(admin_dependency(admin_api_key, api_key))]

@@ -28,12 +28,16 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                    help="chat template: a file or the template text (default: the tokenizer's)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size in bytes or like '2GiB' (instead of --num-kv-blocks)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV cache events over ZMQ, e.g. '{\"enable_kv_cache_events\": "
+                        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "
+                        "(the 'precise' router policy subscribes; docs/router.md)")
 
 
 def vllm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The vLLM-compatible flags that were given, as ``build_engine`` arguments."""
     names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "tokenizer",
-             "chat_template", "kv_cache_memory")
+             "chat_template", "kv_cache_memory", "kv_events_config")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
