@@ -1,0 +1,131 @@
+"""One worker's KV event stream, followed on the router's event loop (ZMQ SUB, asyncio).
+
+Contract. :meth:`EventStream.run` subscribes to the worker's PUB endpoint (vLLM's framing:
+``topic, seq, payload``; see :mod:`prefixkv.engine.kv_events_zmq`), decodes each payload as a
+:class:`~prefixkv.engine.kv_events.KVEventBatch` and applies it to the
+:class:`~prefixkv.router.kv_index.ExactIndex` in sequence order, until cancelled. Sequence
+numbers decide what the index can trust:
+
+* the next number: applied;
+* a jump (batches were lost, or the stream was joined late): the missing batches are asked from
+  the worker's replay socket when it has one, and applied if every one came back; otherwise the
+  worker's blocks are dropped and it is marked incomplete (``gaps`` counts these);
+* a number not above the last one: the worker restarted (its cache is empty): its blocks are
+  dropped (``restarts``), and the new stream is followed from there;
+* an undecodable payload counts as a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from prefixkv.engine.kv_events import KVEventBatch
+from prefixkv.router.kv_index import ExactIndex
+
+__all__ = ["EventSource", "EventStream"]
+
+log = logging.getLogger("prefixkv.router")
+_END = -1
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """Where a worker publishes: PUB ``endpoint``, optional ROUTER ``replay_endpoint``, topic."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class EventStream:
+    """Follows ``url``'s events from ``source`` into ``index`` (owns its sockets)."""
+
+    def __init__(self, url: str, source: EventSource, index: ExactIndex,
+                 ctx: zmq.asyncio.Context, *, replay_timeout: float = 1.0) -> None:
+        self.url = url
+        self.source = source
+        self._index = index
+        self._ctx = ctx
+        self._replay_timeout = replay_timeout
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.last_seq: int | None = None
+
+    async def run(self) -> None:
+        """Subscribe and apply batches until cancelled (a bad frame never ends it)."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        try:
+            sub.connect(self.source.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode("utf-8"))
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    continue
+                await self.receive(int.from_bytes(frames[1], "big"), frames[2])
+        finally:
+            sub.close(linger=0)
+
+    async def receive(self, seq: int, payload: bytes) -> None:
+        """Handle batch ``seq`` as the module docstring says."""
+        w = self._index.workers[self.url]
+        if self.last_seq is not None and seq <= self.last_seq:
+            w.restarts += 1
+            self._index.reset(self.url, complete=seq == 0)
+            self.last_seq = None
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if seq > expected:
+            missed = await self._replay(expected, seq)
+            if missed is None:
+                if self.last_seq is not None:
+                    w.gaps += 1
+                    log.warning("KV events from %s: batches %d..%d lost", self.url, expected,
+                                seq - 1)
+                self._index.reset(self.url, complete=False)
+            else:
+                if expected == 0:
+                    w.complete = True
+                for batch in missed:
+                    self._index.apply(self.url, batch)
+        elif expected == 0:
+            w.complete = True
+        try:
+            batch = self._decoder.decode(payload)
+        except msgspec.DecodeError:
+            w.gaps += 1
+            self._index.reset(self.url, complete=False)
+        else:
+            self._index.apply(self.url, batch)
+        self.last_seq = seq
+
+    async def _replay(self, start: int, stop: int) -> list[KVEventBatch] | None:
+        """Batches ``start .. stop - 1`` from the replay socket; ``None`` unless all came."""
+        if self.source.replay_endpoint is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: dict[int, KVEventBatch] = {}
+        try:
+            sock.connect(self.source.replay_endpoint)
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self._replay_timeout)
+                if len(frames) != 3:
+                    return None
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq == _END or seq >= stop:
+                    break
+                if seq >= start:
+                    got[seq] = self._decoder.decode(frames[2])
+        except (TimeoutError, zmq.ZMQError, msgspec.DecodeError):
+            return None
+        finally:
+            sock.close(linger=0)
+        if sorted(got) != list(range(start, stop)):
+            return None
+        return [got[s] for s in range(start, stop)]

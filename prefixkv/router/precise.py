@@ -1,0 +1,315 @@
+"""The ``precise`` policy: route on the workers' real caches, known from their KV events.
+
+llm-d and NVIDIA Dynamo route this way; SGLang's ``cache_aware`` guesses each worker's cache from
+the requests it routed. Here every worker that publishes KV events (``prefixkv serve
+--kv-events-config``, or any worker speaking vLLM's event format with the same block hashes)
+feeds an exact index (:class:`~prefixkv.router.kv_index.ExactIndex`: block hash -> workers), so
+the router knows what each worker evicted, that it restarted, or that an admin reset it.
+
+**Tokens.** Block hashes are over token ids, and the router has no tokenizer. Choice: before
+routing, the policy asks one worker's ``POST /tokenize`` (vLLM's and prefixkv's route) for the
+prompt's ids: ``{"messages": ...}`` for a chat (the worker applies its chat template exactly as
+it will for the request) or ``{"prompt": ...}``; a prompt given as token ids needs no call. It
+costs one loopback round trip per request but needs no model files on the router and stays
+exact for any model and template. When no candidate publishes events, nothing is asked.
+
+**Choosing** (over the candidates; thresholds as ``cache_aware``'s):
+
+1. **balance**: loads imbalanced (SGLang's test) -> the least loaded.
+2. **cache_hit**: the best match ratio over ``cache_threshold`` -> the worker with the longest
+   match (ties: fewer in flight, fewer recent dispatches), unless the share rule moves it to a
+   starved worker (as ``cache_aware``'s). A publishing worker's ratio is its exact number of
+   leading cached blocks times the block size over the prompt's tokens; for a worker whose
+   stream lost batches (incomplete index) the larger of that and its approximate tree's
+   estimate; for a worker that publishes nothing (or before its first batch), the approximate
+   tree's estimate, as ``cache_aware`` computes it.
+3. **least_load**: otherwise.
+
+Without tokens (tokenization failed) or without any publishing candidate, the request is routed
+by the embedded :class:`~prefixkv.router.cache_aware.CacheAwarePolicy` unchanged. Every choice is
+recorded in that policy's approximate trees, so the fallback always has its history.
+
+**Event streams.** Each worker's endpoint is given (``--kv-events``) or discovered from its
+``GET /kv_events``; a worker that comes back into rotation, or whose stats show a restart, is
+re-discovered (a restarted worker may publish on another port) and its index forgotten until its
+new stream speaks. Streams run as tasks on the router's loop (:mod:`prefixkv.router.kv_stream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import httpx
+import zmq.asyncio
+
+from prefixkv.engine.kv_events import block_hashes
+from prefixkv.router.cache_aware import CacheAwarePolicy
+from prefixkv.router.keys import RouteKey
+from prefixkv.router.kv_index import ExactIndex
+from prefixkv.router.kv_stream import EventSource, EventStream
+from prefixkv.router.policies import Decision, check_candidates
+
+if TYPE_CHECKING:
+    from prefixkv.router.health import WorkerCacheStats
+
+__all__ = ["PrecisePolicy", "TokenRouteKey", "discover_source", "parse_sources"]
+
+log = logging.getLogger("prefixkv.router")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRouteKey(RouteKey):
+    """A route key with the prompt's token ids and the workers' cache namespace."""
+
+    tokens: tuple[int, ...] = ()
+    cache_namespace: Hashable = None
+
+
+async def discover_source(client: httpx.AsyncClient, url: str,
+                          timeout: float = 5.0) -> EventSource | None:
+    """``url``'s event endpoints from its ``GET /kv_events`` (``None``: it publishes nothing or
+    does not answer). Addresses bound on every interface are reached through ``url``'s host."""
+    try:
+        resp = await client.get(f"{url}/kv_events", timeout=timeout)
+        d = resp.json()
+        if resp.status_code != 200 or not isinstance(d, dict):
+            return None
+        host = urlsplit(url).hostname or "127.0.0.1"
+
+        def reach(ep: Any) -> str | None:
+            if not isinstance(ep, str):
+                return None
+            text: str = ep
+            for anyhost in ("//0.0.0.0:", "//*:", "//[::]:", "//:::"):
+                text = text.replace(anyhost, f"//{host}:")
+            return text
+
+        endpoint = reach(d.get("endpoint"))
+        topic = d.get("topic", "")
+        if endpoint is None or not isinstance(topic, str):
+            return None
+        return EventSource(endpoint, reach(d.get("replay_endpoint")), topic)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+class PrecisePolicy:
+    """Owns the exact index, the event streams and a :class:`CacheAwarePolicy` (``fallback``).
+
+    ``sources``: per worker, its :class:`EventSource`, ``None`` (publishes nothing), or absent
+    (discover it). Used from the router's event loop only.
+    """
+
+    name = "precise"
+
+    def __init__(self, urls: Iterable[str], fallback: CacheAwarePolicy, *,
+                 sources: Mapping[str, EventSource | None] | None = None,
+                 cache_threshold: float = 0.5, balance_window: int = 128,
+                 tokenize_timeout: float = 5.0) -> None:
+        self.urls = list(urls)
+        self.fallback = fallback
+        self.index = ExactIndex(self.urls)
+        self.sources = dict(sources or {})
+        self.cache_threshold = cache_threshold
+        self.tokenize_timeout = tokenize_timeout
+        self._fair_share = balance_window / len(self.urls) if self.urls else 0.0
+        self._dispatches = 0
+        self._last_move = -balance_window
+        self._client: httpx.AsyncClient | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._prompt_tokens: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- streams
+    async def start(self, client: httpx.AsyncClient) -> None:
+        """Open every worker's stream (discovering endpoints as needed)."""
+        self._client = client
+        self._ctx = zmq.asyncio.Context()
+        for url in self.urls:
+            self._follow(url)
+
+    async def stop(self) -> None:
+        """Cancel the streams and close the ZMQ context."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def _follow(self, url: str) -> None:
+        old = self._tasks.pop(url, None)
+        if old is not None:
+            old.cancel()
+        if self._ctx is not None:
+            self._tasks[url] = asyncio.get_running_loop().create_task(self._stream(url))
+
+    async def _stream(self, url: str) -> None:
+        explicit = url in self.sources
+        source = self.sources.get(url)
+        if not explicit and self._client is not None:
+            source = await discover_source(self._client, url)
+        if source is None or self._ctx is None:
+            return  # publishes nothing: the approximate tree routes for it
+        try:
+            await EventStream(url, source, self.index, self._ctx).run()
+        except zmq.ZMQError as exc:
+            log.warning("KV events from %s (%s) stopped: %s", url, source.endpoint, exc)
+
+    def _restarted(self, url: str) -> None:
+        self.index.reset(url, complete=False, live=False)
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to restart
+            self._follow(url)
+
+    # ---------------------------------------------------------------- tokens
+    async def annotate(self, client: httpx.AsyncClient, urls: Sequence[str], path: str,
+                       body: Mapping[str, Any], key: RouteKey,
+                       headers: Mapping[str, str] | None = None) -> RouteKey:
+        """``key`` with the prompt's token ids (see the module docstring), or ``key`` itself
+        when no candidate publishes events or the ids cannot be had."""
+        live = [u for u in urls if self.index.workers[u].live]
+        if not live:
+            return key
+        salt = body.get("cache_salt")
+        ns = (salt, None) if isinstance(salt, str) else None
+        ids: Any = None
+        payload: dict[str, Any] = {}
+        if path.endswith("/chat/completions"):
+            payload["messages"] = body.get("messages")
+            for name in ("add_generation_prompt", "chat_template_kwargs"):
+                if name in body:
+                    payload[name] = body[name]
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                ids = prompt
+            else:
+                payload["prompt"] = prompt
+        if ids is None:
+            if isinstance(body.get("model"), str):
+                payload["model"] = body["model"]
+            auth = {"authorization": headers["authorization"]} if headers and \
+                "authorization" in headers else None
+            try:
+                resp = await client.post(f"{live[0]}/tokenize", json=payload, headers=auth,
+                                         timeout=self.tokenize_timeout)
+                ids = resp.json().get("tokens") if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return key
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            return key
+        return TokenRouteKey(key.namespace, key.chunks, key.size, key.unit, tuple(ids), ns)
+
+    # ---------------------------------------------------------------- choosing
+    def exact_matches(self, urls: Sequence[str], key: RouteKey) -> dict[str, int]:
+        """Per live candidate: its leading cached tokens of the prompt (empty without tokens)."""
+        if not isinstance(key, TokenRouteKey) or not key.tokens:
+            return {}
+        by_size: dict[int, list[str]] = {}
+        for u in urls:
+            w = self.index.workers[u]
+            if w.live and w.block_size:
+                by_size.setdefault(w.block_size, []).append(u)
+        out: dict[str, int] = {}
+        for bs, group in by_size.items():
+            try:
+                hashes = block_hashes(key.tokens, bs, key.cache_namespace)
+            except ValueError:
+                continue
+            for u, n in self.index.match(hashes, group).items():
+                out[u] = n * bs
+        return out
+
+    def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
+        check_candidates(urls)
+        exact = self.exact_matches(urls, key)
+        if not exact:
+            self._dispatches += 1
+            return self.fallback.select(urls, loads, key)
+        fb = self.fallback
+        fb._maybe_trim()  # noqa: SLF001 - the embedded policy's own periodic trim
+        n = len(key.tokens) if isinstance(key, TokenRouteKey) else 1
+        ratio: dict[str, float] = {}
+        for u in urls:
+            approx = key.ratio(fb.trees[u].match(key))
+            if u not in exact:
+                ratio[u] = approx
+            else:
+                r = exact[u] / n
+                ratio[u] = r if self.index.workers[u].complete else max(r, approx)
+        load = {u: loads.get(u, 0) for u in urls}
+        recent = {u: fb.recent[u] for u in urls}
+        if fb.is_imbalanced(list(load.values())):
+            url, reason = min(urls, key=lambda u: (load[u], recent[u])), "balance"
+        elif max(ratio.values()) > self.cache_threshold:
+            url = min(urls, key=lambda u: (-ratio[u], load[u], recent[u]))
+            reason = "exact_hit" if url in exact else "cache_hit"
+            low = min(urls, key=lambda u: (recent[u], load[u]))
+            if (self._dispatches - self._last_move >= self._fair_share
+                    and fb.share_imbalanced(recent[url], recent[low])):
+                url, reason = low, "share"
+                self._last_move = self._dispatches
+        else:
+            url, reason = min(urls, key=lambda u: (load[u], recent[u])), "least_load"
+        fb._record(url, key)  # noqa: SLF001 - keeps the fallback's trees and window current
+        self._dispatches += 1
+        return Decision(url, reason, ratio[url])
+
+    # ---------------------------------------------------------------- worker news
+    def on_worker_health(self, url: str, healthy: bool) -> None:
+        """Back in rotation: re-discover its stream (it may have restarted elsewhere)."""
+        self.fallback.on_worker_health(url, healthy)
+        if healthy and url not in self.sources:
+            self._restarted(url)
+
+    def on_worker_stats(self, url: str, stats: WorkerCacheStats, in_flight: int) -> None:
+        """The fallback's alignment; a prompt-token counter that went back means a restart."""
+        self.fallback.on_worker_stats(url, stats, in_flight)
+        last = self._prompt_tokens.get(url)
+        self._prompt_tokens[url] = stats.prompt_tokens
+        if last is not None and stats.prompt_tokens < last and url not in self.sources:
+            self._restarted(url)
+
+    def describe(self) -> dict[str, dict[str, int]]:
+        """The fallback's per-worker fields plus the exact index's."""
+        base = self.fallback.describe()
+        return {u: {**base.get(u, {}), **self.index.describe(u)} for u in self.urls}
+
+
+def parse_sources(urls: Sequence[str], specs: Sequence[str],
+                  topic: str = "") -> dict[str, EventSource | None]:
+    """``--kv-events`` values, one per worker (or one for all): ``auto`` (discover: left out of
+    the result), ``none`` (publishes nothing), or ``ENDPOINT`` / ``ENDPOINT|REPLAY_ENDPOINT``."""
+    if not specs:
+        return {}
+    if len(specs) not in (1, len(urls)):
+        raise ValueError(f"kv_events must give one entry per worker ({len(urls)}) or one for "
+                         f"all, got {len(specs)}")
+    out: dict[str, EventSource | None] = {}
+    for url, spec in zip(urls, list(specs) * len(urls) if len(specs) == 1 else specs):
+        if spec == "auto":
+            continue
+        if spec == "none":
+            out[url] = None
+            continue
+        endpoint, _, replay = spec.partition("|")
+        for ep in (endpoint, replay):
+            if ep and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events entries are auto, none or tcp://|ipc:// endpoints "
+                                 f"('ENDPOINT|REPLAY'), got {spec!r}")
+        if len(specs) == 1 and len(urls) > 1:
+            raise ValueError("one kv_events endpoint cannot serve several workers")
+        out[url] = EventSource(endpoint, replay or None, topic)
+    return out
