@@ -25,7 +25,8 @@ except ImportError as exc:  # an optional extra
     raise ImportError("KV events need pyzmq and msgspec: pip install 'prefixkv[kv-events]'"
                       ) from exc
 
-from prefixkv.engine.kv_events import KVEventBatch, KVEventsConfig, KVEventSink
+from prefixkv.engine.kv_events import KVEventSink
+from prefixkv.kv_events import KVEventBatch, KVEventsConfig
 
 __all__ = ["END_SEQ", "ZmqEventPublisher", "make_kv_event_sink"]
 

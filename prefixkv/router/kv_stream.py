@@ -2,7 +2,7 @@
 
 Contract. :meth:`EventStream.run` subscribes to the worker's PUB endpoint (vLLM's framing:
 ``topic, seq, payload``; see :mod:`prefixkv.engine.kv_events_zmq`), decodes each payload as a
-:class:`~prefixkv.engine.kv_events.KVEventBatch` and applies it to the
+:class:`~prefixkv.kv_events.KVEventBatch` and applies it to the
 :class:`~prefixkv.router.kv_index.ExactIndex` in sequence order, until cancelled. Sequence
 numbers decide what the index can trust:
 
@@ -25,7 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from prefixkv.engine.kv_events import KVEventBatch
+from prefixkv.kv_events import KVEventBatch
 from prefixkv.router.kv_index import ExactIndex
 
 __all__ = ["EventSource", "EventStream"]

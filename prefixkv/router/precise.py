@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 import httpx
 import zmq.asyncio
 
-from prefixkv.engine.kv_events import block_hashes
+from prefixkv.kv_events import block_hashes
 from prefixkv.router.cache_aware import CacheAwarePolicy
 from prefixkv.router.keys import RouteKey
 from prefixkv.router.kv_index import ExactIndex

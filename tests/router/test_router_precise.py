@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from prefixkv.engine.kv_events import block_hashes  # noqa: E402
+from prefixkv.kv_events import block_hashes  # noqa: E402
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer  # noqa: E402
 from prefixkv.router.cli import LAUNCHED_KV_EVENTS  # noqa: E402
 from prefixkv.router.health import wait_until_healthy  # noqa: E402
