@@ -105,13 +105,13 @@ class KVEventsConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
-            raise ValueError("kv_events_config.enable_kv_cache_events must be a bool")
+            raise ValueError("kv_events_config.enable_kv_cache_events must be a bool")  # noqa: TRY004
         if self.publisher not in ("null", "zmq"):
             raise ValueError(f"kv_events_config.publisher must be 'null' or 'zmq', "
                              f"got {self.publisher!r}")
         for name in ("endpoint", "topic"):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"kv_events_config.{name} must be a string")
+                raise ValueError(f"kv_events_config.{name} must be a string")  # noqa: TRY004
         if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
             raise ValueError("kv_events_config.replay_endpoint must be a string or null")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
@@ -136,7 +136,7 @@ class KVEventsConfig:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
-            raise ValueError("kv_events_config must be a JSON object")
+            raise ValueError("kv_events_config must be a JSON object")  # noqa: TRY004
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

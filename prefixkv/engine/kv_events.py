@@ -129,7 +129,7 @@ class KVEventSink:
                 first = self._queue.get(timeout=self._poll)
             except queue.Empty:
                 continue
-            except Exception:  # noqa: BLE001 - a replay error must not stop publishing
+            except Exception:
                 logger.exception("KV events: replay failed")
                 continue
             records = [first]
@@ -144,7 +144,7 @@ class KVEventSink:
                 if events:
                     self.publisher.send(KVEventBatch(time.time(), events, self._rank))
                     self.published += 1
-            except Exception:  # noqa: BLE001 - never let one bad batch stop the thread
+            except Exception:
                 logger.exception("KV events: publishing a batch failed")
             if stop:
                 return

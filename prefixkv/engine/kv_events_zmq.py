@@ -15,7 +15,6 @@ whole worker side from a :class:`KVEventsConfig`.
 from __future__ import annotations
 
 from collections import deque
-
 from typing import Any
 
 try:

@@ -239,7 +239,7 @@ class PrecisePolicy:
             self._dispatches += 1
             return self.fallback.select(urls, loads, key)
         fb = self.fallback
-        fb._maybe_trim()  # noqa: SLF001 - the embedded policy's own periodic trim
+        fb._maybe_trim()
         n = len(key.tokens) if isinstance(key, TokenRouteKey) else 1
         ratio: dict[str, float] = {}
         for u in urls:
@@ -263,7 +263,7 @@ class PrecisePolicy:
                 self._last_move = self._dispatches
         else:
             url, reason = min(urls, key=lambda u: (load[u], recent[u])), "least_load"
-        fb._record(url, key)  # noqa: SLF001 - keeps the fallback's trees and window current
+        fb._record(url, key)
         self._dispatches += 1
         return Decision(url, reason, ratio[url])
 

@@ -40,11 +40,11 @@ from prefixkv.engine.outputs import EngineStats
 from prefixkv.server.admin import admin_dependency, build_admin_router
 from prefixkv.server.errors import APIError, install_error_handlers
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.kv_events import build_kv_events_router
 from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.serving import OpenAIServing
-from prefixkv.server.kv_events import build_kv_events_router
 from prefixkv.server.tokenizer_routes import build_tokenizer_router
 
 DEFAULT_MODEL_NAME = "prefixkv-demo"

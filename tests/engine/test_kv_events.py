@@ -7,6 +7,7 @@ prefixkv's classes against themselves.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -18,11 +19,11 @@ import pytest
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
-from prefixkv.engine import LLM, SamplingParams  # noqa: E402
-from prefixkv.engine.kv_events import KVEventSink  # noqa: E402
-from prefixkv.engine.kv_events_zmq import END_SEQ, ZmqEventPublisher  # noqa: E402
-from prefixkv.kv_events import KVEventBatch as OurBatch  # noqa: E402
-from prefixkv.kv_events import KVEventsConfig, block_hashes  # noqa: E402
+from prefixkv.engine import LLM, SamplingParams
+from prefixkv.engine.kv_events import KVEventSink
+from prefixkv.engine.kv_events_zmq import END_SEQ, ZmqEventPublisher
+from prefixkv.kv_events import KVEventBatch as OurBatch
+from prefixkv.kv_events import KVEventsConfig, block_hashes
 
 
 # ---------------------------------------------------------------- vLLM's schema, as a consumer
@@ -113,7 +114,7 @@ def test_stored_removed_cleared_follow_the_cache(demo_model: Any, index: str,
         assert hashes[:5] == block_hashes(prompt, block_size)  # what a router computes
         assert stored[0].parent_block_hash is None and stored[0].token_ids[:block_size] == \
             prompt[:block_size]
-        for a, b in zip(stored, stored[1:]):  # one chain: each event continues the last
+        for a, b in itertools.pairwise(stored):  # one chain: each event continues the last
             assert b.parent_block_hash == a.block_hashes[-1]
         assert all(e.block_size == block_size and e.medium == "GPU" for e in stored)
         assert llm.engine.is_prefix_cached(prompt[: 5 * block_size])
@@ -161,7 +162,7 @@ def test_hashes_do_not_depend_on_the_python_hash_seed() -> None:
                            env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
             for seed in ("1", "2", "random")}
     assert len(outs) == 1
-    assert eval(outs.pop()) == block_hashes(list(range(40)), 8, ("salt", None))  # noqa: S307
+    assert eval(outs.pop()) == block_hashes(list(range(40)), 8, ("salt", None))
 
 
 def test_replay_resends_buffered_batches_from_a_sequence_number() -> None:

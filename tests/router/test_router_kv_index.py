@@ -8,14 +8,15 @@ import time
 
 import pytest
 
-zmq = pytest.importorskip("zmq")
+pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
-import zmq.asyncio  # noqa: E402
+import zmq
+import zmq.asyncio
 
-from prefixkv.engine.kv_events import KVEventSink  # noqa: E402
-from prefixkv.engine.kv_events_zmq import ZmqEventPublisher  # noqa: E402
-from prefixkv.kv_events import (  # noqa: E402
+from prefixkv.engine.kv_events import KVEventSink
+from prefixkv.engine.kv_events_zmq import ZmqEventPublisher
+from prefixkv.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -23,12 +24,12 @@ from prefixkv.kv_events import (  # noqa: E402
     KVEventsConfig,
     block_hashes,
 )
-from prefixkv.router.cache_aware import CacheAwarePolicy  # noqa: E402
-from prefixkv.router.config import RouterConfig  # noqa: E402
-from prefixkv.router.keys import text_key  # noqa: E402
-from prefixkv.router.kv_index import ExactIndex  # noqa: E402
-from prefixkv.router.kv_stream import EventSource, EventStream  # noqa: E402
-from prefixkv.router.precise import PrecisePolicy, TokenRouteKey, parse_sources  # noqa: E402
+from prefixkv.router.cache_aware import CacheAwarePolicy
+from prefixkv.router.config import RouterConfig
+from prefixkv.router.keys import text_key
+from prefixkv.router.kv_index import ExactIndex
+from prefixkv.router.kv_stream import EventSource, EventStream
+from prefixkv.router.precise import PrecisePolicy, TokenRouteKey, parse_sources
 
 A, B = "http://a:1", "http://b:1"
 ENC = msgspec.msgpack.Encoder()

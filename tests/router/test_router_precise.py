@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from prefixkv.kv_events import block_hashes  # noqa: E402
-from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer  # noqa: E402
-from prefixkv.router.cli import LAUNCHED_KV_EVENTS  # noqa: E402
-from prefixkv.router.health import wait_until_healthy  # noqa: E402
-from prefixkv.router.local import LocalWorkers  # noqa: E402
-from prefixkv.router.precise import PrecisePolicy  # noqa: E402
+from prefixkv.kv_events import block_hashes
+from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
+from prefixkv.router.cli import LAUNCHED_KV_EVENTS
+from prefixkv.router.health import wait_until_healthy
+from prefixkv.router.local import LocalWorkers
+from prefixkv.router.precise import PrecisePolicy
 
 WORKER_ARGS = ["--num-kv-blocks", "128", "--block-size", "8", "--log-level", "warning",
                "--kv-events-config", LAUNCHED_KV_EVENTS]
