@@ -58,8 +58,8 @@ class BlockStored(KVCacheEvent):
     """Blocks entered the prefix cache: a chain continuing ``parent_block_hash`` (``None``: the
     chain starts at the prompt's first block); ``token_ids`` are the blocks' tokens."""
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[int | bytes]  # prefixkv sends ints; newer vLLM may send bytes
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -69,7 +69,7 @@ class BlockStored(KVCacheEvent):
 class BlockRemoved(KVCacheEvent):
     """Blocks left the prefix cache (evicted or reset)."""
 
-    block_hashes: list[int]
+    block_hashes: list[int | bytes]
     medium: str | None
 
 

@@ -75,6 +75,9 @@ def register(subparsers: Any) -> None:
                    "tcp://HOST:PORT[|tcp://HOST:REPLAY_PORT]")
     p.add_argument("--kv-events-topic", default="",
                    help="precise: the topic of the given --kv-events endpoints (default '')")
+    p.add_argument("--kv-events-rehash", action="store_true",
+                   help="precise: the workers' block hashes are not prefixkv's (vLLM workers): "
+                   "derive them from each event's tokens and parent")
     p.add_argument("--health-check-interval", type=float, default=10.0,
                    help="seconds between /health probes of every worker")
     p.add_argument("--health-check-timeout", type=float, default=5.0)
@@ -151,7 +154,7 @@ def run_route(args: argparse.Namespace) -> int:
             health_check_timeout=args.health_check_timeout,
             failure_threshold=args.failure_threshold, request_timeout=args.request_timeout,
             admin_api_key=args.admin_api_key, kv_events=tuple(args.kv_events),
-            kv_events_topic=args.kv_events_topic,
+            kv_events_topic=args.kv_events_topic, kv_events_rehash=args.kv_events_rehash,
         )
 
         async def check() -> None:

@@ -24,7 +24,8 @@ class RouterConfig:
     ``admin_api_key``: the fleet's admin key, needed for the router's cache admin routes and
     sent on to the workers (and with the stats reads); see :mod:`prefixkv.router.admin`.
     ``kv_events`` / ``kv_events_topic``: the ``precise`` policy's event endpoints, one per worker
-    (``auto``: discovered, the default; ``none``; ``ENDPOINT[|REPLAY]``).
+    (``auto``: discovered, the default; ``none``; ``ENDPOINT[|REPLAY]``); ``kv_events_rehash``:
+    derive prefixkv's block hashes from the events' tokens (workers with other hashes: vLLM).
     """
 
     worker_urls: tuple[str, ...]
@@ -49,6 +50,7 @@ class RouterConfig:
     seed: int | None = field(default=None)
     kv_events: tuple[str, ...] = ()
     kv_events_topic: str = ""
+    kv_events_rehash: bool = False
 
     def __post_init__(self) -> None:
         urls = tuple(normalize_worker_url(u) for u in self.worker_urls)

@@ -12,6 +12,13 @@ cache was last known empty was applied: its first batch was sequence 0, or an
 ``AllBlocksCleared`` came since). After an unrecoverable sequence gap the worker's blocks are
 dropped and it is incomplete: what the index still learns is true but partial, so the policy
 also looks at its approximate tree for that worker (see :mod:`prefixkv.router.precise`).
+
+**Re-hashing** (``rehash=True``, for workers whose block hashes are not prefixkv's, e.g. vLLM's
+own sha256 over its hash seed): each stored block's prefixkv hash is derived from the event's
+tokens and its parent's derived hash, and a map from the worker's hash to the derived one turns
+removals around. A stored chain whose parent was never seen is skipped (the index stays a lower
+bound). The worker's namespaces (LoRA, ``cache_salt`` in vLLM's extra keys) are not re-derived:
+re-hashed blocks match unsalted prompts only.
 """
 
 from __future__ import annotations
@@ -19,7 +26,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from prefixkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from prefixkv.kv_events import (
+    EVENT_FINGERPRINT,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    continue_chain,
+    hash_int,
+)
+from prefixkv.tiers.keys import BlockKeyer
 
 __all__ = ["ExactIndex", "WorkerEvents"]
 
@@ -29,6 +45,7 @@ class WorkerEvents:
     """One worker's view: its cached block hashes and the stream's counters."""
 
     blocks: set[int] = field(default_factory=set)
+    derived: dict[int | bytes, bytes] = field(default_factory=dict)  # re-hashing: theirs -> ours
     block_size: int | None = None
     live: bool = False
     complete: bool = False
@@ -40,9 +57,10 @@ class WorkerEvents:
 class ExactIndex:
     """Block hash -> workers holding it, from the workers' KV events."""
 
-    def __init__(self, urls: Iterable[str]) -> None:
+    def __init__(self, urls: Iterable[str], *, rehash: bool = False) -> None:
         self.workers = {url: WorkerEvents() for url in urls}
         self.holders: dict[int, set[str]] = {}
+        self.rehash = rehash
 
     def apply(self, url: str, batch: KVEventBatch) -> None:
         """Apply one batch from ``url`` (in sequence order); marks the worker live."""
@@ -52,15 +70,37 @@ class ExactIndex:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 w.block_size = event.block_size
-                for h in event.block_hashes:
+                for h in self._ours(w, event):
                     if h not in w.blocks:
                         w.blocks.add(h)
                         self.holders.setdefault(h, set()).add(url)
             elif isinstance(event, BlockRemoved):
-                self._drop(url, event.block_hashes)
+                if self.rehash:
+                    gone = (w.derived.pop(h, None) for h in event.block_hashes)
+                    self._drop(url, [hash_int(d) for d in gone if d is not None])
+                else:
+                    self._drop(url, [h for h in event.block_hashes if isinstance(h, int)])
             elif isinstance(event, AllBlocksCleared):
                 self._drop(url, list(w.blocks))
+                w.derived.clear()
                 w.complete = True
+
+    def _ours(self, w: WorkerEvents, event: BlockStored) -> list[int]:
+        """The prefixkv hashes of a stored chain (the event's own, or re-derived)."""
+        if not self.rehash:
+            return [h for h in event.block_hashes if isinstance(h, int)]
+        parent = None
+        if event.parent_block_hash is not None:
+            parent = w.derived.get(event.parent_block_hash)
+            if parent is None:
+                return []
+        try:
+            keyer = BlockKeyer(EVENT_FINGERPRINT, event.block_size)
+            digests = continue_chain(keyer, parent, list(event.token_ids), None)
+        except ValueError:
+            return []
+        w.derived.update(zip(event.block_hashes, digests))
+        return [hash_int(d) for d in digests]
 
     def _drop(self, url: str, hashes: Iterable[int]) -> None:
         blocks = self.workers[url].blocks
@@ -79,6 +119,7 @@ class ExactIndex:
         batch (its stream is being re-established)."""
         w = self.workers[url]
         self._drop(url, list(w.blocks))
+        w.derived.clear()
         w.complete = complete
         w.live = w.live and live
 

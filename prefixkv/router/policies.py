@@ -155,6 +155,7 @@ def make_policy(
     clock: Callable[[], float] = time.monotonic,
     kv_events: Sequence[str] = (),
     kv_events_topic: str = "",
+    kv_events_rehash: bool = False,
 ) -> Policy:
     """Build a policy by name (``POLICY_NAMES``) for the workers ``urls``.
 
@@ -162,7 +163,8 @@ def make_policy(
     window, ``max_tree_size`` (key chunks), ``eviction_interval``, ``simulate_eviction`` and
     ``capacity_tokens``; ``prefix_hash`` ``max_tree_size``; ``consistent_hash``
     ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas``; ``precise`` (KV events)
-    ``kv_events`` (per worker: ``auto``, ``none`` or endpoints), ``kv_events_topic`` and
+    ``kv_events`` (per worker: ``auto``, ``none`` or endpoints), ``kv_events_topic``,
+    ``kv_events_rehash`` and
     everything ``cache_aware`` reads (its fallback).
     """
     if name in ("cache_aware", "precise"):
@@ -179,7 +181,8 @@ def make_policy(
         from prefixkv.router.precise import PrecisePolicy, parse_sources
 
         return PrecisePolicy(urls, aware, sources=parse_sources(urls, kv_events, kv_events_topic),
-                             cache_threshold=cache_threshold, balance_window=balance_window)
+                             cache_threshold=cache_threshold, balance_window=balance_window,
+                             rehash=kv_events_rehash)
     if name == "consistent_hash":
         from prefixkv.router.chwbl import ConsistentHashPolicy
 

@@ -103,7 +103,8 @@ class PrecisePolicy:
     """Owns the exact index, the event streams and a :class:`CacheAwarePolicy` (``fallback``).
 
     ``sources``: per worker, its :class:`EventSource`, ``None`` (publishes nothing), or absent
-    (discover it). Used from the router's event loop only.
+    (discover it). ``rehash``: the workers' hashes are not prefixkv's (vLLM workers): derive
+    them from the events' tokens (:class:`~prefixkv.router.kv_index.ExactIndex`). Used from the router's event loop only.
     """
 
     name = "precise"
@@ -111,10 +112,10 @@ class PrecisePolicy:
     def __init__(self, urls: Iterable[str], fallback: CacheAwarePolicy, *,
                  sources: Mapping[str, EventSource | None] | None = None,
                  cache_threshold: float = 0.5, balance_window: int = 128,
-                 tokenize_timeout: float = 5.0) -> None:
+                 tokenize_timeout: float = 5.0, rehash: bool = False) -> None:
         self.urls = list(urls)
         self.fallback = fallback
-        self.index = ExactIndex(self.urls)
+        self.index = ExactIndex(self.urls, rehash=rehash)
         self.sources = dict(sources or {})
         self.cache_threshold = cache_threshold
         self.tokenize_timeout = tokenize_timeout

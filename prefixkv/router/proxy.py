@@ -83,6 +83,7 @@ class Router:
             capacity_tokens=config.capacity_tokens, load_factor=config.load_factor,
             hash_prefix_chunks=config.hash_prefix_chunks, hash_replicas=config.hash_replicas,
             kv_events=config.kv_events, kv_events_topic=config.kv_events_topic,
+            kv_events_rehash=config.kv_events_rehash,
         )
         self.metrics = RouterMetrics()
         self._client: httpx.AsyncClient | None = None

@@ -152,3 +152,22 @@ def test_kv_events_settings_are_checked() -> None:
             parse_sources(urls, bad)
     with pytest.raises(ValueError, match="kv_events"):
         RouterConfig(worker_urls=(A, B), policy="precise", kv_events=("x", "y"))
+
+
+def test_rehash_maps_a_foreign_workers_hashes_onto_prefixkv_hashes() -> None:
+    # a vLLM worker: its own hashes (bytes here, as newer vLLM sends), same tokens
+    index = ExactIndex([A], rehash=True)
+    toks = list(range(12))
+    theirs: list[int | bytes] = [b"h0", b"h1"]
+    index.apply(A, KVEventBatch(0.0, [BlockStored(theirs, None, toks[:8], 4, None, "GPU")]))
+    index.apply(A, KVEventBatch(0.0, [BlockStored([b"h2"], b"h1", toks[8:], 4, None, "GPU")]))
+    ours = block_hashes(toks, 4)
+    assert index.match(ours, [A]) == {A: 3}
+    index.apply(A, KVEventBatch(0.0, [BlockRemoved([b"h1"], "GPU")]))
+    assert index.match(ours, [A]) == {A: 1}
+    orphan = BlockStored([b"x"], b"never-seen", toks[:4], 4, None, "GPU")
+    index.apply(A, KVEventBatch(0.0, [orphan]))
+    assert len(index.workers[A].blocks) == 2  # skipped: its parent is unknown
+    # the same batches decoded from the wire (bytes hashes survive the schema)
+    wire = msgspec.msgpack.decode(ENC.encode(KVEventBatch(0.0, [orphan])), type=KVEventBatch)
+    assert wire.events[0].block_hashes == [b"x"]
