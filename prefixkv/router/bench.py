@@ -180,7 +180,9 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
         setattr(server.router.policy, "select", meter)  # noqa: B010 (mypy: method assignment)
         # one warm-up request is not needed: the first select records the router thread
         t0 = time.perf_counter()
-        with PeriodicResets(worker_urls, getattr(args, "reset_every", 0.0)):
+        registry = server.router.workers
+        with PeriodicResets(worker_urls, getattr(args, "reset_every", 0),
+                            count=lambda: sum(w.routed for w in registry.all())):
             usages, per_worker, errors = asyncio.run(_replay(
                 server.url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
                 model=args.model,
@@ -253,8 +255,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-interval", type=float, default=1.0,
                    help="also how often the workers' cache stats are read")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reset-every", type=float, default=0.0, metavar="SECONDS",
-                   help="admin-reset one worker's cache every SECONDS while replaying, the "
+    p.add_argument("--reset-every", type=int, default=0, metavar="N",
+                   help="admin-reset one worker's cache after every N dispatched requests, the "
                    "workers in turn (caches emptied behind the router's back; 0: never)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PNG",

@@ -182,7 +182,7 @@ def make_policy(
 
         return PrecisePolicy(urls, aware, sources=parse_sources(urls, kv_events, kv_events_topic),
                              cache_threshold=cache_threshold, balance_window=balance_window,
-                             rehash=kv_events_rehash)
+                             rehash=kv_events_rehash, clock=clock)
     if name == "consistent_hash":
         from prefixkv.router.chwbl import ConsistentHashPolicy
 

@@ -19,7 +19,11 @@ exact for any model and template. When no candidate publishes events, nothing is
 2. **cache_hit**: the best match ratio over ``cache_threshold`` -> the worker with the longest
    match (ties: fewer in flight, fewer recent dispatches), unless the share rule moves it to a
    starved worker (as ``cache_aware``'s). A publishing worker's ratio is its exact number of
-   leading cached blocks times the block size over the prompt's tokens; for a worker whose
+   leading cached blocks (or, if longer, the blocks it shares with a prompt sent to that worker
+   in the last ``pending_ttl`` seconds, which the worker is computing and has not announced
+   yet: without this, concurrent sessions sharing a new prefix would be spread over every
+   worker before the first one's events arrive) times the block size over the prompt's
+   tokens; for a worker whose
    stream lost batches (incomplete index) the larger of that and its approximate tree's
    estimate; for a worker that publishes nothing (or before its first batch), the approximate
    tree's estimate, as ``cache_aware`` computes it.
@@ -40,7 +44,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -112,7 +118,8 @@ class PrecisePolicy:
     def __init__(self, urls: Iterable[str], fallback: CacheAwarePolicy, *,
                  sources: Mapping[str, EventSource | None] | None = None,
                  cache_threshold: float = 0.5, balance_window: int = 128,
-                 tokenize_timeout: float = 5.0, rehash: bool = False) -> None:
+                 tokenize_timeout: float = 5.0, rehash: bool = False, pending_ttl: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.urls = list(urls)
         self.fallback = fallback
         self.index = ExactIndex(self.urls, rehash=rehash)
@@ -126,6 +133,11 @@ class PrecisePolicy:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._prompt_tokens: dict[str, int] = {}
+        self.pending_ttl = pending_ttl
+        self._clock = clock
+        # prompts sent to each worker lately: (expiry, block hashes), oldest first
+        self._pending: dict[str, deque[tuple[float, list[int]]]] = {}
+        self._hashes: dict[int, list[int]] = {}  # block size -> this request's hashes
 
     # ---------------------------------------------------------------- streams
     async def start(self, client: httpx.AsyncClient) -> None:
@@ -224,23 +236,42 @@ class PrecisePolicy:
             if w.live and w.block_size:
                 by_size.setdefault(w.block_size, []).append(u)
         out: dict[str, int] = {}
+        now = self._clock()
         for bs, group in by_size.items():
             try:
                 hashes = block_hashes(key.tokens, bs, key.cache_namespace)
             except ValueError:
                 continue
+            self._hashes[bs] = hashes
             for u, n in self.index.match(hashes, group).items():
-                out[u] = n * bs
+                out[u] = max(n, self._pending_match(u, hashes, now)) * bs
         return out
+
+    def _pending_match(self, url: str, hashes: list[int], now: float) -> int:
+        """Leading blocks of ``hashes`` shared with a prompt sent to ``url`` in the last
+        ``pending_ttl`` seconds (being computed there: its events have not come yet)."""
+        pending = self._pending.get(url)
+        while pending and pending[0][0] <= now:
+            pending.popleft()
+        best = 0
+        for _, sent in pending or ():
+            n = 0
+            for a, b in zip(sent, hashes):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
         check_candidates(urls)
+        self._hashes.clear()
         exact = self.exact_matches(urls, key)
         if not exact:
             self._dispatches += 1
             return self.fallback.select(urls, loads, key)
         fb = self.fallback
-        fb._maybe_trim()
+        fb._maybe_trim()  # the embedded policy's own periodic trim
         n = len(key.tokens) if isinstance(key, TokenRouteKey) else 1
         ratio: dict[str, float] = {}
         for u in urls:
@@ -264,7 +295,11 @@ class PrecisePolicy:
                 self._last_move = self._dispatches
         else:
             url, reason = min(urls, key=lambda u: (load[u], recent[u])), "least_load"
-        fb._record(url, key)
+        fb._record(url, key)  # keeps the fallback's trees and recent window current
+        bs = self.index.workers[url].block_size
+        if bs in self._hashes and self.pending_ttl > 0:
+            self._pending.setdefault(url, deque()).append(
+                (self._clock() + self.pending_ttl, self._hashes[bs]))
         self._dispatches += 1
         return Decision(url, reason, ratio[url])
 
