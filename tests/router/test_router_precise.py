@@ -114,3 +114,34 @@ def test_chat_prompts_are_tokenized_by_a_worker_and_matched_exactly(
     second = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=120)
     assert second.headers[WORKER_HEADER] == holder
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_restarted_worker_is_forgotten_and_followed_again(
+    workers: LocalWorkers, router: RouterServer
+) -> None:
+    policy = router.router.policy
+    assert isinstance(policy, PrecisePolicy)
+    url = workers.urls[1]
+    prompt = "Blocks cached before a restart are gone after it. " * 3
+    assert complete(url, prompt).status_code == 200  # straight to the worker, past the router
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    hashes = block_hashes(ids, 8)
+    wait_for(lambda: policy.index.match(hashes, [url])[url] >= len(hashes) - 1,
+             "traffic that bypassed the router is in its index too")
+    old = httpx.get(f"{url}/kv_events").json()["endpoint"]
+    workers.procs[1].kill()
+    workers.procs[1].wait()
+    wait_for(lambda: not router.router.workers[url].healthy, "the router saw it go")
+    workers.restart(1)
+    asyncio.run(_healthy(url))
+    wait_for(lambda: router.router.workers[url].healthy, "back in rotation", timeout=60)
+    assert policy.index.match(hashes, [url])[url] == 0  # its old blocks are forgotten
+    assert httpx.get(f"{url}/kv_events").json()["endpoint"] != old  # a new port: rediscovered
+    assert complete(url, prompt).status_code == 200
+    wait_for(lambda: policy.index.match(hashes, [url])[url] >= len(hashes) - 1,
+             "the new stream followed")
+
+
+async def _healthy(url: str) -> None:
+    async with httpx.AsyncClient() as client:
+        await wait_until_healthy(client, [url], timeout=120)
