@@ -386,6 +386,7 @@ class LLMEngine:
             self.kv.tiers.close()
         if self.kv.events is not None:
             self.kv.events.close()
+            self.kv.events = None  # a closed sink takes no more records
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; ``False`` with prefix caching off."""
