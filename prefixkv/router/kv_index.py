@@ -52,6 +52,7 @@ class WorkerEvents:
     batches: int = 0
     gaps: int = 0
     restarts: int = 0
+    epoch: int = 0  # bumped whenever the worker's blocks are forgotten (cleared, reset)
 
 
 class ExactIndex:
@@ -84,6 +85,7 @@ class ExactIndex:
                 self._drop(url, list(w.blocks))
                 w.derived.clear()
                 w.complete = True
+                w.epoch += 1
 
     def _ours(self, w: WorkerEvents, event: BlockStored) -> list[int]:
         """The prefixkv hashes of a stored chain (the event's own, or re-derived)."""
@@ -120,6 +122,7 @@ class ExactIndex:
         w = self.workers[url]
         self._drop(url, list(w.blocks))
         w.derived.clear()
+        w.epoch += 1
         w.complete = complete
         w.live = w.live and live
 

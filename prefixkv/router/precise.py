@@ -20,8 +20,8 @@ exact for any model and template. When no candidate publishes events, nothing is
    match (ties: fewer in flight, fewer recent dispatches), unless the share rule moves it to a
    starved worker (as ``cache_aware``'s). A publishing worker's ratio is its exact number of
    leading cached blocks (or, if longer, the blocks it shares with a prompt sent to that worker
-   in the last ``pending_ttl`` seconds, which the worker is computing and has not announced
-   yet: without this, concurrent sessions sharing a new prefix would be spread over every
+   in the last ``pending_ttl`` seconds and since its cache was last cleared, which the worker is
+   computing and has not announced yet: without this, concurrent sessions sharing a new prefix would be spread over every
    worker before the first one's events arrive) times the block size over the prompt's
    tokens; for a worker whose
    stream lost batches (incomplete index) the larger of that and its approximate tree's
@@ -135,8 +135,9 @@ class PrecisePolicy:
         self._prompt_tokens: dict[str, int] = {}
         self.pending_ttl = pending_ttl
         self._clock = clock
-        # prompts sent to each worker lately: (expiry, block hashes), oldest first
-        self._pending: dict[str, deque[tuple[float, list[int]]]] = {}
+        # prompts sent to each worker lately: (expiry, index epoch, block hashes), oldest first;
+        # an entry from before the worker's cache was last cleared no longer counts
+        self._pending: dict[str, deque[tuple[float, int, list[int]]]] = {}
         self._hashes: dict[int, list[int]] = {}  # block size -> this request's hashes
 
     # ---------------------------------------------------------------- streams
@@ -251,10 +252,11 @@ class PrecisePolicy:
         """Leading blocks of ``hashes`` shared with a prompt sent to ``url`` in the last
         ``pending_ttl`` seconds (being computed there: its events have not come yet)."""
         pending = self._pending.get(url)
-        while pending and pending[0][0] <= now:
+        epoch = self.index.workers[url].epoch
+        while pending and (pending[0][0] <= now or pending[0][1] != epoch):
             pending.popleft()
         best = 0
-        for _, sent in pending or ():
+        for _, _, sent in pending or ():
             n = 0
             for a, b in zip(sent, hashes):
                 if a != b:
@@ -299,7 +301,8 @@ class PrecisePolicy:
         bs = self.index.workers[url].block_size
         if bs in self._hashes and self.pending_ttl > 0:
             self._pending.setdefault(url, deque()).append(
-                (self._clock() + self.pending_ttl, self._hashes[bs]))
+                (self._clock() + self.pending_ttl, self.index.workers[url].epoch,
+                 self._hashes[bs]))
         self._dispatches += 1
         return Decision(url, reason, ratio[url])
 
