@@ -171,3 +171,35 @@ def test_rehash_maps_a_foreign_workers_hashes_onto_prefixkv_hashes() -> None:
     # the same batches decoded from the wire (bytes hashes survive the schema)
     wire = msgspec.msgpack.decode(ENC.encode(KVEventBatch(0.0, [orphan])), type=KVEventBatch)
     assert wire.events[0].block_hashes == [b"x"]
+
+
+def test_stats_showing_a_restart_forget_the_workers_blocks() -> None:
+    from prefixkv.router.health import WorkerCacheStats
+
+    p = policy()
+    p.index.apply(A, stored(list(range(8))))
+    p.on_worker_stats(A, WorkerCacheStats(1024, 2, 500), 0)
+    assert len(p.index.workers[A].blocks) == 2
+    p.on_worker_stats(A, WorkerCacheStats(1024, 0, 10), 0)  # its prompt counter went back
+    w = p.index.workers[A]
+    assert not w.blocks and not w.live and w.epoch == 1
+    p.on_worker_health(A, False)  # leaving the rotation forgets nothing more
+    assert p.describe()[A]["events_live"] == 0
+
+
+def test_pending_prompts_count_until_the_worker_is_cleared() -> None:
+    now = [0.0]
+    p = PrecisePolicy([A, B], CacheAwarePolicy([A, B], eviction_interval=0),
+                      clock=lambda: now[0])
+    for u in (A, B):
+        p.index.apply(u, stored([999] * 4))  # both live, block size 4, nothing shared
+    toks = list(range(32))
+    first = p.select([A, B], {}, key(toks, "a"))
+    # sent there a moment ago, not yet announced: the same prompt follows it
+    again = p.select([A, B], {first.url: 1}, key(toks, "b"))
+    assert (again.url, again.reason) == (first.url, "exact_hit")
+    p.index.apply(first.url, KVEventBatch(0.0, [AllBlocksCleared()]))
+    p.index.apply(first.url, stored([999] * 4))
+    assert p.exact_matches([A, B], key(toks))[first.url] == 0  # cleared: no longer counted
+    now[0] = 10.0
+    assert p._pending_match(first.url, block_hashes(toks, 4), now[0]) == 0

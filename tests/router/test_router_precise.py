@@ -145,3 +145,17 @@ def test_a_restarted_worker_is_forgotten_and_followed_again(
 async def _healthy(url: str) -> None:
     async with httpx.AsyncClient() as client:
         await wait_until_healthy(client, [url], timeout=120)
+
+
+def test_periodic_resets_follow_the_request_count(workers: LocalWorkers) -> None:
+    from prefixkv.router.disturb import PeriodicResets
+
+    count = [0]
+    with PeriodicResets(workers.urls, 3, count=lambda: count[0]) as resets:
+        time.sleep(0.1)
+        assert resets.resets == 0
+        count[0] = 6  # two resets due: the workers in turn
+        wait_for(lambda: resets.resets == 2, "two resets")
+    with PeriodicResets(workers.urls, 0) as off:
+        pass
+    assert off.resets == 0
