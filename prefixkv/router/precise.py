@@ -19,15 +19,19 @@ exact for any model and template. When no candidate publishes events, nothing is
 2. **cache_hit**: the best match ratio over ``cache_threshold`` -> the worker with the longest
    match (ties: fewer in flight, fewer recent dispatches), unless the share rule moves it to a
    starved worker (as ``cache_aware``'s). A publishing worker's ratio is its exact number of
-   leading cached blocks (or, if longer, the blocks it shares with a prompt sent to that worker
-   in the last ``pending_ttl`` seconds and since its cache was last cleared, which the worker is
-   computing and has not announced yet: without this, concurrent sessions sharing a new prefix would be spread over every
-   worker before the first one's events arrive) times the block size over the prompt's
-   tokens; for a worker whose
-   stream lost batches (incomplete index) the larger of that and its approximate tree's
-   estimate; for a worker that publishes nothing (or before its first batch), the approximate
-   tree's estimate, as ``cache_aware`` computes it.
-3. **least_load**: otherwise.
+   leading cached blocks times the block size over the prompt's tokens, or, if longer, the
+   blocks it shares with a prompt sent to it in the last ``pending_ttl`` seconds and since its
+   cache was last cleared (being computed there, not announced yet: without this, concurrent
+   sessions sharing a new prefix were spread over every worker before the first one's events
+   came). For a worker whose stream lost batches (incomplete index): the larger of that and its
+   approximate tree's estimate; for a worker that publishes nothing (or before its first
+   batch): the approximate tree's estimate, as ``cache_aware`` computes it.
+3. otherwise (no worker really holds much of the prompt) the embedded ``cache_aware`` decides
+   on its approximate trees: a session whose cache a worker lost (evicted, reset) stays where
+   its tree says, usually ``least_load`` for a new prefix. Measured: choosing the least loaded
+   worker here instead moved sessions after every reset onto busy workers, whose pools then
+   evicted their own sessions (1.13-1.16x cache_aware's computed tokens with resets every 8
+   requests); the emptied worker is the one with room.
 
 Without tokens (tokenization failed) or without any publishing candidate, the request is routed
 by the embedded :class:`~prefixkv.router.cache_aware.CacheAwarePolicy` unchanged. Every choice is
@@ -287,6 +291,7 @@ class PrecisePolicy:
         recent = {u: fb.recent[u] for u in urls}
         if fb.is_imbalanced(list(load.values())):
             url, reason = min(urls, key=lambda u: (load[u], recent[u])), "balance"
+            fb._record(url, key)  # keeps the fallback's trees and recent window current
         elif max(ratio.values()) > self.cache_threshold:
             url = min(urls, key=lambda u: (-ratio[u], load[u], recent[u]))
             reason = "exact_hit" if url in exact else "cache_hit"
@@ -295,16 +300,21 @@ class PrecisePolicy:
                     and fb.share_imbalanced(recent[url], recent[low])):
                 url, reason = low, "share"
                 self._last_move = self._dispatches
-        else:
-            url, reason = min(urls, key=lambda u: (load[u], recent[u])), "least_load"
-        fb._record(url, key)  # keeps the fallback's trees and recent window current
+            fb._record(url, key)
+        else:  # no worker really holds much of it: cache_aware's guess keeps sessions in place
+            decision = fb.select(urls, loads, key)
+            url, reason = decision.url, decision.reason  # (it recorded the choice)
+        self._pend(url)
+        self._dispatches += 1
+        return Decision(url, reason, ratio[url])
+
+    def _pend(self, url: str) -> None:
+        """Remember the prompt just sent to ``url`` as pending there."""
         bs = self.index.workers[url].block_size
         if bs in self._hashes and self.pending_ttl > 0:
             self._pending.setdefault(url, deque()).append(
                 (self._clock() + self.pending_ttl, self.index.workers[url].epoch,
                  self._hashes[bs]))
-        self._dispatches += 1
-        return Decision(url, reason, ratio[url])
 
     # ---------------------------------------------------------------- worker news
     def on_worker_health(self, url: str, healthy: bool) -> None:
