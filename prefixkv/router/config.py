@@ -71,7 +71,7 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.kv_events:
-            from prefixkv.router.precise import parse_sources
+            from prefixkv.router.kv_stream import parse_sources
 
             object.__setattr__(self, "kv_events", tuple(self.kv_events))
             parse_sources(urls, self.kv_events, self.kv_events_topic)  # ValueError if bad

@@ -1,4 +1,5 @@
-"""One worker's KV event stream, followed on the router's event loop (ZMQ SUB, asyncio).
+"""One worker's KV event stream, followed on the router's event loop (ZMQ SUB, asyncio), and
+where streams come from (``--kv-events`` values, or the worker's ``GET /kv_events``).
 
 Contract. :meth:`EventStream.run` subscribes to the worker's PUB endpoint (vLLM's framing:
 ``topic, seq, payload``; see :mod:`prefixkv.engine.kv_events_zmq`), decodes each payload as a
@@ -19,8 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
+import httpx
 import msgspec
 import zmq
 import zmq.asyncio
@@ -28,7 +33,7 @@ import zmq.asyncio
 from prefixkv.kv_events import KVEventBatch
 from prefixkv.router.kv_index import ExactIndex
 
-__all__ = ["EventSource", "EventStream"]
+__all__ = ["EventSource", "EventStream", "discover_source", "parse_sources"]
 
 log = logging.getLogger("prefixkv.router")
 _END = -1
@@ -41,6 +46,34 @@ class EventSource:
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+
+
+async def discover_source(client: httpx.AsyncClient, url: str,
+                          timeout: float = 5.0) -> EventSource | None:
+    """``url``'s event endpoints from its ``GET /kv_events`` (``None``: it publishes nothing or
+    does not answer). Addresses bound on every interface are reached through ``url``'s host."""
+    try:
+        resp = await client.get(f"{url}/kv_events", timeout=timeout)
+        d = resp.json()
+        if resp.status_code != 200 or not isinstance(d, dict):
+            return None
+        host = urlsplit(url).hostname or "127.0.0.1"
+
+        def reach(ep: Any) -> str | None:
+            if not isinstance(ep, str):
+                return None
+            text: str = ep
+            for anyhost in ("//0.0.0.0:", "//*:", "//[::]:", "//:::"):
+                text = text.replace(anyhost, f"//{host}:")
+            return text
+
+        endpoint = reach(d.get("endpoint"))
+        topic = d.get("topic", "")
+        if endpoint is None or not isinstance(topic, str):
+            return None
+        return EventSource(endpoint, reach(d.get("replay_endpoint")), topic)
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 class EventStream:
@@ -129,3 +162,30 @@ class EventStream:
         if sorted(got) != list(range(start, stop)):
             return None
         return [got[s] for s in range(start, stop)]
+
+
+def parse_sources(urls: Sequence[str], specs: Sequence[str],
+                  topic: str = "") -> dict[str, EventSource | None]:
+    """``--kv-events`` values, one per worker (or one for all): ``auto`` (discover: left out of
+    the result), ``none`` (publishes nothing), or ``ENDPOINT`` / ``ENDPOINT|REPLAY_ENDPOINT``."""
+    if not specs:
+        return {}
+    if len(specs) not in (1, len(urls)):
+        raise ValueError(f"kv_events must give one entry per worker ({len(urls)}) or one for "
+                         f"all, got {len(specs)}")
+    out: dict[str, EventSource | None] = {}
+    for url, spec in zip(urls, list(specs) * len(urls) if len(specs) == 1 else specs):
+        if spec == "auto":
+            continue
+        if spec == "none":
+            out[url] = None
+            continue
+        endpoint, _, replay = spec.partition("|")
+        for ep in (endpoint, replay):
+            if ep and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events entries are auto, none or tcp://|ipc:// endpoints "
+                                 f"('ENDPOINT|REPLAY'), got {spec!r}")
+        if len(specs) == 1 and len(urls) > 1:
+            raise ValueError("one kv_events endpoint cannot serve several workers")
+        out[url] = EventSource(endpoint, replay or None, topic)
+    return out

@@ -178,7 +178,8 @@ def make_policy(
         )
         if name == "cache_aware":
             return aware
-        from prefixkv.router.precise import PrecisePolicy, parse_sources
+        from prefixkv.router.kv_stream import parse_sources
+        from prefixkv.router.precise import PrecisePolicy
 
         return PrecisePolicy(urls, aware, sources=parse_sources(urls, kv_events, kv_events_topic),
                              cache_threshold=cache_threshold, balance_window=balance_window,

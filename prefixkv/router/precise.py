@@ -53,7 +53,6 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import httpx
 import zmq.asyncio
@@ -62,13 +61,13 @@ from prefixkv.kv_events import block_hashes
 from prefixkv.router.cache_aware import CacheAwarePolicy
 from prefixkv.router.keys import RouteKey
 from prefixkv.router.kv_index import ExactIndex
-from prefixkv.router.kv_stream import EventSource, EventStream
+from prefixkv.router.kv_stream import EventSource, EventStream, discover_source
 from prefixkv.router.policies import Decision, check_candidates
 
 if TYPE_CHECKING:
     from prefixkv.router.health import WorkerCacheStats
 
-__all__ = ["PrecisePolicy", "TokenRouteKey", "discover_source", "parse_sources"]
+__all__ = ["PrecisePolicy", "TokenRouteKey"]
 
 log = logging.getLogger("prefixkv.router")
 
@@ -79,34 +78,6 @@ class TokenRouteKey(RouteKey):
 
     tokens: tuple[int, ...] = ()
     cache_namespace: Hashable = None
-
-
-async def discover_source(client: httpx.AsyncClient, url: str,
-                          timeout: float = 5.0) -> EventSource | None:
-    """``url``'s event endpoints from its ``GET /kv_events`` (``None``: it publishes nothing or
-    does not answer). Addresses bound on every interface are reached through ``url``'s host."""
-    try:
-        resp = await client.get(f"{url}/kv_events", timeout=timeout)
-        d = resp.json()
-        if resp.status_code != 200 or not isinstance(d, dict):
-            return None
-        host = urlsplit(url).hostname or "127.0.0.1"
-
-        def reach(ep: Any) -> str | None:
-            if not isinstance(ep, str):
-                return None
-            text: str = ep
-            for anyhost in ("//0.0.0.0:", "//*:", "//[::]:", "//:::"):
-                text = text.replace(anyhost, f"//{host}:")
-            return text
-
-        endpoint = reach(d.get("endpoint"))
-        topic = d.get("topic", "")
-        if endpoint is None or not isinstance(topic, str):
-            return None
-        return EventSource(endpoint, reach(d.get("replay_endpoint")), topic)
-    except (httpx.HTTPError, ValueError):
-        return None
 
 
 class PrecisePolicy:
@@ -336,29 +307,3 @@ class PrecisePolicy:
         base = self.fallback.describe()
         return {u: {**base.get(u, {}), **self.index.describe(u)} for u in self.urls}
 
-
-def parse_sources(urls: Sequence[str], specs: Sequence[str],
-                  topic: str = "") -> dict[str, EventSource | None]:
-    """``--kv-events`` values, one per worker (or one for all): ``auto`` (discover: left out of
-    the result), ``none`` (publishes nothing), or ``ENDPOINT`` / ``ENDPOINT|REPLAY_ENDPOINT``."""
-    if not specs:
-        return {}
-    if len(specs) not in (1, len(urls)):
-        raise ValueError(f"kv_events must give one entry per worker ({len(urls)}) or one for "
-                         f"all, got {len(specs)}")
-    out: dict[str, EventSource | None] = {}
-    for url, spec in zip(urls, list(specs) * len(urls) if len(specs) == 1 else specs):
-        if spec == "auto":
-            continue
-        if spec == "none":
-            out[url] = None
-            continue
-        endpoint, _, replay = spec.partition("|")
-        for ep in (endpoint, replay):
-            if ep and not ep.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"kv_events entries are auto, none or tcp://|ipc:// endpoints "
-                                 f"('ENDPOINT|REPLAY'), got {spec!r}")
-        if len(specs) == 1 and len(urls) > 1:
-            raise ValueError("one kv_events endpoint cannot serve several workers")
-        out[url] = EventSource(endpoint, replay or None, topic)
-    return out

@@ -28,8 +28,8 @@ from prefixkv.router.cache_aware import CacheAwarePolicy
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.keys import text_key
 from prefixkv.router.kv_index import ExactIndex
-from prefixkv.router.kv_stream import EventSource, EventStream
-from prefixkv.router.precise import PrecisePolicy, TokenRouteKey, parse_sources
+from prefixkv.router.kv_stream import EventSource, EventStream, parse_sources
+from prefixkv.router.precise import PrecisePolicy, TokenRouteKey
 
 A, B = "http://a:1", "http://b:1"
 ENC = msgspec.msgpack.Encoder()
