@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixkv.cache import HASH_ALGOS, INDEXES, POLICIES, EvictionPolicy
+from prefixkv.kv_events import KVEventsConfig
 from prefixkv.tiers.spec import TierSpec
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")  # = engine.schedule_policy's (a test checks)
@@ -125,6 +126,11 @@ class CacheSettings:
     max_pinned_blocks_per_tenant: int | None = field(default=None, metadata=_meta(
         "most blocks one cache_salt may keep pinned", shown="only the global budget",
         kind="int"))
+    kv_events_config: KVEventsConfig | None = field(default=None, metadata=_meta(
+        "vLLM's KV events JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+        "\"endpoint\": \"tcp://*:5557\"}': publish BlockStored / BlockRemoved / AllBlocksCleared "
+        "over ZMQ (the router's precise policy subscribes)", shown="off", kind="str",
+        group="vllm", metavar="JSON"))
 
     def __post_init__(self) -> None:
         _check_int(self, "block_size", 1)
@@ -143,6 +149,8 @@ class CacheSettings:
         _check_choice(self, "hash_algo", HASH_ALGOS)
         _check_int(self, "max_pinned_blocks", 0, optional=True)
         _check_int(self, "max_pinned_blocks_per_tenant", 0, optional=True)
+        if self.kv_events_config is not None:  # JSON text or a dict, parsed (ValueError) once
+            object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from prefixkv.tiers.stats import TierCounters, TierStats
 from prefixkv.tiers.store import TieredStore
 
 if TYPE_CHECKING:
+    from prefixkv.engine.kv_events import KVEventSink
     from prefixkv.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class KVManager:
         self._keys: dict[int, bytes] = {}  # cached block id -> tier key (only with tiers)
         self._chains: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading blocks
         self._pool_counters = TierCounters("pool", num_blocks)
+        self.events: KVEventSink | None = None  # KV events (BlockStored / BlockRemoved) sink
 
     @property
     def num_blocks(self) -> int:
@@ -153,6 +155,8 @@ class KVManager:
             if self.cache is None or self.cache.num_evictable_blocks < short:
                 return None
             freed = self.cache.evict(short)
+            if self.events is not None:
+                self.events.removed(freed)
             if self.tiers is not None:
                 pairs = [(b, self._keys.pop(b)) for b in freed if b in self._keys]
                 self.tiers.offload(pairs)
@@ -216,6 +220,11 @@ class KVManager:
                 pairs = [(table[i], chain[i]) for i in range(first, seq.num_indexed_blocks)]
                 self._keys.update(pairs)
                 self.tiers.publish(pairs)
+        if self.events is not None and seq.num_indexed_blocks > first:
+            self.events.stored(table[first : seq.num_indexed_blocks],
+                               table[first - 1] if first else None,
+                               seq.token_ids[first * self.block_size : seq.num_indexed_blocks
+                                             * self.block_size], seq.request.namespace)
         if old is not None:
             self.cache.unlock(old)
         self.pool.free(duplicates)
@@ -256,6 +265,8 @@ class KVManager:
         if self.cache is None:
             return 0
         freed = self.cache.reset()
+        if self.events is not None:
+            self.events.reset(freed, self.cache.num_cached_blocks)
         for b in freed:
             self._keys.pop(b, None)
         if self.tiers is not None:

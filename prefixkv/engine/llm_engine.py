@@ -89,6 +89,10 @@ class LLMEngine:
                                hash_algo=cc.hash_algo, max_pinned_blocks=cc.max_pinned_blocks)
         self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows,
                             make_tier_store(config.tiers, runner))
+        if cc.kv_events_config is not None:
+            from prefixkv.engine.kv_events_zmq import make_kv_event_sink
+
+            self.kv.events = make_kv_event_sink(cc.kv_events_config, self.block_size)
         self.scheduler = Scheduler(self.kv, max_num_seqs=sc.max_num_seqs,
                                    max_num_batched_tokens=sc.max_num_batched_tokens, clock=clock,
                                    policy=sc.schedule_policy)
@@ -361,6 +365,9 @@ class LLMEngine:
         the engine is still usable for the pool and host tier afterwards."""
         if self.kv.tiers is not None:
             self.kv.tiers.close()
+        if self.kv.events is not None:
+            self.kv.events.close()
+            self.kv.events = None  # a closed sink takes no more records
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; ``False`` with prefix caching off."""

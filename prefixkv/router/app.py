@@ -69,7 +69,8 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object",
                                   type_="invalid_request_error", code="invalid_json")
-        key = key_of(body, config.chunk_bytes)
+        key = await router.refine_key(path, body, key_of(body, config.chunk_bytes),
+                                      request.headers)
         return await _unless_disconnected(request, router.dispatch(
             path, raw, key, body.get("stream") is True, request.headers))
 

@@ -161,6 +161,7 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
                args: argparse.Namespace, workload_name: str = "chat") -> PolicyResult:
     """Replay ``workload`` through a fresh router running ``policy`` (a ``BENCH_POLICIES``)."""
     from prefixkv.router.app import RouterConfig, RouterServer
+    from prefixkv.router.disturb import PeriodicResets
 
     asyncio.run(_reset_caches(worker_urls))
     config = RouterConfig(
@@ -179,10 +180,13 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
         setattr(server.router.policy, "select", meter)  # noqa: B010 (mypy: method assignment)
         # one warm-up request is not needed: the first select records the router thread
         t0 = time.perf_counter()
-        usages, per_worker, errors = asyncio.run(_replay(
-            server.url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
-            model=args.model,
-        ))
+        registry = server.router.workers
+        with PeriodicResets(worker_urls, getattr(args, "reset_every", 0),
+                            count=lambda: sum(w.routed for w in registry.all())):
+            usages, per_worker, errors = asyncio.run(_replay(
+                server.url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                model=args.model,
+            ))
         seconds = time.perf_counter() - t0
         router_cpu = thread_cpu(meter.native_id)
         reasons: Counter[str] = Counter()
@@ -251,6 +255,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-interval", type=float, default=1.0,
                    help="also how often the workers' cache stats are read")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reset-every", type=int, default=0, metavar="N",
+                   help="admin-reset one worker's cache after every N dispatched requests, the "
+                   "workers in turn (caches emptied behind the router's back; 0: never)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write computed tokens vs max/min load per policy and workload")
@@ -279,7 +286,12 @@ def run(args: argparse.Namespace) -> int:
         if args.worker_urls:
             urls = list(args.worker_urls)
         else:
-            launched = LocalWorkers(args.workers, args.model, shlex.split(spec.worker_args))
+            worker_args = shlex.split(spec.worker_args)
+            if "precise" in args.policies:  # the precise policy needs the workers' KV events
+                from prefixkv.router.cli import LAUNCHED_KV_EVENTS
+
+                worker_args += ["--kv-events-config", LAUNCHED_KV_EVENTS]
+            launched = LocalWorkers(args.workers, args.model, worker_args)
             urls = launched.urls
         try:
             asyncio.run(_ready(urls))

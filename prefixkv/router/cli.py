@@ -19,6 +19,10 @@ from typing import Any
 
 from prefixkv.router.policies import POLICY_NAMES
 
+LAUNCHED_KV_EVENTS = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+                      '"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}')
+"""Launched workers' KV events (``--policy precise``): free loopback ports, found by discovery."""
+
 
 def register(subparsers: Any) -> None:
     """Add the ``route`` subcommand."""
@@ -65,6 +69,15 @@ def register(subparsers: Any) -> None:
                    help="consistent_hash: leading route-key chunks hashed (16 = 256 bytes)")
     p.add_argument("--hash-replicas", type=int, default=100,
                    help="consistent_hash: virtual nodes per worker on the ring")
+    p.add_argument("--kv-events", nargs="+", default=[], metavar="ENDPOINT",
+                   help="precise: each worker's KV event stream, in --worker-urls order: auto "
+                   "(ask the worker's GET /kv_events; the default), none, or "
+                   "tcp://HOST:PORT[|tcp://HOST:REPLAY_PORT]")
+    p.add_argument("--kv-events-topic", default="",
+                   help="precise: the topic of the given --kv-events endpoints (default '')")
+    p.add_argument("--kv-events-rehash", action="store_true",
+                   help="precise: the workers' block hashes are not prefixkv's (vLLM workers): "
+                   "derive them from each event's tokens and parent")
     p.add_argument("--health-check-interval", type=float, default=10.0,
                    help="seconds between /health probes of every worker")
     p.add_argument("--health-check-timeout", type=float, default=5.0)
@@ -121,7 +134,10 @@ def run_route(args: argparse.Namespace) -> int:
     try:
         if args.launch is not None:
             n, model = _launch_spec(args.launch)
-            launched = LocalWorkers(n, model, shlex.split(args.worker_args), die_with_parent=True)
+            worker_args = shlex.split(args.worker_args)
+            if args.policy == "precise" and "--kv-events-config" not in worker_args:
+                worker_args += ["--kv-events-config", LAUNCHED_KV_EVENTS]
+            launched = LocalWorkers(n, model, worker_args, die_with_parent=True)
             urls = launched.urls
         else:
             urls = args.worker_urls
@@ -137,7 +153,8 @@ def run_route(args: argparse.Namespace) -> int:
             health_check_interval=args.health_check_interval,
             health_check_timeout=args.health_check_timeout,
             failure_threshold=args.failure_threshold, request_timeout=args.request_timeout,
-            admin_api_key=args.admin_api_key,
+            admin_api_key=args.admin_api_key, kv_events=tuple(args.kv_events),
+            kv_events_topic=args.kv_events_topic, kv_events_rehash=args.kv_events_rehash,
         )
 
         async def check() -> None:

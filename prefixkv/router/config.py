@@ -23,6 +23,9 @@ class RouterConfig:
     ``failure_threshold`` failed dispatches in a row open a worker's breaker.
     ``admin_api_key``: the fleet's admin key, needed for the router's cache admin routes and
     sent on to the workers (and with the stats reads); see :mod:`prefixkv.router.admin`.
+    ``kv_events`` / ``kv_events_topic``: the ``precise`` policy's event endpoints, one per worker
+    (``auto``: discovered, the default; ``none``; ``ENDPOINT[|REPLAY]``); ``kv_events_rehash``:
+    derive prefixkv's block hashes from the events' tokens (workers with other hashes: vLLM).
     """
 
     worker_urls: tuple[str, ...]
@@ -45,6 +48,9 @@ class RouterConfig:
     hash_replicas: int = 100
     admin_api_key: str | None = None
     seed: int | None = field(default=None)
+    kv_events: tuple[str, ...] = ()
+    kv_events_topic: str = ""
+    kv_events_rehash: bool = False
 
     def __post_init__(self) -> None:
         urls = tuple(normalize_worker_url(u) for u in self.worker_urls)
@@ -64,6 +70,11 @@ class RouterConfig:
         for name in ("hash_prefix_chunks", "hash_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.kv_events:
+            from prefixkv.router.kv_stream import parse_sources
+
+            object.__setattr__(self, "kv_events", tuple(self.kv_events))
+            parse_sources(urls, self.kv_events, self.kv_events_topic)  # ValueError if bad
         if self.failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold!r}")
         for name in ("health_check_interval", "health_check_timeout", "request_timeout"):

@@ -26,7 +26,7 @@ __all__ = ["POLICY_NAMES", "Decision", "LeastLoadPolicy", "Policy", "RandomPolic
            "RoundRobinPolicy", "StatelessPolicy", "check_candidates", "make_policy"]
 
 POLICY_NAMES = ("cache_aware", "consistent_hash", "prefix_hash", "round_robin", "least_load",
-                "random")
+                "random", "precise")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,8 @@ class Decision:
     requests, e.g. it just came back), ``least_load`` (no good match, or the least-load policy),
     ``round_robin``, ``random``, ``hash`` / ``overflow`` (consistent hashing: the key's own
     worker, or a later one on the ring because that one was over its load bound) or
-    ``prefix_hash`` (the longest chunk-hash match). ``match_ratio`` is the chosen worker's estimated share of the
+    ``prefix_hash`` (the longest chunk-hash match), or ``exact_hit`` (precise: the longest match
+    in the workers' real caches, known from their KV events). ``match_ratio`` is the chosen worker's estimated share of the
     prompt already cached there, ``None`` for policies that keep no trees.
     """
 
@@ -152,23 +153,37 @@ def make_policy(
     hash_replicas: int = 100,
     rng: random.Random | None = None,
     clock: Callable[[], float] = time.monotonic,
+    kv_events: Sequence[str] = (),
+    kv_events_topic: str = "",
+    kv_events_rehash: bool = False,
 ) -> Policy:
     """Build a policy by name (``POLICY_NAMES``) for the workers ``urls``.
 
     Each policy reads its own settings and ignores the rest: ``cache_aware`` the thresholds,
     window, ``max_tree_size`` (key chunks), ``eviction_interval``, ``simulate_eviction`` and
     ``capacity_tokens``; ``prefix_hash`` ``max_tree_size``; ``consistent_hash``
-    ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas``.
+    ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas``; ``precise`` (KV events)
+    ``kv_events`` (per worker: ``auto``, ``none`` or endpoints), ``kv_events_topic``,
+    ``kv_events_rehash`` and
+    everything ``cache_aware`` reads (its fallback).
     """
-    if name == "cache_aware":
+    if name in ("cache_aware", "precise"):
         from prefixkv.router.cache_aware import CacheAwarePolicy
 
-        return CacheAwarePolicy(
+        aware = CacheAwarePolicy(
             urls, cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
             balance_rel_threshold=balance_rel_threshold, balance_window=balance_window,
             max_tree_size=max_tree_size, eviction_interval=eviction_interval, clock=clock,
             simulate_eviction=simulate_eviction, capacity_tokens=capacity_tokens,
         )
+        if name == "cache_aware":
+            return aware
+        from prefixkv.router.kv_stream import parse_sources
+        from prefixkv.router.precise import PrecisePolicy
+
+        return PrecisePolicy(urls, aware, sources=parse_sources(urls, kv_events, kv_events_topic),
+                             cache_threshold=cache_threshold, balance_window=balance_window,
+                             rehash=kv_events_rehash, clock=clock)
     if name == "consistent_hash":
         from prefixkv.router.chwbl import ConsistentHashPolicy
 

@@ -82,6 +82,8 @@ class Router:
             clock=clock, simulate_eviction=config.simulate_eviction,
             capacity_tokens=config.capacity_tokens, load_factor=config.load_factor,
             hash_prefix_chunks=config.hash_prefix_chunks, hash_replicas=config.hash_replicas,
+            kv_events=config.kv_events, kv_events_topic=config.kv_events_topic,
+            kv_events_rehash=config.kv_events_rehash,
         )
         self.metrics = RouterMetrics()
         self._client: httpx.AsyncClient | None = None
@@ -114,6 +116,9 @@ class Router:
             timeout=cfg.health_check_timeout, on_change=self._on_health_change,
         )))
         self._tasks.append(asyncio.create_task(self._stats_loop()))
+        start_policy = getattr(self.policy, "start", None)  # precise: its KV event streams
+        if start_policy is not None:
+            await start_policy(self.client)
 
     async def stop(self) -> None:
         """Cancel the loops and probes and close the client."""
@@ -125,6 +130,9 @@ class Router:
                 await task
         self._tasks.clear()
         self._probing.clear()
+        stop_policy = getattr(self.policy, "stop", None)
+        if stop_policy is not None:
+            await stop_policy()
         if self._client is not None:
             await self._client.aclose()
 
@@ -192,6 +200,16 @@ class Router:
         if task.cancelled():
             raise WorkerGone(url)
         return task.result()
+
+    async def refine_key(self, path: str, body: Mapping[str, Any], key: RouteKey,
+                         headers: Mapping[str, str]) -> RouteKey:
+        """``key`` as the policy wants it before choosing (``precise``: with token ids)."""
+        annotate = getattr(self.policy, "annotate", None)
+        if annotate is None:
+            return key
+        refined: RouteKey = await annotate(self.client, self.workers.healthy(), path, body, key,
+                                           headers)
+        return refined
 
     async def dispatch(self, path: str, raw: bytes, key: RouteKey, stream: bool,
                        headers: Mapping[str, str]) -> Response:

@@ -40,6 +40,7 @@ from prefixkv.engine.outputs import EngineStats
 from prefixkv.server.admin import admin_dependency, build_admin_router
 from prefixkv.server.errors import APIError, install_error_handlers
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.kv_events import build_kv_events_router
 from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -173,6 +174,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
 
     app.include_router(v1)
     app.include_router(build_tokenizer_router(engine, check_model, policy),
+                       dependencies=[Depends(_auth_dependency(api_key))])
+    app.include_router(build_kv_events_router(engine),
                        dependencies=[Depends(_auth_dependency(api_key))])
     admin, reset = build_admin_router(engine)
     admin_check = [Depends(admin_dependency(admin_api_key, api_key))]

@@ -1,0 +1,195 @@
+"""The engine's KV event sink: records block state changes, publishes them off the engine loop.
+
+**Ownership and threads.** :class:`KVEventSink` is what the engine's
+:class:`~prefixkv.engine.kv_manager.KVManager` calls, on the engine thread, where blocks change
+state: ``stored`` after a commit indexed new blocks, ``removed`` after an eviction freed some,
+``reset`` after a cache reset. Those calls only copy the ids and put a record on a bounded queue
+(never blocking, never raising). The sink's thread owns everything else: the map from cached
+block id to hash (:mod:`prefixkv.kv_events`: the schema and the hashes), hashing, batching (all
+records waiting at once go into one batch), encoding and sending. When the queue is full a
+record is dropped and the thread then sends :class:`AllBlocksCleared` and forgets its map:
+subscribers then know less than the worker holds (they under-estimate, which is safe), never
+more.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+from prefixkv.kv_events import (
+    EVENT_FINGERPRINT,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    continue_chain,
+    hash_int,
+)
+from prefixkv.tiers.keys import BlockKeyer
+
+__all__ = ["BatchPublisher", "KVEventSink"]
+
+logger = logging.getLogger(__name__)
+
+
+class BatchPublisher(Protocol):
+    """Where the sink's thread sends each batch (the ZMQ publisher): its bound ``endpoint``,
+    ``replay_endpoint`` (``None``: no replay) and ``topic`` are what subscribers connect to."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+
+    def send(self, batch: KVEventBatch) -> None:
+        """Encode and send one batch (called on the sink's thread only)."""
+        ...
+
+    def service(self) -> None:
+        """Answer waiting replay requests, if any (called on the sink's thread only)."""
+        ...
+
+    def close(self) -> None:
+        """Release the sockets (after the thread stopped)."""
+        ...
+
+
+_STOP = ("stop",)
+
+
+class KVEventSink:
+    """Records block state changes on the engine thread; publishes them from its own thread.
+
+    ``stored`` / ``removed`` / ``reset`` never block and never raise (a full queue drops the
+    record: see the module docstring). :meth:`close` flushes what is queued (up to a second),
+    then stops the thread and the publisher. ``published`` counts the batches sent.
+    """
+
+    def __init__(self, block_size: int, publisher: BatchPublisher, *,
+                 max_queue_size: int = 100_000, data_parallel_rank: int = 0,
+                 poll_interval: float = 0.05) -> None:
+        self.block_size = block_size
+        self._keyer = BlockKeyer(EVENT_FINGERPRINT, block_size)
+        self.publisher = publisher
+        self._rank = data_parallel_rank
+        self._poll = poll_interval
+        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=max_queue_size)
+        self._overflow = threading.Event()
+        self._hashes: dict[int, bytes] = {}  # cached block id -> digest (thread-owned)
+        self.published = 0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="prefixkv-kv-events", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------- engine thread
+    def _put(self, record: tuple[Any, ...]) -> None:
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+            self._overflow.set()
+
+    def stored(self, block_ids: Sequence[int], parent_id: int | None,
+               token_ids: Sequence[int], namespace: Hashable | None) -> None:
+        """``block_ids`` (holding ``token_ids``, whole blocks) are cached now, continuing the
+        cached block ``parent_id`` (``None``: they start the prompt). Ids already known as
+        cached (another sequence stored them first) are not announced again."""
+        self._put(("stored", list(block_ids), parent_id, list(token_ids), namespace))
+
+    def removed(self, block_ids: Sequence[int]) -> None:
+        """``block_ids`` left the index (evicted); ids never announced are ignored."""
+        if block_ids:
+            self._put(("removed", list(block_ids)))
+
+    def reset(self, block_ids: Sequence[int], num_cached_left: int) -> None:
+        """A cache reset freed ``block_ids``; ``num_cached_left`` blocks (in use) stayed cached.
+        Sends :class:`AllBlocksCleared` when nothing stayed, else :class:`BlockRemoved`."""
+        self._put(("reset", list(block_ids), num_cached_left))
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Flush (up to ``timeout`` seconds), stop the thread, close the publisher. Idempotent."""
+        if self._thread.is_alive():
+            try:
+                self._queue.put(_STOP, timeout=timeout)
+            except queue.Full:
+                pass
+            self._thread.join(timeout)
+        self.publisher.close()
+
+    # ---------------------------------------------------------- sink thread
+    def _run(self) -> None:
+        while True:
+            try:
+                self.publisher.service()
+                first = self._queue.get(timeout=self._poll)
+            except queue.Empty:
+                continue
+            except Exception:
+                logger.exception("KV events: replay failed")
+                continue
+            records = [first]
+            while len(records) < 4096:
+                try:
+                    records.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = _STOP in records
+            try:
+                events = self._translate([r for r in records if r is not _STOP])
+                if events:
+                    self.publisher.send(KVEventBatch(time.time(), events, self._rank))
+                    self.published += 1
+            except Exception:
+                logger.exception("KV events: publishing a batch failed")
+            if stop:
+                return
+
+    def _translate(self, records: list[tuple[Any, ...]]) -> list[Any]:
+        events: list[Any] = []
+        if self._overflow.is_set():
+            self._overflow.clear()
+            self._hashes.clear()
+            events.append(AllBlocksCleared())
+        for record in records:
+            kind = record[0]
+            if kind == "stored":
+                events.extend(self._stored(*record[1:]))
+            elif kind == "removed" or (kind == "reset" and record[2] > 0):
+                gone = [self._hashes.pop(b) for b in record[1] if b in self._hashes]
+                if gone:
+                    events.append(BlockRemoved([hash_int(d) for d in gone], MEDIUM_GPU))
+            elif kind == "reset":
+                self._hashes.clear()
+                events.append(AllBlocksCleared())
+        return events
+
+    def _stored(self, ids: list[int], parent_id: int | None, tokens: list[int],
+                namespace: Hashable | None) -> list[BlockStored]:
+        parent = None if parent_id is None else self._hashes.get(parent_id)
+        if parent_id is not None and parent is None:
+            return []  # its parent was never announced (after an overflow): stay silent
+        try:
+            digests = continue_chain(self._keyer, parent, tokens, namespace)
+        except ValueError:
+            return []  # a namespace with no stable serialisation: not announced
+        out: list[BlockStored] = []
+        bs = self.block_size
+        run: list[int] = []  # positions of a run of newly cached blocks
+        for i, (block, digest) in enumerate(zip(ids, digests)):
+            if block not in self._hashes:
+                self._hashes[block] = digest
+                run.append(i)
+            if run and (block in self._hashes and run[-1] != i or i == len(ids) - 1):
+                start = run[0]
+                prev = parent if start == 0 else digests[start - 1]
+                out.append(BlockStored(
+                    [hash_int(digests[j]) for j in run],
+                    None if prev is None else hash_int(prev),
+                    tokens[start * bs : (run[-1] + 1) * bs], bs, None, MEDIUM_GPU))
+                run = []
+        return out

@@ -1,0 +1,191 @@
+"""One worker's KV event stream, followed on the router's event loop (ZMQ SUB, asyncio), and
+where streams come from (``--kv-events`` values, or the worker's ``GET /kv_events``).
+
+Contract. :meth:`EventStream.run` subscribes to the worker's PUB endpoint (vLLM's framing:
+``topic, seq, payload``; see :mod:`prefixkv.engine.kv_events_zmq`), decodes each payload as a
+:class:`~prefixkv.kv_events.KVEventBatch` and applies it to the
+:class:`~prefixkv.router.kv_index.ExactIndex` in sequence order, until cancelled. Sequence
+numbers decide what the index can trust:
+
+* the next number: applied;
+* a jump (batches were lost, or the stream was joined late): the missing batches are asked from
+  the worker's replay socket when it has one, and applied if every one came back; otherwise the
+  worker's blocks are dropped and it is marked incomplete (``gaps`` counts these);
+* a number not above the last one: the worker restarted (its cache is empty): its blocks are
+  dropped (``restarts``), and the new stream is followed from there;
+* an undecodable payload counts as a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import msgspec
+import zmq
+import zmq.asyncio
+
+from prefixkv.kv_events import KVEventBatch
+from prefixkv.router.kv_index import ExactIndex
+
+__all__ = ["EventSource", "EventStream", "discover_source", "parse_sources"]
+
+log = logging.getLogger("prefixkv.router")
+_END = -1
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """Where a worker publishes: PUB ``endpoint``, optional ROUTER ``replay_endpoint``, topic."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+async def discover_source(client: httpx.AsyncClient, url: str,
+                          timeout: float = 5.0) -> EventSource | None:
+    """``url``'s event endpoints from its ``GET /kv_events`` (``None``: it publishes nothing or
+    does not answer). Addresses bound on every interface are reached through ``url``'s host."""
+    try:
+        resp = await client.get(f"{url}/kv_events", timeout=timeout)
+        d = resp.json()
+        if resp.status_code != 200 or not isinstance(d, dict):
+            return None
+        host = urlsplit(url).hostname or "127.0.0.1"
+
+        def reach(ep: Any) -> str | None:
+            if not isinstance(ep, str):
+                return None
+            text: str = ep
+            for anyhost in ("//0.0.0.0:", "//*:", "//[::]:", "//:::"):
+                text = text.replace(anyhost, f"//{host}:")
+            return text
+
+        endpoint = reach(d.get("endpoint"))
+        topic = d.get("topic", "")
+        if endpoint is None or not isinstance(topic, str):
+            return None
+        return EventSource(endpoint, reach(d.get("replay_endpoint")), topic)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+class EventStream:
+    """Follows ``url``'s events from ``source`` into ``index`` (owns its sockets)."""
+
+    def __init__(self, url: str, source: EventSource, index: ExactIndex,
+                 ctx: zmq.asyncio.Context, *, replay_timeout: float = 1.0) -> None:
+        self.url = url
+        self.source = source
+        self._index = index
+        self._ctx = ctx
+        self._replay_timeout = replay_timeout
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.last_seq: int | None = None
+
+    async def run(self) -> None:
+        """Subscribe and apply batches until cancelled (a bad frame never ends it)."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        try:
+            sub.connect(self.source.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode("utf-8"))
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    continue
+                await self.receive(int.from_bytes(frames[1], "big"), frames[2])
+        finally:
+            sub.close(linger=0)
+
+    async def receive(self, seq: int, payload: bytes) -> None:
+        """Handle batch ``seq`` as the module docstring says."""
+        w = self._index.workers[self.url]
+        if self.last_seq is not None and seq <= self.last_seq:
+            w.restarts += 1
+            self._index.reset(self.url, complete=seq == 0)
+            self.last_seq = None
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if seq > expected:
+            missed = await self._replay(expected, seq)
+            if missed is None:
+                if self.last_seq is not None:
+                    w.gaps += 1
+                    log.warning("KV events from %s: batches %d..%d lost", self.url, expected,
+                                seq - 1)
+                self._index.reset(self.url, complete=False)
+            else:
+                if expected == 0:
+                    w.complete = True
+                for batch in missed:
+                    self._index.apply(self.url, batch)
+        elif expected == 0:
+            w.complete = True
+        try:
+            batch = self._decoder.decode(payload)
+        except msgspec.DecodeError:
+            w.gaps += 1
+            self._index.reset(self.url, complete=False)
+        else:
+            self._index.apply(self.url, batch)
+        self.last_seq = seq
+
+    async def _replay(self, start: int, stop: int) -> list[KVEventBatch] | None:
+        """Batches ``start .. stop - 1`` from the replay socket; ``None`` unless all came."""
+        if self.source.replay_endpoint is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: dict[int, KVEventBatch] = {}
+        try:
+            sock.connect(self.source.replay_endpoint)
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self._replay_timeout)
+                if len(frames) != 3:
+                    return None
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq == _END or seq >= stop:
+                    break
+                if seq >= start:
+                    got[seq] = self._decoder.decode(frames[2])
+        except (TimeoutError, zmq.ZMQError, msgspec.DecodeError):
+            return None
+        finally:
+            sock.close(linger=0)
+        if sorted(got) != list(range(start, stop)):
+            return None
+        return [got[s] for s in range(start, stop)]
+
+
+def parse_sources(urls: Sequence[str], specs: Sequence[str],
+                  topic: str = "") -> dict[str, EventSource | None]:
+    """``--kv-events`` values, one per worker (or one for all): ``auto`` (discover: left out of
+    the result), ``none`` (publishes nothing), or ``ENDPOINT`` / ``ENDPOINT|REPLAY_ENDPOINT``."""
+    if not specs:
+        return {}
+    if len(specs) not in (1, len(urls)):
+        raise ValueError(f"kv_events must give one entry per worker ({len(urls)}) or one for "
+                         f"all, got {len(specs)}")
+    out: dict[str, EventSource | None] = {}
+    for url, spec in zip(urls, list(specs) * len(urls) if len(specs) == 1 else specs):
+        if spec == "auto":
+            continue
+        if spec == "none":
+            out[url] = None
+            continue
+        endpoint, _, replay = spec.partition("|")
+        for ep in (endpoint, replay):
+            if ep and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events entries are auto, none or tcp://|ipc:// endpoints "
+                                 f"('ENDPOINT|REPLAY'), got {spec!r}")
+        if len(specs) == 1 and len(urls) > 1:
+            raise ValueError("one kv_events endpoint cannot serve several workers")
+        out[url] = EventSource(endpoint, replay or None, topic)
+    return out

@@ -1,0 +1,309 @@
+"""The ``precise`` policy: route on the workers' real caches, known from their KV events.
+
+llm-d and NVIDIA Dynamo route this way; SGLang's ``cache_aware`` guesses each worker's cache from
+the requests it routed. Here every worker that publishes KV events (``prefixkv serve
+--kv-events-config``, or any worker speaking vLLM's event format with the same block hashes)
+feeds an exact index (:class:`~prefixkv.router.kv_index.ExactIndex`: block hash -> workers), so
+the router knows what each worker evicted, that it restarted, or that an admin reset it.
+
+**Tokens.** Block hashes are over token ids, and the router has no tokenizer. Choice: before
+routing, the policy asks one worker's ``POST /tokenize`` (vLLM's and prefixkv's route) for the
+prompt's ids: ``{"messages": ...}`` for a chat (the worker applies its chat template exactly as
+it will for the request) or ``{"prompt": ...}``; a prompt given as token ids needs no call. It
+costs one loopback round trip per request but needs no model files on the router and stays
+exact for any model and template. When no candidate publishes events, nothing is asked.
+
+**Choosing** (over the candidates; thresholds as ``cache_aware``'s):
+
+1. **balance**: loads imbalanced (SGLang's test) -> the least loaded.
+2. **cache_hit**: the best match ratio over ``cache_threshold`` -> the worker with the longest
+   match (ties: fewer in flight, fewer recent dispatches), unless the share rule moves it to a
+   starved worker (as ``cache_aware``'s). A publishing worker's ratio is its exact number of
+   leading cached blocks times the block size over the prompt's tokens, or, if longer, the
+   blocks it shares with a prompt sent to it in the last ``pending_ttl`` seconds and since its
+   cache was last cleared (being computed there, not announced yet: without this, concurrent
+   sessions sharing a new prefix were spread over every worker before the first one's events
+   came). For a worker whose stream lost batches (incomplete index): the larger of that and its
+   approximate tree's estimate; for a worker that publishes nothing (or before its first
+   batch): the approximate tree's estimate, as ``cache_aware`` computes it.
+3. otherwise (no worker really holds much of the prompt) the embedded ``cache_aware`` decides
+   on its approximate trees: a session whose cache a worker lost (evicted, reset) stays where
+   its tree says, usually ``least_load`` for a new prefix. Measured: choosing the least loaded
+   worker here instead moved sessions after every reset onto busy workers, whose pools then
+   evicted their own sessions (1.13-1.16x cache_aware's computed tokens with resets every 8
+   requests); the emptied worker is the one with room.
+
+Without tokens (tokenization failed) or without any publishing candidate, the request is routed
+by the embedded :class:`~prefixkv.router.cache_aware.CacheAwarePolicy` unchanged. Every choice is
+recorded in that policy's approximate trees, so the fallback always has its history.
+
+**Event streams.** Each worker's endpoint is given (``--kv-events``) or discovered from its
+``GET /kv_events``; a worker that comes back into rotation, or whose stats show a restart, is
+re-discovered (a restarted worker may publish on another port) and its index forgotten until its
+new stream speaks. Streams run as tasks on the router's loop (:mod:`prefixkv.router.kv_stream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import zmq.asyncio
+
+from prefixkv.kv_events import block_hashes
+from prefixkv.router.cache_aware import CacheAwarePolicy
+from prefixkv.router.keys import RouteKey
+from prefixkv.router.kv_index import ExactIndex
+from prefixkv.router.kv_stream import EventSource, EventStream, discover_source
+from prefixkv.router.policies import Decision, check_candidates
+
+if TYPE_CHECKING:
+    from prefixkv.router.health import WorkerCacheStats
+
+__all__ = ["PrecisePolicy", "TokenRouteKey"]
+
+log = logging.getLogger("prefixkv.router")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRouteKey(RouteKey):
+    """A route key with the prompt's token ids and the workers' cache namespace."""
+
+    tokens: tuple[int, ...] = ()
+    cache_namespace: Hashable = None
+
+
+class PrecisePolicy:
+    """Owns the exact index, the event streams and a :class:`CacheAwarePolicy` (``fallback``).
+
+    ``sources``: per worker, its :class:`EventSource`, ``None`` (publishes nothing), or absent
+    (discover it). ``rehash``: the workers' hashes are not prefixkv's (vLLM workers): derive
+    them from the events' tokens (:class:`~prefixkv.router.kv_index.ExactIndex`). Used from the router's event loop only.
+    """
+
+    name = "precise"
+
+    def __init__(self, urls: Iterable[str], fallback: CacheAwarePolicy, *,
+                 sources: Mapping[str, EventSource | None] | None = None,
+                 cache_threshold: float = 0.5, balance_window: int = 128,
+                 tokenize_timeout: float = 5.0, rehash: bool = False, pending_ttl: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.urls = list(urls)
+        self.fallback = fallback
+        self.index = ExactIndex(self.urls, rehash=rehash)
+        self.sources = dict(sources or {})
+        self.cache_threshold = cache_threshold
+        self.tokenize_timeout = tokenize_timeout
+        self._fair_share = balance_window / len(self.urls) if self.urls else 0.0
+        self._dispatches = 0
+        self._last_move = -balance_window
+        self._client: httpx.AsyncClient | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._prompt_tokens: dict[str, int] = {}
+        self.pending_ttl = pending_ttl
+        self._clock = clock
+        # prompts sent to each worker lately: (expiry, index epoch, block hashes), oldest first;
+        # an entry from before the worker's cache was last cleared no longer counts
+        self._pending: dict[str, deque[tuple[float, int, list[int]]]] = {}
+        self._hashes: dict[int, list[int]] = {}  # block size -> this request's hashes
+
+    # ---------------------------------------------------------------- streams
+    async def start(self, client: httpx.AsyncClient) -> None:
+        """Open every worker's stream (discovering endpoints as needed)."""
+        self._client = client
+        self._ctx = zmq.asyncio.Context()
+        for url in self.urls:
+            self._follow(url)
+
+    async def stop(self) -> None:
+        """Cancel the streams and close the ZMQ context."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def _follow(self, url: str) -> None:
+        old = self._tasks.pop(url, None)
+        if old is not None:
+            old.cancel()
+        if self._ctx is not None:
+            self._tasks[url] = asyncio.get_running_loop().create_task(self._stream(url))
+
+    async def _stream(self, url: str) -> None:
+        explicit = url in self.sources
+        source = self.sources.get(url)
+        if not explicit and self._client is not None:
+            source = await discover_source(self._client, url)
+        if source is None or self._ctx is None:
+            return  # publishes nothing: the approximate tree routes for it
+        try:
+            await EventStream(url, source, self.index, self._ctx).run()
+        except zmq.ZMQError as exc:
+            log.warning("KV events from %s (%s) stopped: %s", url, source.endpoint, exc)
+
+    def _restarted(self, url: str) -> None:
+        self.index.reset(url, complete=False, live=False)
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to restart
+            self._follow(url)
+
+    # ---------------------------------------------------------------- tokens
+    async def annotate(self, client: httpx.AsyncClient, urls: Sequence[str], path: str,
+                       body: Mapping[str, Any], key: RouteKey,
+                       headers: Mapping[str, str] | None = None) -> RouteKey:
+        """``key`` with the prompt's token ids (see the module docstring), or ``key`` itself
+        when no candidate publishes events or the ids cannot be had."""
+        live = [u for u in urls if self.index.workers[u].live]
+        if not live:
+            return key
+        salt = body.get("cache_salt")
+        ns = (salt, None) if isinstance(salt, str) else None
+        ids: Any = None
+        payload: dict[str, Any] = {}
+        if path.endswith("/chat/completions"):
+            payload["messages"] = body.get("messages")
+            for name in ("add_generation_prompt", "chat_template_kwargs"):
+                if name in body:
+                    payload[name] = body[name]
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                ids = prompt
+            else:
+                payload["prompt"] = prompt
+        if ids is None:
+            if isinstance(body.get("model"), str):
+                payload["model"] = body["model"]
+            auth = {"authorization": headers["authorization"]} if headers and \
+                "authorization" in headers else None
+            try:
+                resp = await client.post(f"{live[0]}/tokenize", json=payload, headers=auth,
+                                         timeout=self.tokenize_timeout)
+                ids = resp.json().get("tokens") if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return key
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            return key
+        return TokenRouteKey(key.namespace, key.chunks, key.size, key.unit, tuple(ids), ns)
+
+    # ---------------------------------------------------------------- choosing
+    def exact_matches(self, urls: Sequence[str], key: RouteKey) -> dict[str, int]:
+        """Per live candidate: its leading cached tokens of the prompt (empty without tokens)."""
+        if not isinstance(key, TokenRouteKey) or not key.tokens:
+            return {}
+        by_size: dict[int, list[str]] = {}
+        for u in urls:
+            w = self.index.workers[u]
+            if w.live and w.block_size:
+                by_size.setdefault(w.block_size, []).append(u)
+        out: dict[str, int] = {}
+        now = self._clock()
+        for bs, group in by_size.items():
+            try:
+                hashes = block_hashes(key.tokens, bs, key.cache_namespace)
+            except ValueError:
+                continue
+            self._hashes[bs] = hashes
+            for u, n in self.index.match(hashes, group).items():
+                out[u] = max(n, self._pending_match(u, hashes, now)) * bs
+        return out
+
+    def _pending_match(self, url: str, hashes: list[int], now: float) -> int:
+        """Leading blocks of ``hashes`` shared with a prompt sent to ``url`` in the last
+        ``pending_ttl`` seconds (being computed there: its events have not come yet)."""
+        pending = self._pending.get(url)
+        epoch = self.index.workers[url].epoch
+        while pending and (pending[0][0] <= now or pending[0][1] != epoch):
+            pending.popleft()
+        best = 0
+        for _, _, sent in pending or ():
+            n = 0
+            for a, b in zip(sent, hashes):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
+
+    def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
+        check_candidates(urls)
+        self._hashes.clear()
+        exact = self.exact_matches(urls, key)
+        if not exact:
+            self._dispatches += 1
+            return self.fallback.select(urls, loads, key)
+        fb = self.fallback
+        fb._maybe_trim()  # the embedded policy's own periodic trim
+        n = len(key.tokens) if isinstance(key, TokenRouteKey) else 1
+        ratio: dict[str, float] = {}
+        for u in urls:
+            approx = key.ratio(fb.trees[u].match(key))
+            if u not in exact:
+                ratio[u] = approx
+            else:
+                r = exact[u] / n
+                ratio[u] = r if self.index.workers[u].complete else max(r, approx)
+        load = {u: loads.get(u, 0) for u in urls}
+        recent = {u: fb.recent[u] for u in urls}
+        if fb.is_imbalanced(list(load.values())):
+            url, reason = min(urls, key=lambda u: (load[u], recent[u])), "balance"
+            fb._record(url, key)  # keeps the fallback's trees and recent window current
+        elif max(ratio.values()) > self.cache_threshold:
+            url = min(urls, key=lambda u: (-ratio[u], load[u], recent[u]))
+            reason = "exact_hit" if url in exact else "cache_hit"
+            low = min(urls, key=lambda u: (recent[u], load[u]))
+            if (self._dispatches - self._last_move >= self._fair_share
+                    and fb.share_imbalanced(recent[url], recent[low])):
+                url, reason = low, "share"
+                self._last_move = self._dispatches
+            fb._record(url, key)
+        else:  # no worker really holds much of it: cache_aware's guess keeps sessions in place
+            decision = fb.select(urls, loads, key)
+            url, reason = decision.url, decision.reason  # (it recorded the choice)
+        self._pend(url)
+        self._dispatches += 1
+        return Decision(url, reason, ratio[url])
+
+    def _pend(self, url: str) -> None:
+        """Remember the prompt just sent to ``url`` as pending there."""
+        bs = self.index.workers[url].block_size
+        if bs in self._hashes and self.pending_ttl > 0:
+            self._pending.setdefault(url, deque()).append(
+                (self._clock() + self.pending_ttl, self.index.workers[url].epoch,
+                 self._hashes[bs]))
+
+    # ---------------------------------------------------------------- worker news
+    def on_worker_health(self, url: str, healthy: bool) -> None:
+        """Back in rotation: re-discover its stream (it may have restarted elsewhere)."""
+        self.fallback.on_worker_health(url, healthy)
+        if healthy and url not in self.sources:
+            self._restarted(url)
+
+    def on_worker_stats(self, url: str, stats: WorkerCacheStats, in_flight: int) -> None:
+        """The fallback's alignment; a prompt-token counter that went back means a restart."""
+        self.fallback.on_worker_stats(url, stats, in_flight)
+        last = self._prompt_tokens.get(url)
+        self._prompt_tokens[url] = stats.prompt_tokens
+        if last is not None and stats.prompt_tokens < last and url not in self.sources:
+            self._restarted(url)
+
+    def describe(self) -> dict[str, dict[str, int]]:
+        """The fallback's per-worker fields plus the exact index's."""
+        base = self.fallback.describe()
+        return {u: {**base.get(u, {}), **self.index.describe(u)} for u in self.urls}
+

@@ -1,0 +1,269 @@
+"""KV events from a real engine (demo model) over a real ZMQ socket, decoded as vLLM decodes them.
+
+The subscriber below declares vLLM's event types (``vllm/distributed/kv_events.py``: msgspec
+array-like structs tagged by class name) on its own, so these tests check the wire format, not
+prefixkv's classes against themselves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+
+from prefixkv.engine import LLM, SamplingParams
+from prefixkv.engine.kv_events import KVEventSink
+from prefixkv.engine.kv_events_zmq import END_SEQ, ZmqEventPublisher
+from prefixkv.kv_events import KVEventBatch as OurBatch
+from prefixkv.kv_events import KVEventsConfig, block_hashes
+
+
+# ---------------------------------------------------------------- vLLM's schema, as a consumer
+class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(VEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(VEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(VEvent):
+    pass
+
+
+class VKVEventBatch(VEventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
+EVENTS = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
+          '"replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"}')
+
+
+class Subscriber:
+    """A SUB socket on the engine's endpoint collecting (seq, batch) pairs."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"kv") -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.connect(endpoint)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        time.sleep(0.3)  # ZMQ's slow joiner: let the subscription reach the publisher
+        self.got: list[tuple[int, VKVEventBatch]] = []
+
+    def drain(self, quiet: float = 0.4) -> list[Any]:
+        """Events received until ``quiet`` seconds pass with none."""
+        events: list[Any] = []
+        while self.sock.poll(int(quiet * 1000)):
+            topic, seq, payload = self.sock.recv_multipart()
+            assert topic == b"kv" and len(seq) == 8
+            batch = DECODER.decode(payload)
+            self.got.append((int.from_bytes(seq, "big"), batch))
+            events.extend(batch.events)
+        return events
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def make(demo_model: Any, **kwargs: Any) -> tuple[LLM, Subscriber]:
+    llm = LLM(demo_model, kv_events_config=EVENTS, **kwargs)
+    sink = llm.engine.kv.events
+    assert sink is not None
+    return llm, Subscriber(sink.publisher.endpoint)
+
+
+def greedy(n: int = 2) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+@pytest.mark.parametrize(("index", "block_size"), [("radix", 4), ("hash", 16)])
+def test_stored_removed_cleared_follow_the_cache(demo_model: Any, index: str,
+                                                 block_size: int) -> None:
+    llm, sub = make(demo_model, index=index, block_size=block_size, num_kv_blocks=24)
+    try:
+        prompt = [(7 * i) % 200 + 3 for i in range(5 * block_size + 1)]
+        llm.generate([prompt], greedy())
+        stored = [e for e in sub.drain() if isinstance(e, BlockStored)]
+        hashes = [h for e in stored for h in e.block_hashes]
+        assert hashes[:5] == block_hashes(prompt, block_size)  # what a router computes
+        assert stored[0].parent_block_hash is None and stored[0].token_ids[:block_size] == \
+            prompt[:block_size]
+        for a, b in itertools.pairwise(stored):  # one chain: each event continues the last
+            assert b.parent_block_hash == a.block_hashes[-1]
+        assert all(e.block_size == block_size and e.medium == "GPU" for e in stored)
+        assert llm.engine.is_prefix_cached(prompt[: 5 * block_size])
+        # other prompts fill the pool: the first prompt's blocks are evicted and announced
+        for s in range(4):
+            llm.generate([[(11 * i + s) % 200 + 3 for i in range(5 * block_size)]], greedy())
+        removed = {h for e in sub.drain() if isinstance(e, BlockRemoved) for h in e.block_hashes}
+        assert set(block_hashes(prompt, block_size)[:5]) & removed
+        llm.engine.reset_prefix_cache()
+        assert isinstance(sub.drain()[-1], AllBlocksCleared)
+        seqs = [s for s, _ in sub.got]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap in the numbering
+    finally:
+        llm.engine.close()
+        sub.close()
+
+
+def test_a_shared_prefix_is_announced_once_and_salted_prompts_hash_apart(
+    demo_model: Any
+) -> None:
+    llm, sub = make(demo_model, block_size=4, num_kv_blocks=64)
+    try:
+        base = list(range(10, 30))
+        llm.generate([base + [1, 2, 3, 4, 5]], greedy())
+        llm.generate([base + [6, 7, 8, 9, 9]], greedy())
+        stored = [h for e in sub.drain() if isinstance(e, BlockStored) for h in e.block_hashes]
+        shared = block_hashes(base, 4)
+        assert all(stored.count(h) == 1 for h in shared)
+        llm.engine.add_request(base, greedy(), cache_salt="tenant-a")
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        salted = [h for e in sub.drain() if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert salted[:5] == block_hashes(base, 4, ("tenant-a", None))
+        assert not set(salted) & set(shared)
+    finally:
+        llm.engine.close()
+        sub.close()
+
+
+def test_hashes_do_not_depend_on_the_python_hash_seed() -> None:
+    code = ("import sys; from prefixkv.kv_events import block_hashes; assert 'torch' not in "
+            "sys.modules;"
+            "print(block_hashes(list(range(40)), 8, ('salt', None)))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
+            for seed in ("1", "2", "random")}
+    assert len(outs) == 1
+    assert eval(outs.pop()) == block_hashes(list(range(40)), 8, ("salt", None))
+
+
+def test_replay_resends_buffered_batches_from_a_sequence_number() -> None:
+    config = KVEventsConfig.parse(EVENTS)
+    pub = ZmqEventPublisher(config)
+    sink = KVEventSink(4, pub)
+    ctx = zmq.Context()
+    try:
+        sink.stored([5, 6], None, list(range(8)), None)
+        sink.removed([5])
+        sink.reset([6], 0)
+        deadline = time.monotonic() + 10
+        while sink.published < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replies = []
+        while dealer.poll(2000):
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            replies.append(DECODER.decode(payload))
+        events = [e for b in replies for e in b.events]
+        assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved",
+                                                      "AllBlocksCleared"]
+        assert events[1].block_hashes == [events[0].block_hashes[0]]
+        dealer.close(linger=0)
+    finally:
+        sink.close()
+        ctx.term()
+
+
+class FailingPublisher:
+    """A publisher whose socket is broken: every send raises."""
+
+    endpoint = "inproc://broken"
+    replay_endpoint = None
+    topic = ""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def send(self, batch: OurBatch) -> None:
+        self.sent += 1
+        raise OSError("socket gone")
+
+    def service(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_broken_publisher_never_fails_a_request(demo_model: Any) -> None:
+    llm = LLM(demo_model, block_size=4, num_kv_blocks=32)
+    plain = llm.generate([list(range(3, 40))], greedy(4))[0].outputs[0].token_ids
+    llm.engine.reset_prefix_cache()
+    broken = FailingPublisher()
+    llm.engine.kv.events = KVEventSink(4, broken)
+    out = llm.generate([list(range(3, 40))], greedy(4))[0].outputs[0].token_ids
+    assert out == plain
+    deadline = time.monotonic() + 10
+    while broken.sent == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert broken.sent >= 1
+    llm.engine.close()
+
+
+def test_a_full_queue_drops_records_and_then_clears_the_subscribers() -> None:
+    class Collect(FailingPublisher):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches: list[OurBatch] = []
+
+        def send(self, batch: OurBatch) -> None:
+            self.batches.append(batch)
+
+    out = Collect()
+    sink = KVEventSink(2, out, max_queue_size=2, poll_interval=0.5)
+    for i in range(50):  # the thread drains slower than this fills
+        sink.stored([i], None, [i, i], None)
+    assert sink.dropped > 0
+    sink.close()
+    names = [type(e).__name__ for b in out.batches for e in b.events]
+    assert "AllBlocksCleared" in names
+
+
+@pytest.mark.parametrize("bad", ['{"enable_kv_cache_events": true, "publisher": "kafka"}',
+                                 '{"enable_kv_cache_events": true, "bogus": 1}',
+                                 '{"buffer_steps": 0}', "not json", "[1]"])
+def test_bad_configs_are_value_errors(bad: str) -> None:
+    with pytest.raises(ValueError, match="kv_events_config"):
+        KVEventsConfig.parse(bad)
+
+
+def test_config_defaults_follow_vllm() -> None:
+    assert KVEventsConfig.parse('{"enable_kv_cache_events": true}').publisher == "zmq"
+    assert not KVEventsConfig.parse("{}").enabled
+    assert not KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "null"}'
+                                    ).enabled
+    with pytest.raises(OSError, match="cannot open"):
+        ZmqEventPublisher(KVEventsConfig.parse('{"endpoint": "tcp://*:notaport"}'))
