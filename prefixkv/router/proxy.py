@@ -81,6 +81,7 @@ class Router:
             eviction_interval=config.eviction_interval, rng=random.Random(config.seed),
             clock=clock, simulate_eviction=config.simulate_eviction,
             capacity_tokens=config.capacity_tokens, load_factor=config.load_factor,
+            worker_eviction_policy=config.worker_eviction_policy,
             hash_prefix_chunks=config.hash_prefix_chunks, hash_replicas=config.hash_replicas,
         )
         self.metrics = RouterMetrics()

@@ -75,3 +75,20 @@ def test_a_huge_bound_allocates_nothing_up_front() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="max_size"):
         ApproxTree(0)
+
+
+def test_tree_eviction_policy_can_change_and_is_validated() -> None:
+    tree = ApproxTree(100, eviction_policy="fifo")
+    tree.insert(key("a prompt of a few chunks"))
+    assert tree.eviction_policy == "fifo" and tree.size > 0
+    assert not tree.set_eviction_policy("FIFO")  # same policy: the tree is kept
+    assert tree.size > 0
+    assert tree.set_eviction_policy("ghost")
+    assert tree.eviction_policy == "ghost" and tree.size == 0  # rebuilt empty
+    tree.insert(key("a prompt of a few chunks"))
+    assert tree.match(key("a prompt of a few chunks")) == tree.size
+    with pytest.raises(ValueError, match="eviction_policy"):
+        tree.set_eviction_policy("mru")
+    assert tree.eviction_policy == "ghost" and tree.size > 0  # a bad name changes nothing
+    with pytest.raises(ValueError, match="eviction_policy"):
+        ApproxTree(100, eviction_policy="mru")
