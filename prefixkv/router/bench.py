@@ -18,6 +18,9 @@ request (``select``, thread time, microseconds) and the router thread's CPU per 
 stack included, Linux ``/proc``, milliseconds). Before each policy the workers' caches are emptied
 (``POST /v1/cache/reset``, prefixkv workers) so no policy inherits another's cache.
 
+``--router-url URL`` replays the workload through a router already running instead (any router:
+see :mod:`prefixkv.router.bench_peers`, which also runs the side by side with the Rust routers).
+
 ``python -m prefixkv.router.bench --help`` (or ``prefixkv bench route`` where the CLI wires it).
 """
 
@@ -31,7 +34,7 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
 # use it, so that building the CLI parser stays fast.
 
 __all__ = ["BENCH_POLICIES", "PolicyResult", "Workload", "format_table", "main",
-           "make_workload", "run", "run_policy"]
+           "make_workload", "ready", "replay", "reset_caches", "run", "run_policy", "summarize"]
 
 BENCH_POLICIES = (*POLICY_NAMES, "cache_aware_sim")
 
@@ -84,6 +87,7 @@ class PolicyResult:
     p99_s: float
     policy_cpu_us: float
     router_cpu_ms: float | None
+    rss_mb: float | None = None  # the router process's peak RSS (external routers)
 
 
 def _text(rng: random.Random, n_words: int, tag: str) -> str:
@@ -103,8 +107,11 @@ def make_workload(users: int, turns: int, *, system_words: int, user_words: int,
     return Workload(system, sessions)
 
 
-async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens: int,
-                  model: str | None) -> tuple[list[dict[str, float]], Counter[str], int]:
+async def replay(url: str, workload: Workload, *, concurrency: int, max_tokens: int,
+                 model: str | None) -> tuple[list[dict[str, float]], Counter[str], int]:
+    """Send every session's turns to ``url``, ``concurrency`` sessions at a time: per answered
+    request its usage and latency, the requests per worker (from prefixkv's worker header;
+    empty through other routers), and the count of failed requests."""
     import httpx
 
     from prefixkv.router.app import WORKER_HEADER
@@ -128,7 +135,12 @@ async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens:
                 if model:
                     body["model"] = model
                 t0 = time.perf_counter()
-                resp = await client.post(f"{url}/v1/chat/completions", json=body)
+                try:
+                    resp = await client.post(f"{url}/v1/chat/completions", json=body)
+                except httpx.HTTPError:  # counted; the session goes on with its next turn
+                    errors += 1
+                    messages.append({"role": "assistant", "content": assistant})
+                    continue
                 latency = time.perf_counter() - t0
                 if resp.status_code != 200:
                     errors += 1
@@ -138,7 +150,8 @@ async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens:
                     usages.append({"prompt": usage["prompt_tokens"],
                                    "cached": details.get("cached_tokens") or 0,
                                    "latency": latency})
-                    per_worker[resp.headers[WORKER_HEADER]] += 1
+                    if WORKER_HEADER in resp.headers:
+                        per_worker[resp.headers[WORKER_HEADER]] += 1
                 messages.append({"role": "assistant", "content": assistant})
 
     async with httpx.AsyncClient(timeout=600.0) as client:
@@ -146,7 +159,8 @@ async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens:
     return usages, per_worker, errors
 
 
-async def _reset_caches(urls: Sequence[str]) -> None:
+async def reset_caches(urls: Sequence[str]) -> None:
+    """Empty each prefixkv worker's cache (others are left as they are)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=60.0) as client:
@@ -162,7 +176,7 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
     """Replay ``workload`` through a fresh router running ``policy`` (a ``BENCH_POLICIES``)."""
     from prefixkv.router.app import RouterConfig, RouterServer
 
-    asyncio.run(_reset_caches(worker_urls))
+    asyncio.run(reset_caches(worker_urls))
     config = RouterConfig(
         worker_urls=tuple(worker_urls), policy=policy.removesuffix("_sim"),
         cache_threshold=args.cache_threshold,
@@ -179,7 +193,7 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
         setattr(server.router.policy, "select", meter)  # noqa: B010 (mypy: method assignment)
         # one warm-up request is not needed: the first select records the router thread
         t0 = time.perf_counter()
-        usages, per_worker, errors = asyncio.run(_replay(
+        usages, per_worker, errors = asyncio.run(replay(
             server.url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
             model=args.model,
         ))
@@ -190,23 +204,34 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     reasons[sample.labels["reason"]] += int(sample.value)
+    n = max(1, len(usages))
+    return summarize(
+        workload_name, policy, usages, per_worker, errors, seconds, reasons=dict(reasons),
+        workers=config.worker_urls, policy_cpu_us=meter.seconds / n * 1e6,
+        # the router thread's CPU since it started (startup included: an upper bound)
+        router_cpu_ms=None if router_cpu is None else router_cpu / n * 1e3,
+    )
+
+
+def summarize(workload: str, policy: str, usages: Sequence[dict[str, float]],
+              per_worker: Mapping[str, int], errors: int, seconds: float, *,
+              reasons: dict[str, int], workers: Sequence[str], policy_cpu_us: float,
+              router_cpu_ms: float | None, rss_mb: float | None = None) -> PolicyResult:
+    """One replay's figures from what :func:`replay` returned."""
     prompt = int(sum(u["prompt"] for u in usages))
     cached = int(sum(u["cached"] for u in usages))
     latencies = [u["latency"] for u in usages]
-    n = max(1, len(usages))
-    counts = {u: per_worker.get(u, 0) for u in config.worker_urls}
-    lo, hi = min(counts.values()), max(counts.values())
+    counts = {u: per_worker.get(u, 0) for u in workers}
+    lo, hi = (min(counts.values()), max(counts.values())) if counts else (0, 0)
     return PolicyResult(
-        workload=workload_name, policy=policy, requests=len(usages), prompt_tokens=prompt,
+        workload=workload, policy=policy, requests=len(usages), prompt_tokens=prompt,
         cached_tokens=cached, computed_tokens=prompt - cached,
         cached_share=cached / prompt if prompt else 0.0,
         seconds=seconds, requests_per_s=len(usages) / seconds,
         prompt_tokens_per_s=prompt / seconds, per_worker=counts,
-        max_min_load=hi / lo if lo else float("inf"), errors=errors, reasons=dict(reasons),
+        max_min_load=hi / lo if lo else float("inf"), errors=errors, reasons=reasons,
         p50_s=quantile(latencies, 0.5), p99_s=quantile(latencies, 0.99),
-        policy_cpu_us=meter.seconds / n * 1e6,
-        # the router thread's CPU since it started (startup included: an upper bound)
-        router_cpu_ms=None if router_cpu is None else router_cpu / n * 1e3,
+        policy_cpu_us=policy_cpu_us, router_cpu_ms=router_cpu_ms, rss_mb=rss_mb,
     )
 
 
@@ -221,7 +246,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add the benchmark's flags to ``p``."""
     p.add_argument("--worker-urls", nargs="+", metavar="URL",
                    help="running workers to use (default: launch --workers local prefixkv workers "
-                   "per workload)")
+                   "per workload); with --router-url, the workers behind that router")
+    p.add_argument("--router-url", default=None, metavar="URL",
+                   help="replay through this running router (any kind) instead of prefixkv "
+                   "routers started per policy")
+    p.add_argument("--router-pid", type=int, default=None, metavar="PID",
+                   help="with --router-url: the router's process, for its CPU and RSS")
+    p.add_argument("--router-label", default="external", help="with --router-url: its name")
     p.add_argument("--workers", type=int, default=4, help="local workers to launch")
     p.add_argument("--model", default=None, help="model for launched workers (default: demo)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["chat"],
@@ -256,7 +287,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write computed tokens vs max/min load per policy and workload")
 
 
-async def _ready(urls: Sequence[str]) -> None:
+async def ready(urls: Sequence[str]) -> None:
+    """Wait until every URL answers ``/health`` (5 minutes at most)."""
     import httpx
 
     from prefixkv.router.health import wait_until_healthy
@@ -276,13 +308,20 @@ def run(args: argparse.Namespace) -> int:
                                  user_words=spec.user_words,
                                  assistant_words=spec.assistant_words, seed=args.seed)
         launched = None
+        if args.router_url:
+            from prefixkv.router.bench_peers import run_external
+
+            results.append(run_external(args.router_url, args.router_label,
+                                        args.worker_urls or [], workload, args, name,
+                                        pid=args.router_pid))
+            continue
         if args.worker_urls:
             urls = list(args.worker_urls)
         else:
             launched = LocalWorkers(args.workers, args.model, shlex.split(spec.worker_args))
             urls = launched.urls
         try:
-            asyncio.run(_ready(urls))
+            asyncio.run(ready(urls))
             for policy in args.policies:
                 results.append(run_policy(policy, urls, workload, args, name))
                 print(format_table(results[-1:]).splitlines()[1], file=sys.stderr, flush=True)
