@@ -54,8 +54,8 @@ def test_router_command_errors_name_the_fix(tmp_path: Path) -> None:
 
 
 def test_process_meters_count_children() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\n"
-                              "while time.process_time() - t < 0.3: pass\ntime.sleep(30)"])
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(30)"])
     try:
         shell = os.getpid()
         deadline = time.monotonic() + 20
