@@ -9,7 +9,8 @@ policy replays exactly the same prompts.
 Workloads (:mod:`prefixkv.router.bench_workloads`): ``chat``, ``shared_prefix`` (a long
 document every user shares), ``eviction`` (chat over small KV pools); each launches its own
 workers. Policies: every ``--policy`` of ``prefixkv route`` plus ``cache_aware_sim``
-(``cache_aware --simulate-eviction``).
+(``cache_aware --simulate-eviction``, replaying each worker's eviction policy) and, on request,
+``cache_aware_sim_lru`` (the same simulation forced to LRU whatever the workers run).
 
 Per policy it reports the prompt tokens the workers actually computed (``usage.prompt_tokens``
 minus ``usage.prompt_tokens_details.cached_tokens``), the cached share, throughput, and the
@@ -38,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from prefixkv.cache import POLICIES as CACHE_POLICIES
 from prefixkv.router.bench_meters import CpuMeter, quantile, thread_cpu
 from prefixkv.router.bench_report import format_table, plot_results
 from prefixkv.router.bench_workloads import WORKLOADS, resolve
@@ -52,7 +54,8 @@ if TYPE_CHECKING:
 __all__ = ["BENCH_POLICIES", "PolicyResult", "Workload", "format_table", "main",
            "make_workload", "ready", "replay", "reset_caches", "run", "run_policy", "summarize"]
 
-BENCH_POLICIES = (*POLICY_NAMES, "cache_aware_sim")
+BENCH_POLICIES = (*POLICY_NAMES, "cache_aware_sim", "cache_aware_sim_lru")
+_DEFAULT_POLICIES = BENCH_POLICIES[:-1]
 
 _WORDS = ["cache", "prefix", "token", "block", "radix", "tree", "router", "worker", "latency", "throughput", "prompt", "session", "system", "user", "answer", "question", "model", "layer", "attention", "memory", "batch", "queue", "schedule", "evict", "reuse", "hit", "miss", "share", "load", "balance", "request", "stream", "decode", "prefill", "kernel", "tensor", "page"]
 
@@ -178,13 +181,15 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
 
     asyncio.run(reset_caches(worker_urls))
     config = RouterConfig(
-        worker_urls=tuple(worker_urls), policy=policy.removesuffix("_sim"),
+        worker_urls=tuple(worker_urls), policy=policy.split("_sim")[0],
         cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold, balance_window=args.balance_window,
         max_tree_size=args.max_tree_size, chunk_bytes=args.chunk_bytes,
         eviction_interval=args.eviction_interval, seed=args.seed,
-        simulate_eviction=policy.endswith("_sim"), capacity_tokens=args.capacity_tokens,
+        simulate_eviction="_sim" in policy, capacity_tokens=args.capacity_tokens,
+        worker_eviction_policy="lru" if policy.endswith("_sim_lru")
+        else args.worker_eviction_policy,
         load_factor=args.load_factor, hash_prefix_chunks=args.hash_prefix_chunks,
         health_check_interval=args.health_check_interval,
     )
@@ -260,7 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-args", default=None,
                    help="extra flags for launched workers (default: the workload's, e.g. "
                    "\"--block-size 16 --num-kv-blocks 320\")")
-    p.add_argument("--policies", nargs="+", choices=BENCH_POLICIES, default=list(BENCH_POLICIES))
+    p.add_argument("--policies", nargs="+", choices=BENCH_POLICIES,
+                   default=list(_DEFAULT_POLICIES))
     p.add_argument("--users", type=int, default=None, help="default: the workload's")
     p.add_argument("--turns", type=int, default=None, help="default: the workload's")
     p.add_argument("--concurrency", type=int, default=8, help="sessions replayed at once")
@@ -277,6 +283,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-interval", type=float, default=60.0)
     p.add_argument("--capacity-tokens", type=int, default=None,
                    help="cache_aware_sim: workers' KV capacity (default: from their stats)")
+    p.add_argument("--worker-eviction-policy", default=None, choices=sorted(CACHE_POLICIES),
+                   help="cache_aware_sim: the policy to replay (default: each worker's, from "
+                   "its stats)")
     p.add_argument("--load-factor", type=float, default=1.25, help="consistent_hash")
     p.add_argument("--hash-prefix-chunks", type=int, default=16, help="consistent_hash")
     p.add_argument("--health-check-interval", type=float, default=1.0,

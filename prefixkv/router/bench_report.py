@@ -37,11 +37,11 @@ def max_over_mean(r: Any) -> float:
 
 def format_table(results: Sequence[Any]) -> str:
     """A plain-text table (rows: ``PolicyResult`` or its dict), computed tokens relative to
-    cache_aware in the same workload."""
+    cache_aware in the same workload (to the first ``prefixkv`` row in a side by side)."""
     base: dict[str, int] = {}
     for r in results:
-        if _get(r, "policy") == "cache_aware":
-            base[_get(r, "workload")] = _get(r, "computed_tokens")
+        if _get(r, "policy") in ("cache_aware", "prefixkv"):
+            base.setdefault(_get(r, "workload"), _get(r, "computed_tokens"))
     lines = [(f"{'workload':<13} {'policy':<16} {'reqs':>5} {'prompt':>8} {'computed':>9} "
               f"{'vs CA':>6} {'cached':>7} {'req/s':>6} {'p50 s':>6} {'p99 s':>6} "
               f"{'pol us':>6} {'rtr ms':>6} {'rss MB':>6} {'max/min':>7} {'max/avg':>7}  per worker  "

@@ -220,10 +220,10 @@ def test_bench_replays_the_same_sessions_under_each_policy(
     assert bench.main(["--worker-urls", *workers.urls, "--users", "3", "--turns", "3",
                        "--concurrency", "3", "--policies", "cache_aware", "round_robin",
                        "consistent_hash", "prefix_hash", "cache_aware_sim",
-                       "--json", str(out)]) == 0
+                       "cache_aware_sim_lru", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows] == ["cache_aware", "round_robin", "consistent_hash",
-                                          "prefix_hash", "cache_aware_sim"]
+                                          "prefix_hash", "cache_aware_sim", "cache_aware_sim_lru"]
     assert set(rows[2]["reasons"]) <= {"hash", "overflow"}
     assert set(rows[3]["reasons"]) <= {"prefix_hash", "least_load"}
     for r in rows:
