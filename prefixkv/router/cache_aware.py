@@ -34,7 +34,8 @@ or prefix caching off).
 prefix plugin, seed 003): each tree is bounded by its worker's real KV capacity, read from the
 worker's stats or given as ``capacity_tokens`` (which wins; vLLM and SGLang workers have no
 stats), and trimmed after every insert instead of every ``eviction_interval`` with up to twice
-the bound in between, in the order of the worker's own eviction policy: ``eviction_policy``
+the bound in between (the request just routed keeps its chunks: its blocks are locked on the
+worker while it runs), in the order of the worker's own eviction policy: ``eviction_policy``
 (any :data:`prefixkv.cache.POLICIES` name, for all workers; wins) or the policy each worker's
 stats name (``cache.policy``), else LRU (prefixkv's default). The tree's policy comes from
 :func:`prefixkv.cache.make_policy`; learning a different one from a worker's stats rebuilds that
@@ -171,16 +172,17 @@ class CacheAwarePolicy:
 
     def _record(self, url: str, key: RouteKey) -> None:
         tree = self.trees[url]
-        tree.insert(key)
         self._routed[url] += len(key)
         if self.simulate_eviction:
             ns = key.namespace
             text = isinstance(ns, tuple) and bool(ns) and ns[0] == "text"
             self._routed_tokens[url] += key.size / BYTES_PER_TOKEN if text else key.size
             self._set_bound(url)
-            tree.trim()
-        elif self.eviction_interval == 0:
-            tree.trim()
+            tree.insert(key, trim=True)  # the request's own chunks stay: running there
+        else:
+            tree.insert(key)
+            if self.eviction_interval == 0:
+                tree.trim()
         self._dispatches += 1
         if self._window.maxlen:
             if len(self._window) == self._window.maxlen:

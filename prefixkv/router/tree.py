@@ -124,32 +124,39 @@ class ApproxTree:
             return 0
         return self._cache.match_prefix(key.chunks, namespace=key.namespace).match_length
 
-    def insert(self, key: RouteKey) -> None:
-        """Record that the worker received ``key``; evicts LRU leaves if the tree is full.
+    def insert(self, key: RouteKey, *, trim: bool = False) -> None:
+        """Record that the worker received ``key``; evicts leaves (policy order) if the tree is
+        full. With ``trim``, then trims to ``max_size`` while ``key``'s own chunks stay: the
+        request is running on the worker, whose blocks are locked there until it ends.
 
         A key longer than ``2 * max_size`` keeps only its leading part.
         """
         if not key.chunks:
             return
         m = self._cache.match_prefix(key.chunks, namespace=key.namespace, lock=True)
+        node = None
         try:
             room = self._ids.available + self._cache.num_evictable_blocks
             n = min(len(key.chunks) - m.match_length, room)
-            if n <= 0:
-                return
-            short = n - self._ids.available
-            if short > 0:
-                self._ids.give(self._cache.evict(short))
-            node = self._cache.insert_prefix(
-                key.chunks[: m.match_length + n], m.matched_kv_blocks + self._ids.take(n),
-                namespace=key.namespace,
-            )
-            self._ids.give(node.returned_block_ids)
+            if n > 0:
+                short = n - self._ids.available
+                if short > 0:
+                    self._ids.give(self._cache.evict(short))
+                node = self._cache.insert_prefix(
+                    key.chunks[: m.match_length + n], m.matched_kv_blocks + self._ids.take(n),
+                    namespace=key.namespace, lock=trim,
+                )
+                self._ids.give(node.returned_block_ids)
+            if trim:
+                self.trim()
         finally:
+            if node is not None and trim:
+                self._cache.unlock(node)
             self._cache.unlock(m)
 
     def trim(self) -> int:
-        """Evict LRU leaves down to ``max_size``; returns how many chunks left the tree."""
+        """Evict leaves (policy order) down to ``max_size``, or as far as unlocked chunks allow;
+        returns how many chunks left the tree."""
         excess = self._cache.num_cached_blocks - self.max_size
         if excess <= 0:
             return 0
