@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import shlex
 import sys
 import time
@@ -42,7 +41,7 @@ from typing import TYPE_CHECKING
 from prefixkv.cache import POLICIES as CACHE_POLICIES
 from prefixkv.router.bench_meters import CpuMeter, quantile, thread_cpu
 from prefixkv.router.bench_report import format_table, plot_results
-from prefixkv.router.bench_workloads import WORKLOADS, resolve
+from prefixkv.router.bench_workloads import WORKLOADS, Workload, make_workload, resolve
 from prefixkv.router.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -57,15 +56,6 @@ __all__ = ["BENCH_POLICIES", "PolicyResult", "Workload", "format_table", "main",
 BENCH_POLICIES = (*POLICY_NAMES, "cache_aware_sim", "cache_aware_sim_lru")
 _DEFAULT_POLICIES = BENCH_POLICIES[:-1]
 
-_WORDS = ["cache", "prefix", "token", "block", "radix", "tree", "router", "worker", "latency", "throughput", "prompt", "session", "system", "user", "answer", "question", "model", "layer", "attention", "memory", "batch", "queue", "schedule", "evict", "reuse", "hit", "miss", "share", "load", "balance", "request", "stream", "decode", "prefill", "kernel", "tensor", "page"]
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """The scripted sessions: ``sessions[i]`` is a list of (user, assistant) turns."""
-
-    system: str
-    sessions: list[list[tuple[str, str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,23 +81,6 @@ class PolicyResult:
     policy_cpu_us: float
     router_cpu_ms: float | None
     rss_mb: float | None = None  # the router process's peak RSS (external routers)
-
-
-def _text(rng: random.Random, n_words: int, tag: str) -> str:
-    return tag + " " + " ".join(rng.choice(_WORDS) for _ in range(n_words))
-
-
-def make_workload(users: int, turns: int, *, system_words: int, user_words: int,
-                  assistant_words: int, seed: int = 0) -> Workload:
-    """Deterministic sessions from ``seed`` (every session's text is distinct)."""
-    rng = random.Random(seed)
-    system = _text(rng, system_words, "You are a helpful assistant.")
-    sessions = [
-        [(_text(rng, user_words, f"[user {u} turn {t}]"), _text(rng, assistant_words, "Sure."))
-         for t in range(turns)]
-        for u in range(users)
-    ]
-    return Workload(system, sessions)
 
 
 async def replay(url: str, workload: Workload, *, concurrency: int, max_tokens: int,
