@@ -96,8 +96,12 @@ def plot_results(results: Sequence[Any], path: str) -> None:
         ax.set_ylabel("computed prompt tokens")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(policies), fontsize=8)
+    legend: dict[str, Any] = {}  # every policy once, from whichever panel shows it
+    for ax in axes[0][: len(workloads)]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(policies),
+               fontsize=8)
     fig.suptitle("prefixkv bench route: computed tokens vs load imbalance (loaded 2-core machine)",
                  fontsize=10)
     fig.tight_layout(rect=(0, 0.06 / rows_n, 1, 1))
