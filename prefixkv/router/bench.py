@@ -9,7 +9,8 @@ policy replays exactly the same prompts.
 Workloads (:mod:`prefixkv.router.bench_workloads`): ``chat``, ``shared_prefix`` (a long
 document every user shares), ``eviction`` (chat over small KV pools); each launches its own
 workers. Policies: every ``--policy`` of ``prefixkv route`` plus ``cache_aware_sim``
-(``cache_aware --simulate-eviction``).
+(``cache_aware --simulate-eviction``, replaying each worker's eviction policy) and, on request,
+``cache_aware_sim_lru`` (the same simulation forced to LRU whatever the workers run).
 
 Per policy it reports the prompt tokens the workers actually computed (``usage.prompt_tokens``
 minus ``usage.prompt_tokens_details.cached_tokens``), the cached share, throughput, and the
@@ -17,6 +18,9 @@ requests each worker received (max/min), request latency p50/p99, the policy's o
 request (``select``, thread time, microseconds) and the router thread's CPU per request (HTTP
 stack included, Linux ``/proc``, milliseconds). Before each policy the workers' caches are emptied
 (``POST /v1/cache/reset``, prefixkv workers) so no policy inherits another's cache.
+
+``--router-url URL`` replays the workload through a router already running instead (any router:
+see :mod:`prefixkv.router.bench_peers`, which also runs the side by side with the Rust routers).
 
 ``python -m prefixkv.router.bench --help`` (or ``prefixkv bench route`` where the CLI wires it).
 """
@@ -26,18 +30,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from prefixkv.cache import POLICIES as CACHE_POLICIES
 from prefixkv.router.bench_meters import CpuMeter, quantile, thread_cpu
 from prefixkv.router.bench_report import format_table, plot_results
-from prefixkv.router.bench_workloads import WORKLOADS, resolve
+from prefixkv.router.bench_workloads import WORKLOADS, Workload, make_workload, resolve
 from prefixkv.router.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -47,19 +51,11 @@ if TYPE_CHECKING:
 # use it, so that building the CLI parser stays fast.
 
 __all__ = ["BENCH_POLICIES", "PolicyResult", "Workload", "format_table", "main",
-           "make_workload", "run", "run_policy"]
+           "make_workload", "ready", "replay", "reset_caches", "run", "run_policy", "summarize"]
 
-BENCH_POLICIES = (*POLICY_NAMES, "cache_aware_sim")
+BENCH_POLICIES = (*POLICY_NAMES, "cache_aware_sim", "cache_aware_sim_lru")
+_DEFAULT_POLICIES = BENCH_POLICIES[:-1]
 
-_WORDS = ["cache", "prefix", "token", "block", "radix", "tree", "router", "worker", "latency", "throughput", "prompt", "session", "system", "user", "answer", "question", "model", "layer", "attention", "memory", "batch", "queue", "schedule", "evict", "reuse", "hit", "miss", "share", "load", "balance", "request", "stream", "decode", "prefill", "kernel", "tensor", "page"]
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """The scripted sessions: ``sessions[i]`` is a list of (user, assistant) turns."""
-
-    system: str
-    sessions: list[list[tuple[str, str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,27 +80,14 @@ class PolicyResult:
     p99_s: float
     policy_cpu_us: float
     router_cpu_ms: float | None
+    rss_mb: float | None = None  # the router process's peak RSS (external routers)
 
 
-def _text(rng: random.Random, n_words: int, tag: str) -> str:
-    return tag + " " + " ".join(rng.choice(_WORDS) for _ in range(n_words))
-
-
-def make_workload(users: int, turns: int, *, system_words: int, user_words: int,
-                  assistant_words: int, seed: int = 0) -> Workload:
-    """Deterministic sessions from ``seed`` (every session's text is distinct)."""
-    rng = random.Random(seed)
-    system = _text(rng, system_words, "You are a helpful assistant.")
-    sessions = [
-        [(_text(rng, user_words, f"[user {u} turn {t}]"), _text(rng, assistant_words, "Sure."))
-         for t in range(turns)]
-        for u in range(users)
-    ]
-    return Workload(system, sessions)
-
-
-async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens: int,
-                  model: str | None) -> tuple[list[dict[str, float]], Counter[str], int]:
+async def replay(url: str, workload: Workload, *, concurrency: int, max_tokens: int,
+                 model: str | None) -> tuple[list[dict[str, float]], Counter[str], int]:
+    """Send every session's turns to ``url``, ``concurrency`` sessions at a time: per answered
+    request its usage and latency, the requests per worker (from prefixkv's worker header;
+    empty through other routers), and the count of failed requests."""
     import httpx
 
     from prefixkv.router.app import WORKER_HEADER
@@ -128,7 +111,12 @@ async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens:
                 if model:
                     body["model"] = model
                 t0 = time.perf_counter()
-                resp = await client.post(f"{url}/v1/chat/completions", json=body)
+                try:
+                    resp = await client.post(f"{url}/v1/chat/completions", json=body)
+                except httpx.HTTPError:  # counted; the session goes on with its next turn
+                    errors += 1
+                    messages.append({"role": "assistant", "content": assistant})
+                    continue
                 latency = time.perf_counter() - t0
                 if resp.status_code != 200:
                     errors += 1
@@ -138,7 +126,8 @@ async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens:
                     usages.append({"prompt": usage["prompt_tokens"],
                                    "cached": details.get("cached_tokens") or 0,
                                    "latency": latency})
-                    per_worker[resp.headers[WORKER_HEADER]] += 1
+                    if WORKER_HEADER in resp.headers:
+                        per_worker[resp.headers[WORKER_HEADER]] += 1
                 messages.append({"role": "assistant", "content": assistant})
 
     async with httpx.AsyncClient(timeout=600.0) as client:
@@ -146,7 +135,8 @@ async def _replay(url: str, workload: Workload, *, concurrency: int, max_tokens:
     return usages, per_worker, errors
 
 
-async def _reset_caches(urls: Sequence[str]) -> None:
+async def reset_caches(urls: Sequence[str]) -> None:
+    """Empty each prefixkv worker's cache (others are left as they are)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=60.0) as client:
@@ -163,15 +153,17 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
     from prefixkv.router.app import RouterConfig, RouterServer
     from prefixkv.router.disturb import PeriodicResets
 
-    asyncio.run(_reset_caches(worker_urls))
+    asyncio.run(reset_caches(worker_urls))
     config = RouterConfig(
-        worker_urls=tuple(worker_urls), policy=policy.removesuffix("_sim"),
+        worker_urls=tuple(worker_urls), policy=policy.split("_sim")[0],
         cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold, balance_window=args.balance_window,
         max_tree_size=args.max_tree_size, chunk_bytes=args.chunk_bytes,
         eviction_interval=args.eviction_interval, seed=args.seed,
-        simulate_eviction=policy.endswith("_sim"), capacity_tokens=args.capacity_tokens,
+        simulate_eviction="_sim" in policy, capacity_tokens=args.capacity_tokens,
+        worker_eviction_policy="lru" if policy.endswith("_sim_lru")
+        else args.worker_eviction_policy,
         load_factor=args.load_factor, hash_prefix_chunks=args.hash_prefix_chunks,
         health_check_interval=args.health_check_interval,
     )
@@ -183,7 +175,7 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
         registry = server.router.workers
         with PeriodicResets(worker_urls, getattr(args, "reset_every", 0),
                             count=lambda: sum(w.routed for w in registry.all())):
-            usages, per_worker, errors = asyncio.run(_replay(
+            usages, per_worker, errors = asyncio.run(replay(
                 server.url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
                 model=args.model,
             ))
@@ -194,23 +186,34 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     reasons[sample.labels["reason"]] += int(sample.value)
+    n = max(1, len(usages))
+    return summarize(
+        workload_name, policy, usages, per_worker, errors, seconds, reasons=dict(reasons),
+        workers=config.worker_urls, policy_cpu_us=meter.seconds / n * 1e6,
+        # the router thread's CPU since it started (startup included: an upper bound)
+        router_cpu_ms=None if router_cpu is None else router_cpu / n * 1e3,
+    )
+
+
+def summarize(workload: str, policy: str, usages: Sequence[dict[str, float]],
+              per_worker: Mapping[str, int], errors: int, seconds: float, *,
+              reasons: dict[str, int], workers: Sequence[str], policy_cpu_us: float,
+              router_cpu_ms: float | None, rss_mb: float | None = None) -> PolicyResult:
+    """One replay's figures from what :func:`replay` returned."""
     prompt = int(sum(u["prompt"] for u in usages))
     cached = int(sum(u["cached"] for u in usages))
     latencies = [u["latency"] for u in usages]
-    n = max(1, len(usages))
-    counts = {u: per_worker.get(u, 0) for u in config.worker_urls}
-    lo, hi = min(counts.values()), max(counts.values())
+    counts = {u: per_worker.get(u, 0) for u in workers}
+    lo, hi = (min(counts.values()), max(counts.values())) if counts else (0, 0)
     return PolicyResult(
-        workload=workload_name, policy=policy, requests=len(usages), prompt_tokens=prompt,
+        workload=workload, policy=policy, requests=len(usages), prompt_tokens=prompt,
         cached_tokens=cached, computed_tokens=prompt - cached,
         cached_share=cached / prompt if prompt else 0.0,
         seconds=seconds, requests_per_s=len(usages) / seconds,
         prompt_tokens_per_s=prompt / seconds, per_worker=counts,
-        max_min_load=hi / lo if lo else float("inf"), errors=errors, reasons=dict(reasons),
+        max_min_load=hi / lo if lo else float("inf"), errors=errors, reasons=reasons,
         p50_s=quantile(latencies, 0.5), p99_s=quantile(latencies, 0.99),
-        policy_cpu_us=meter.seconds / n * 1e6,
-        # the router thread's CPU since it started (startup included: an upper bound)
-        router_cpu_ms=None if router_cpu is None else router_cpu / n * 1e3,
+        policy_cpu_us=policy_cpu_us, router_cpu_ms=router_cpu_ms, rss_mb=rss_mb,
     )
 
 
@@ -225,7 +228,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add the benchmark's flags to ``p``."""
     p.add_argument("--worker-urls", nargs="+", metavar="URL",
                    help="running workers to use (default: launch --workers local prefixkv workers "
-                   "per workload)")
+                   "per workload); with --router-url, the workers behind that router")
+    p.add_argument("--router-url", default=None, metavar="URL",
+                   help="replay through this running router (any kind) instead of prefixkv "
+                   "routers started per policy")
+    p.add_argument("--router-pid", type=int, default=None, metavar="PID",
+                   help="with --router-url: the router's process, for its CPU and RSS")
+    p.add_argument("--router-label", default="external", help="with --router-url: its name")
     p.add_argument("--workers", type=int, default=4, help="local workers to launch")
     p.add_argument("--model", default=None, help="model for launched workers (default: demo)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["chat"],
@@ -233,7 +242,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-args", default=None,
                    help="extra flags for launched workers (default: the workload's, e.g. "
                    "\"--block-size 16 --num-kv-blocks 320\")")
-    p.add_argument("--policies", nargs="+", choices=BENCH_POLICIES, default=list(BENCH_POLICIES))
+    p.add_argument("--policies", nargs="+", choices=BENCH_POLICIES,
+                   default=list(_DEFAULT_POLICIES))
     p.add_argument("--users", type=int, default=None, help="default: the workload's")
     p.add_argument("--turns", type=int, default=None, help="default: the workload's")
     p.add_argument("--concurrency", type=int, default=8, help="sessions replayed at once")
@@ -250,6 +260,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-interval", type=float, default=60.0)
     p.add_argument("--capacity-tokens", type=int, default=None,
                    help="cache_aware_sim: workers' KV capacity (default: from their stats)")
+    p.add_argument("--worker-eviction-policy", default=None, choices=sorted(CACHE_POLICIES),
+                   help="cache_aware_sim: the policy to replay (default: each worker's, from "
+                   "its stats)")
     p.add_argument("--load-factor", type=float, default=1.25, help="consistent_hash")
     p.add_argument("--hash-prefix-chunks", type=int, default=16, help="consistent_hash")
     p.add_argument("--health-check-interval", type=float, default=1.0,
@@ -263,7 +276,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write computed tokens vs max/min load per policy and workload")
 
 
-async def _ready(urls: Sequence[str]) -> None:
+async def ready(urls: Sequence[str]) -> None:
+    """Wait until every URL answers ``/health`` (5 minutes at most)."""
     import httpx
 
     from prefixkv.router.health import wait_until_healthy
@@ -283,6 +297,13 @@ def run(args: argparse.Namespace) -> int:
                                  user_words=spec.user_words,
                                  assistant_words=spec.assistant_words, seed=args.seed)
         launched = None
+        if args.router_url:
+            from prefixkv.router.bench_peers import run_external
+
+            results.append(run_external(args.router_url, args.router_label,
+                                        args.worker_urls or [], workload, args, name,
+                                        pid=args.router_pid))
+            continue
         if args.worker_urls:
             urls = list(args.worker_urls)
         else:
@@ -294,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
             launched = LocalWorkers(args.workers, args.model, worker_args)
             urls = launched.urls
         try:
-            asyncio.run(_ready(urls))
+            asyncio.run(ready(urls))
             for policy in args.policies:
                 results.append(run_policy(policy, urls, workload, args, name))
                 print(format_table(results[-1:]).splitlines()[1], file=sys.stderr, flush=True)

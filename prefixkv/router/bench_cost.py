@@ -3,12 +3,15 @@
 Starts ``--workers`` instant stub workers (a minimal HTTP/1.1 server, one process each, that
 answers every POST with a fixed completion at once) and the router over them (``prefixkv route``,
 its own process; optionally a second, baseline router from another checkout, e.g. the previous
-commit), then sends unique ``--prompt-bytes`` prompts:
+commit) and, with ``--peers sglang vllm``, the Rust routers sglang-router and vllm-router from
+``--peers-venv`` (cache_aware, the same thresholds; ``scripts/install-router-peers.sh``), then
+sends unique ``--prompt-bytes`` prompts:
 
 * at concurrency 1, in interleaved rounds, straight to a stub and through each router: the added
   latency is the router's median minus the direct median of the same round (reported as the
   median over rounds), plus the router process's CPU seconds per request;
-* at ``--concurrency`` (default 8), throughput through each router (requests/s).
+* at ``--concurrency`` (default 8), throughput through each router and straight to one stub
+  (requests/s; the median of ``--throughput-rounds`` interleaved rounds).
 
 Also reports each router's RSS before any traffic and at the end. Run on a quiet machine; only
 same-run comparisons mean anything::
@@ -102,9 +105,20 @@ def _start_router(urls: Sequence[str], pythonpath: str | None) -> tuple[subproce
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _start_peer(name: str, urls: Sequence[str], venv: str) -> tuple[subprocess.Popen[bytes], str]:
+    from prefixkv.router.bench import build_parser
+    from prefixkv.router.bench_peers import router_command
+
+    port = free_port()
+    cmd = router_command(name, port, urls, build_parser().parse_args([]), venv)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def _post(client: httpx.Client, url: str, prompt: str) -> float:
     t0 = time.perf_counter()
-    r = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    r = client.post(f"{url}/v1/completions",
+                    json={"model": "stub", "prompt": prompt, "max_tokens": 1})
     r.raise_for_status()
     return time.perf_counter() - t0
 
@@ -115,7 +129,7 @@ async def _throughput(url: str, n: int, concurrency: int, prompt_bytes: int) -> 
 
         async def one() -> None:
             for i in todo:
-                body = {"prompt": _prompt(i, prompt_bytes), "max_tokens": 1}
+                body = {"model": "stub", "prompt": _prompt(i, prompt_bytes), "max_tokens": 1}
                 (await c.post(f"{url}/v1/completions", json=body)).raise_for_status()
 
         t0 = time.perf_counter()
@@ -134,6 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         routers["router"] = _start_router(urls, None)
         if args.baseline_pythonpath:
             routers["baseline"] = _start_router(urls, args.baseline_pythonpath)
+        for name in args.peers:
+            routers[name] = _start_peer(name, urls, args.peers_venv)
 
         async def ready() -> None:
             async with httpx.AsyncClient() as c:
@@ -160,12 +176,21 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         for name, (proc, url) in routers.items():
             out[name]["added_ms_c1"] = 1000 * statistics.median(added[name])
             out[name]["cpu_ms_per_req"] = 1000 * cpu[name] / n
+        # throughput in interleaved rounds (the order rotates), median per router
+        targets = {**{name: url for name, (_, url) in routers.items()}, "direct": urls[0]}
+        rates: dict[str, list[float]] = {name: [] for name in targets}
+        names = list(targets)
+        for rnd in range(args.throughput_rounds):
+            k = rnd % len(names)
+            for name in names[k:] + names[:k]:
+                rates[name].append(asyncio.run(_throughput(
+                    targets[name], args.throughput_requests, args.concurrency,
+                    args.throughput_prompt_bytes)))
+        out["direct"] = {}
+        for name in names:
+            out[name]["req_per_s"] = statistics.median(rates[name])
         for name, (proc, url) in routers.items():
-            out[name]["req_per_s"] = asyncio.run(_throughput(
-                url, args.throughput_requests, args.concurrency, args.throughput_prompt_bytes))
             out[name]["rss_end_mb"] = _rss_mb(proc.pid)
-        out["direct"] = {"req_per_s": asyncio.run(_throughput(
-            urls[0], args.throughput_requests, args.concurrency, args.throughput_prompt_bytes))}
         return out
     finally:
         for proc, _ in routers.values():
@@ -186,10 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--per-round", type=int, default=15)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--throughput-requests", type=int, default=400)
+    p.add_argument("--throughput-requests", type=int, default=200)
     p.add_argument("--throughput-prompt-bytes", type=int, default=65536)
+    p.add_argument("--throughput-rounds", type=int, default=3,
+                   help="interleaved throughput rounds of --throughput-requests (median)")
     p.add_argument("--baseline-pythonpath", default=None,
                    help="also run a router from this checkout (PYTHONPATH) beside ours")
+    p.add_argument("--peers", nargs="*", default=[], choices=("sglang", "vllm"),
+                   help="also run these Rust routers (installed in --peers-venv)")
+    p.add_argument("--peers-venv", default="/tmp/routerpeers/venv")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     if args.stub is not None:

@@ -18,7 +18,12 @@ __all__ = ["format_table", "plot_results"]
 Row = Mapping[str, Any]
 
 
-def _get(r: Any, name: str) -> Any:
+_REQUIRED = object()
+
+
+def _get(r: Any, name: str, default: Any = _REQUIRED) -> Any:
+    if default is not _REQUIRED:  # a field older --json files lack
+        return r.get(name, default) if isinstance(r, Mapping) else getattr(r, name, default)
     return r[name] if isinstance(r, Mapping) else getattr(r, name)
 
 
@@ -32,24 +37,27 @@ def max_over_mean(r: Any) -> float:
 
 def format_table(results: Sequence[Any]) -> str:
     """A plain-text table (rows: ``PolicyResult`` or its dict), computed tokens relative to
-    cache_aware in the same workload."""
+    cache_aware in the same workload (to the first ``prefixkv`` row in a side by side)."""
     base: dict[str, int] = {}
     for r in results:
-        if _get(r, "policy") == "cache_aware":
-            base[_get(r, "workload")] = _get(r, "computed_tokens")
+        if _get(r, "policy") in ("cache_aware", "prefixkv"):
+            base.setdefault(_get(r, "workload"), _get(r, "computed_tokens"))
     lines = [(f"{'workload':<13} {'policy':<16} {'reqs':>5} {'prompt':>8} {'computed':>9} "
               f"{'vs CA':>6} {'cached':>7} {'req/s':>6} {'p50 s':>6} {'p99 s':>6} "
-              f"{'pol us':>6} {'rtr ms':>6} {'max/min':>7} {'max/avg':>7}  per worker  decisions")]
+              f"{'pol us':>6} {'rtr ms':>6} {'rss MB':>6} {'max/min':>7} {'max/avg':>7}  per worker  "
+              f"decisions")]
     for r in results:
         b = base.get(_get(r, "workload"))
         rel = f"{_get(r, 'computed_tokens') / b:.2f}x" if b else "-"
         cpu = _get(r, "router_cpu_ms")
+        rss = _get(r, "rss_mb", None)
         lines.append(
             f"{_get(r, 'workload'):<13} {_get(r, 'policy'):<16} {_get(r, 'requests'):>5} "
             f"{_get(r, 'prompt_tokens'):>8} {_get(r, 'computed_tokens'):>9} {rel:>6} "
             f"{_get(r, 'cached_share'):>7.1%} {_get(r, 'requests_per_s'):>6.2f} "
             f"{_get(r, 'p50_s'):>6.2f} {_get(r, 'p99_s'):>6.2f} "
             f"{_get(r, 'policy_cpu_us'):>6.0f} {'-' if cpu is None else f'{cpu:.2f}':>6} "
+            f"{'-' if rss is None else f'{rss:.0f}':>6} "
             f"{_get(r, 'max_min_load'):>7.2f} {max_over_mean(r):>7.2f}  {list(_get(r, 'per_worker').values())}  "
             + " ".join(f"{k}={v}" for k, v in sorted(_get(r, "reasons").items()))
         )
@@ -88,8 +96,12 @@ def plot_results(results: Sequence[Any], path: str) -> None:
         ax.set_ylabel("computed prompt tokens")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(policies), fontsize=8)
+    legend: dict[str, Any] = {}  # every policy once, from whichever panel shows it
+    for ax in axes[0][: len(workloads)]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(policies),
+               fontsize=8)
     fig.suptitle("prefixkv bench route: computed tokens vs load imbalance (loaded 2-core machine)",
                  fontsize=10)
     fig.tight_layout(rect=(0, 0.06 / rows_n, 1, 1))

@@ -14,9 +14,12 @@ overrides the preset's value in every workload run.
 from __future__ import annotations
 
 import argparse
+import random
 from dataclasses import dataclass, replace
 
-__all__ = ["WORKLOADS", "WorkloadSpec", "resolve"]
+__all__ = ["WORKLOADS", "Workload", "WorkloadSpec", "make_workload", "resolve"]
+
+_WORDS = ["cache", "prefix", "token", "block", "radix", "tree", "router", "worker", "latency", "throughput", "prompt", "session", "system", "user", "answer", "question", "model", "layer", "attention", "memory", "batch", "queue", "schedule", "evict", "reuse", "hit", "miss", "share", "load", "balance", "request", "stream", "decode", "prefill", "kernel", "tensor", "page"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +52,28 @@ def resolve(name: str, args: argparse.Namespace) -> WorkloadSpec:
                                             "assistant_words", "worker_args")
                if getattr(args, f, None) is not None}
     return replace(spec, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The scripted sessions: ``sessions[i]`` is a list of (user, assistant) turns."""
+
+    system: str
+    sessions: list[list[tuple[str, str]]]
+
+
+def _text(rng: random.Random, n_words: int, tag: str) -> str:
+    return tag + " " + " ".join(rng.choice(_WORDS) for _ in range(n_words))
+
+
+def make_workload(users: int, turns: int, *, system_words: int, user_words: int,
+                  assistant_words: int, seed: int = 0) -> Workload:
+    """Deterministic sessions from ``seed`` (every session's text is distinct)."""
+    rng = random.Random(seed)
+    system = _text(rng, system_words, "You are a helpful assistant.")
+    sessions = [
+        [(_text(rng, user_words, f"[user {u} turn {t}]"), _text(rng, assistant_words, "Sure."))
+         for t in range(turns)]
+        for u in range(users)
+    ]
+    return Workload(system, sessions)

@@ -34,9 +34,17 @@ or prefix caching off).
 prefix plugin, seed 003): each tree is bounded by its worker's real KV capacity, read from the
 worker's stats or given as ``capacity_tokens`` (which wins; vLLM and SGLang workers have no
 stats), and trimmed after every insert instead of every ``eviction_interval`` with up to twice
-the bound in between. The tree thus replays the worker's LRU eviction (prefixkv's default
-policy) and forgets a prefix when the worker must have evicted it, so the router stops sending a
-session back to a worker that no longer holds its prefix. Tokens are converted to chunks at the
+the bound in between (the request just routed keeps its chunks: its blocks are locked on the
+worker while it runs), in the order of the worker's own eviction policy: ``eviction_policy``
+(any :data:`prefixkv.cache.POLICIES` name, for all workers; wins) or the policy each worker's
+stats name (``cache.policy``), else LRU (prefixkv's default). The tree's policy comes from
+:func:`prefixkv.cache.make_policy`; learning a different one from a worker's stats rebuilds that
+worker's tree empty (the cache fixes its policy when built), which happens at the first stats
+read, one health interval after start. The tree thus replays the worker's eviction and forgets a
+prefix when the worker must have evicted it, so the router stops sending a session back to a
+worker that no longer holds its prefix. Not exact: the router's chunks are not the worker's
+blocks, and a match on a worker that does not get the request still counts as a use in its
+tree (the cache has no read-only match). Tokens are converted to chunks at the
 rate measured from the worker's prompt-token counter, or, until 1,000 tokens were measured (or
 without stats), estimated at ``BYTES_PER_TOKEN`` bytes per token of the routed text prompts.
 """
@@ -48,6 +56,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from prefixkv.cache import make_policy
 from prefixkv.router.policies import Decision, check_candidates
 from prefixkv.router.tree import ApproxTree
 
@@ -81,6 +90,7 @@ class CacheAwarePolicy:
         clock: Callable[[], float] = time.monotonic,
         simulate_eviction: bool = False,
         capacity_tokens: int | None = None,
+        eviction_policy: str | None = None,
     ) -> None:
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold!r}")
@@ -96,7 +106,10 @@ class CacheAwarePolicy:
                                             or isinstance(capacity_tokens, bool)
                                             or capacity_tokens <= 0):
             raise ValueError(f"capacity_tokens must be a positive int, got {capacity_tokens!r}")
+        if eviction_policy is not None:
+            eviction_policy = make_policy(eviction_policy).name  # ValueError names the field
         self.simulate_eviction = simulate_eviction
+        self.eviction_policy = eviction_policy
         self.capacity_tokens = capacity_tokens
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
@@ -105,7 +118,9 @@ class CacheAwarePolicy:
         self.eviction_interval = eviction_interval
         self._clock = clock
         self._last_trim = clock()
-        self.trees = {url: ApproxTree(max_tree_size, clock=clock) for url in urls}
+        tree_policy = (eviction_policy or "lru") if simulate_eviction else "lru"
+        self.trees = {url: ApproxTree(max_tree_size, eviction_policy=tree_policy, clock=clock)
+                      for url in urls}
         self._window: deque[str] = deque(maxlen=balance_window)
         self.recent: Counter[str] = Counter()
         self._fair_share = balance_window / len(self.trees) if self.trees else 0.0
@@ -157,16 +172,17 @@ class CacheAwarePolicy:
 
     def _record(self, url: str, key: RouteKey) -> None:
         tree = self.trees[url]
-        tree.insert(key)
         self._routed[url] += len(key)
         if self.simulate_eviction:
             ns = key.namespace
             text = isinstance(ns, tuple) and bool(ns) and ns[0] == "text"
             self._routed_tokens[url] += key.size / BYTES_PER_TOKEN if text else key.size
             self._set_bound(url)
-            tree.trim()
-        elif self.eviction_interval == 0:
-            tree.trim()
+            tree.insert(key, trim=True)  # the request's own chunks stay: running there
+        else:
+            tree.insert(key)
+            if self.eviction_interval == 0:
+                tree.trim()
         self._dispatches += 1
         if self._window.maxlen:
             if len(self._window) == self._window.maxlen:
@@ -191,6 +207,11 @@ class CacheAwarePolicy:
     def on_worker_stats(self, url: str, stats: WorkerCacheStats, in_flight: int) -> None:
         """Align ``url``'s tree with its prefixkv worker's real cache (module docstring)."""
         tree = self.trees[url]
+        if self.simulate_eviction and self.eviction_policy is None and stats.eviction_policy:
+            try:
+                tree.set_eviction_policy(stats.eviction_policy)
+            except ValueError:
+                pass  # a policy this router does not know: keep the current order
         routed = self._routed[url]
         base = self._baseline.get(url)
         if base is not None and stats.prompt_tokens < base[1]:  # the worker restarted

@@ -17,6 +17,7 @@ import signal
 from types import FrameType
 from typing import Any
 
+from prefixkv.cache import POLICIES as CACHE_POLICIES
 from prefixkv.router.policies import POLICY_NAMES
 
 LAUNCHED_KV_EVENTS = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
@@ -59,10 +60,13 @@ def register(subparsers: Any) -> None:
                    help="seconds between tree trims (0: trim after every insert)")
     p.add_argument("--simulate-eviction", action="store_true",
                    help="cache_aware: bound each worker's tree by its real KV capacity and "
-                   "replay its LRU eviction after every insert (EPP's prefix plugin)")
+                   "replay its eviction after every insert (EPP's prefix plugin)")
     p.add_argument("--capacity-tokens", type=int, default=None,
                    help="with --simulate-eviction: each worker's KV capacity in tokens "
                    "(default: read from a prefixkv worker's /v1/cache/stats)")
+    p.add_argument("--worker-eviction-policy", default=None, choices=sorted(CACHE_POLICIES),
+                   help="with --simulate-eviction: the workers' eviction policy to replay "
+                   "(default: each prefixkv worker's, from its stats; else lru)")
     p.add_argument("--load-factor", type=float, default=1.25,
                    help="consistent_hash: no worker takes more than this times the average load")
     p.add_argument("--hash-prefix-chunks", type=int, default=16,
@@ -148,6 +152,7 @@ def run_route(args: argparse.Namespace) -> int:
             max_tree_size=args.max_tree_size, chunk_bytes=args.chunk_bytes,
             eviction_interval=args.eviction_interval,
             simulate_eviction=args.simulate_eviction, capacity_tokens=args.capacity_tokens,
+            worker_eviction_policy=args.worker_eviction_policy,
             load_factor=args.load_factor, hash_prefix_chunks=args.hash_prefix_chunks,
             hash_replicas=args.hash_replicas,
             health_check_interval=args.health_check_interval,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixkv.cache import POLICIES
 from prefixkv.router.keys import DEFAULT_CHUNK_BYTES
 from prefixkv.router.policies import POLICY_NAMES
 from prefixkv.router.workers import normalize_worker_url
@@ -18,7 +19,8 @@ class RouterConfig:
     Times are in seconds. ``max_tree_size`` is in prompt bytes (each tree holds
     ``max_tree_size // chunk_bytes`` key chunks); ``eviction_interval == 0`` trims the trees
     after every insert; ``simulate_eviction`` bounds them by each worker's KV capacity
-    (``capacity_tokens``, else the worker's stats) and trims after every insert.
+    (``capacity_tokens``, else the worker's stats) and trims after every insert, in the order of
+    ``worker_eviction_policy`` (else each worker's policy from its stats, else LRU).
     ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas`` configure ``consistent_hash``.
     ``failure_threshold`` failed dispatches in a row open a worker's breaker.
     ``admin_api_key``: the fleet's admin key, needed for the router's cache admin routes and
@@ -43,6 +45,7 @@ class RouterConfig:
     request_timeout: float = 600.0
     simulate_eviction: bool = False
     capacity_tokens: int | None = None
+    worker_eviction_policy: str | None = None
     load_factor: float = 1.25
     hash_prefix_chunks: int = 16
     hash_replicas: int = 100
@@ -65,6 +68,9 @@ class RouterConfig:
             raise ValueError(f"chunk_bytes must be an int >= 4, got {self.chunk_bytes!r}")
         if self.capacity_tokens is not None and self.capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens must be > 0, got {self.capacity_tokens!r}")
+        if self.worker_eviction_policy is not None and self.worker_eviction_policy not in POLICIES:
+            raise ValueError(f"worker_eviction_policy must be one of {sorted(POLICIES)}, "
+                             f"got {self.worker_eviction_policy!r}")
         if not self.load_factor >= 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor!r}")
         for name in ("hash_prefix_chunks", "hash_replicas"):

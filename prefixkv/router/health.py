@@ -36,6 +36,7 @@ class WorkerCacheStats:
     capacity_tokens: int  # num_kv_blocks * block_size
     cached_blocks: int
     prompt_tokens: int  # prompt tokens it has processed since it started
+    eviction_policy: str | None = None  # its index's policy name; None with caching off
 
 
 async def fetch_cache_stats(
@@ -51,11 +52,14 @@ async def fetch_cache_stats(
         return None
     if resp.status_code != 200 or not isinstance(d, dict):
         return None
+    cache = d.get("cache")
+    policy = cache.get("policy") if isinstance(cache, dict) else None
     try:
         return WorkerCacheStats(
             capacity_tokens=int(d["num_kv_blocks"]) * int(d["block_size"]),
             cached_blocks=int(d["num_cached_blocks"]),
             prompt_tokens=int(d["num_prompt_tokens"]),
+            eviction_policy=policy if isinstance(policy, str) else None,
         )
     except (TypeError, KeyError, ValueError):
         return None

@@ -148,6 +148,7 @@ def make_policy(
     eviction_interval: float = 60.0,
     simulate_eviction: bool = False,
     capacity_tokens: int | None = None,
+    worker_eviction_policy: str | None = None,
     load_factor: float = 1.25,
     hash_prefix_chunks: int = 16,
     hash_replicas: int = 100,
@@ -160,12 +161,11 @@ def make_policy(
     """Build a policy by name (``POLICY_NAMES``) for the workers ``urls``.
 
     Each policy reads its own settings and ignores the rest: ``cache_aware`` the thresholds,
-    window, ``max_tree_size`` (key chunks), ``eviction_interval``, ``simulate_eviction`` and
-    ``capacity_tokens``; ``prefix_hash`` ``max_tree_size``; ``consistent_hash``
-    ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas``; ``precise`` (KV events)
-    ``kv_events`` (per worker: ``auto``, ``none`` or endpoints), ``kv_events_topic``,
-    ``kv_events_rehash`` and
-    everything ``cache_aware`` reads (its fallback).
+    window, ``max_tree_size`` (key chunks), ``eviction_interval``, ``simulate_eviction``,
+    ``capacity_tokens`` and ``worker_eviction_policy``; ``prefix_hash`` ``max_tree_size``;
+    ``consistent_hash`` ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas``;
+    ``precise`` (KV events) ``kv_events`` (per worker: ``auto``, ``none`` or endpoints),
+    ``kv_events_topic``, ``kv_events_rehash`` and everything ``cache_aware`` reads (its fallback).
     """
     if name in ("cache_aware", "precise"):
         from prefixkv.router.cache_aware import CacheAwarePolicy
@@ -175,6 +175,7 @@ def make_policy(
             balance_rel_threshold=balance_rel_threshold, balance_window=balance_window,
             max_tree_size=max_tree_size, eviction_interval=eviction_interval, clock=clock,
             simulate_eviction=simulate_eviction, capacity_tokens=capacity_tokens,
+            eviction_policy=worker_eviction_policy,
         )
         if name == "cache_aware":
             return aware

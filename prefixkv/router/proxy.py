@@ -81,6 +81,7 @@ class Router:
             eviction_interval=config.eviction_interval, rng=random.Random(config.seed),
             clock=clock, simulate_eviction=config.simulate_eviction,
             capacity_tokens=config.capacity_tokens, load_factor=config.load_factor,
+            worker_eviction_policy=config.worker_eviction_policy,
             hash_prefix_chunks=config.hash_prefix_chunks, hash_replicas=config.hash_replicas,
             kv_events=config.kv_events, kv_events_topic=config.kv_events_topic,
             kv_events_rehash=config.kv_events_rehash,
@@ -99,7 +100,8 @@ class Router:
         return self._client
 
     async def start(self) -> None:
-        """Open the client, probe every worker once, start the health and stats loops."""
+        """Open the client, probe every worker and read its stats once, start the health and
+        stats loops."""
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.config.request_timeout, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
@@ -115,6 +117,7 @@ class Router:
             self.workers, self.client, interval=cfg.health_check_interval,
             timeout=cfg.health_check_timeout, on_change=self._on_health_change,
         )))
+        await self._read_stats()  # before any request: a policy may rebuild its trees on it
         self._tasks.append(asyncio.create_task(self._stats_loop()))
         start_policy = getattr(self.policy, "start", None)  # precise: its KV event streams
         if start_policy is not None:
@@ -139,17 +142,20 @@ class Router:
     async def _stats_loop(self) -> None:
         """Every health interval, hand each healthy prefixkv worker's cache figures to the
         policy (workers without ``/v1/cache/stats`` are left alone)."""
-        cfg = self.config
         while True:
-            await asyncio.sleep(cfg.health_check_interval)
-            urls = self.workers.healthy()
-            stats = await asyncio.gather(
-                *(fetch_cache_stats(self.client, u, cfg.health_check_timeout,
-                                    admin_headers(cfg.admin_api_key)) for u in urls)
-            )
-            for url, st in zip(urls, stats):
-                if st is not None:
-                    self.on_worker_stats(url, st)
+            await asyncio.sleep(self.config.health_check_interval)
+            await self._read_stats()
+
+    async def _read_stats(self) -> None:
+        cfg = self.config
+        urls = self.workers.healthy()
+        stats = await asyncio.gather(
+            *(fetch_cache_stats(self.client, u, cfg.health_check_timeout,
+                                admin_headers(cfg.admin_api_key)) for u in urls)
+        )
+        for url, st in zip(urls, stats):
+            if st is not None:
+                self.on_worker_stats(url, st)
 
     def on_worker_stats(self, url: str, stats: WorkerCacheStats) -> None:
         """Pass a worker's cache figures (with its in-flight count) to the policy."""

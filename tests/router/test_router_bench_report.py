@@ -35,6 +35,9 @@ def test_presets_and_overrides() -> None:
     with pytest.raises(ValueError, match="workload"):
         resolve("nope", args)
     assert set(POLICY_NAMES) < set(BENCH_POLICIES) and "cache_aware_sim" in BENCH_POLICIES
+    defaults = build_parser().parse_args([])
+    assert "cache_aware_sim_lru" not in defaults.policies  # on request only
+    assert defaults.worker_eviction_policy is None
 
 
 def test_meters() -> None:

@@ -78,10 +78,11 @@ class Handler(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[Scripted, Scripted, RouterServer]]:
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Scripted, Scripted, RouterServer]]:
     a, b = Scripted(), Scripted()
+    interval = getattr(request, "param", 1.0)  # seconds between health probes
     config = RouterConfig(worker_urls=(a.url, b.url), policy="round_robin",
-                          health_check_interval=1.0, health_check_timeout=1.0)
+                          health_check_interval=interval, health_check_timeout=1.0)
     with RouterServer(config) as server:
         yield a, b, server
     a.shutdown()
@@ -126,13 +127,16 @@ def test_one_dropped_connection_fails_over_and_keeps_the_worker(pair) -> None:
     assert state.healthy and state.failures == 1 and state.consecutive_failures == 0
 
 
+# probes 4 s apart: the six posts finish before a probe can half-open the breaker, even on a
+# loaded machine
+@pytest.mark.parametrize("pair", [4.0], indirect=True)
 def test_repeated_failures_open_the_breaker_and_a_probe_closes_it(pair) -> None:
     a, _b, server = pair
     a.script = ["500"] * 3
     for _ in range(6):
         assert post(server).status_code == 200
     assert a.posts == 3 and server.router.workers[a.url].state == "open"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while server.router.workers[a.url].state == "open":  # /health answers: half open
         assert time.monotonic() < deadline
         time.sleep(0.05)

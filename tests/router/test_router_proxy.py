@@ -220,10 +220,10 @@ def test_bench_replays_the_same_sessions_under_each_policy(
     assert bench.main(["--worker-urls", *workers.urls, "--users", "3", "--turns", "3",
                        "--concurrency", "3", "--policies", "cache_aware", "round_robin",
                        "consistent_hash", "prefix_hash", "cache_aware_sim",
-                       "--json", str(out)]) == 0
+                       "cache_aware_sim_lru", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows] == ["cache_aware", "round_robin", "consistent_hash",
-                                          "prefix_hash", "cache_aware_sim"]
+                                          "prefix_hash", "cache_aware_sim", "cache_aware_sim_lru"]
     assert set(rows[2]["reasons"]) <= {"hash", "overflow"}
     assert set(rows[3]["reasons"]) <= {"prefix_hash", "least_load"}
     for r in rows:
@@ -233,6 +233,36 @@ def test_bench_replays_the_same_sessions_under_each_policy(
     assert all(r["p99_s"] >= r["p50_s"] > 0 and r["policy_cpu_us"] > 0 for r in rows)
     assert rows[0]["cached_tokens"] > 0
     assert "cache_aware" in capsys.readouterr().out
+
+
+def test_bench_router_url_replays_through_a_running_router(
+    workers: LocalWorkers, router: RouterServer, tmp_path: Path
+) -> None:
+    from prefixkv.router.bench_peers import _finished
+    from prefixkv.router.health import fetch_cache_stats
+
+    common = ["--worker-urls", *workers.urls, "--users", "3", "--turns", "2",
+              "--concurrency", "3", "--seed", "7"]
+    ours = tmp_path / "ours.json"
+    ext = tmp_path / "ext.json"
+    assert bench.main([*common, "--policies", "cache_aware", "--json", str(ours)]) == 0
+    before = asyncio.run(_finished(workers.urls))
+    assert bench.main([*common, "--router-url", router.url + "/", "--router-pid",
+                       str(os.getpid()), "--router-label", "loopback", "--json", str(ext)]) == 0
+    after = asyncio.run(_finished(workers.urls))
+    [a], [b] = json.loads(ours.read_text()), json.loads(ext.read_text())
+    assert b["policy"] == "loopback" and b["requests"] == 6 and b["errors"] == 0
+    assert b["prompt_tokens"] == a["prompt_tokens"]  # the same workload through either path
+    assert b["computed_tokens"] == b["prompt_tokens"] - b["cached_tokens"]
+    # the router's header and the workers' own counters agree on where requests went
+    assert b["per_worker"] == {u: after[u] - before[u] for u in workers.urls}  # type: ignore[operator]
+    assert b["router_cpu_ms"] > 0 and b["rss_mb"] > 0 and b["reasons"] == {}
+
+    async def stats() -> object:
+        async with httpx.AsyncClient() as client:
+            return await fetch_cache_stats(client, workers.urls[0], 10.0)
+
+    assert getattr(asyncio.run(stats()), "eviction_policy", None) == "lru"
 
 
 def test_workload_is_deterministic_and_sessions_distinct() -> None:

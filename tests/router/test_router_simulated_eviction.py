@@ -79,3 +79,54 @@ def test_validation() -> None:
         RouterConfig(worker_urls=("http://a:1",), hash_prefix_chunks=0)
     cfg = RouterConfig(worker_urls=("http://a:1",), policy="consistent_hash", load_factor=2)
     assert cfg.policy == "consistent_hash"
+
+
+def _fill(p: CacheAwarePolicy) -> None:
+    """A twice (a session's next turn), then B, then C: 60 chunks over a 50-chunk bound."""
+    for text in (A, A, B, C):
+        p.select(["http://a"], IDLE, key(text))
+
+
+def test_replays_the_workers_eviction_policy() -> None:
+    lru = policy(simulate_eviction=True, capacity_tokens=100)
+    lfu = policy(simulate_eviction=True, capacity_tokens=100, eviction_policy="lfu")
+    for p in (lru, lfu):
+        _fill(p)
+    # LRU drops A (last used before B and C); LFU keeps A (used most) and drops B's tail
+    # (as few uses as C, and older)
+    assert lru.trees["http://a"].eviction_policy == "lru"
+    assert lru.trees["http://a"].match(key(B)) == 20
+    assert lru.trees["http://a"].match(key(A)) < 20
+    assert lfu.trees["http://a"].eviction_policy == "lfu"
+    assert lfu.trees["http://a"].match(key(A)) == 20
+    assert lfu.trees["http://a"].match(key(B)) < 20
+
+
+def test_eviction_policy_from_worker_stats() -> None:
+    sim = policy(simulate_eviction=True, capacity_tokens=100)
+    sim.on_worker_stats("http://a", WorkerCacheStats(60, 0, 0, eviction_policy="lfu"), 0)
+    sim.on_worker_stats("http://b", WorkerCacheStats(60, 0, 0, eviction_policy="novel"), 0)
+    assert sim.trees["http://a"].eviction_policy == "lfu"
+    assert sim.trees["http://b"].eviction_policy == "lru"  # unknown here: kept
+    _fill(sim)
+    assert sim.trees["http://a"].match(key(A)) == 20 and sim.trees["http://a"].match(key(B)) < 20
+    # the same policy again keeps the tree; the flag wins over the stats; without simulated
+    # eviction the trees stay LRU (SGLang's trimming)
+    sim.on_worker_stats("http://a", WorkerCacheStats(60, 3, 0, eviction_policy="LFU"), 1)
+    assert sim.trees["http://a"].size == 50
+    flagged = policy(simulate_eviction=True, eviction_policy="fifo")
+    flagged.on_worker_stats("http://a", WorkerCacheStats(60, 0, 0, eviction_policy="lfu"), 0)
+    plain = policy()
+    plain.on_worker_stats("http://a", WorkerCacheStats(60, 0, 0, eviction_policy="lfu"), 0)
+    assert flagged.trees["http://a"].eviction_policy == "fifo"
+    assert plain.trees["http://a"].eviction_policy == "lru"
+
+
+def test_eviction_policy_validation() -> None:
+    with pytest.raises(ValueError, match="eviction_policy"):
+        policy(simulate_eviction=True, eviction_policy="mru")
+    with pytest.raises(ValueError, match="worker_eviction_policy"):
+        RouterConfig(worker_urls=("http://a:1",), worker_eviction_policy="mru")
+    cfg = RouterConfig(worker_urls=("http://a:1",), simulate_eviction=True,
+                       worker_eviction_policy="ghost")
+    assert cfg.worker_eviction_policy == "ghost"

@@ -75,3 +75,41 @@ def test_a_huge_bound_allocates_nothing_up_front() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="max_size"):
         ApproxTree(0)
+
+
+def test_tree_eviction_policy_can_change_and_is_validated() -> None:
+    tree = ApproxTree(100, eviction_policy="fifo")
+    tree.insert(key("a prompt of a few chunks"))
+    assert tree.eviction_policy == "fifo" and tree.size > 0
+    assert not tree.set_eviction_policy("FIFO")  # same policy: the tree is kept
+    assert tree.size > 0
+    assert tree.set_eviction_policy("ghost")
+    assert tree.eviction_policy == "ghost" and tree.size == 0  # rebuilt empty
+    tree.insert(key("a prompt of a few chunks"))
+    assert tree.match(key("a prompt of a few chunks")) == tree.size
+    with pytest.raises(ValueError, match="eviction_policy"):
+        tree.set_eviction_policy("mru")
+    assert tree.eviction_policy == "ghost" and tree.size > 0  # a bad name changes nothing
+    with pytest.raises(ValueError, match="eviction_policy"):
+        ApproxTree(100, eviction_policy="mru")
+
+
+def test_insert_with_trim_keeps_the_key_just_routed() -> None:
+    now = [0.0]
+    tree = ApproxTree(6, eviction_policy="lfu", clock=lambda: now[0])
+    old = key("old prompt, used twice")  # 3 chunks of 8 bytes
+    tree.insert(old, trim=True)
+    now[0] += 1
+    tree.match(old)
+    now[0] += 1
+    new = key("a new prompt that is longer: 5 chunks")
+    tree.insert(new, trim=True)
+    # LFU would evict the new leaf first (fewest uses); it is running on the worker, so the
+    # old prompt pays instead, and the tree is at its bound
+    assert tree.match(new) == len(new) and tree.size == 6
+    assert tree.match(old) < len(old)
+    huge = key("x" * 80)  # 10 chunks: more than the bound, kept whole while it runs
+    tree.insert(huge, trim=True)
+    assert tree.match(huge) == 10 and tree.size == 10
+    tree.trim()  # once it is no longer protected, the bound applies again
+    assert tree.size == 6
