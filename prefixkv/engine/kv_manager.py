@@ -23,7 +23,7 @@ and they enter the index exactly as if they had been computed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from prefixkv.cache.block_pool import BlockPool
@@ -62,6 +62,7 @@ class KVManager:
         self._copy_rows = copy_rows
         self._keys: dict[int, bytes] = {}  # cached block id -> tier key (only with tiers)
         self._chains: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading blocks
+        self._pinned_keys: dict[tuple[Hashable | None, tuple[int, ...]], list[bytes]] = {}
         self._pool_counters = TierCounters("pool", num_blocks)
 
     @property
@@ -244,24 +245,46 @@ class KVManager:
         return cache.match_prefix(token_ids, namespace=namespace).match_length >= full
 
     def pin(self, token_ids: list[int], namespace: Hashable | None, description: str | None) -> PinnedPrefix:
-        """Pin the cached full blocks of ``token_ids``; :class:`PinError` says why not."""
-        return self.require_cache().pin(token_ids, namespace=namespace, description=description)
+        """Pin the cached full blocks of ``token_ids``; :class:`PinError` says why not. With
+        lower tiers their keys are pinned there too (never evicted from the host or disk)."""
+        pinned = self.require_cache().pin(token_ids, namespace=namespace, description=description)
+        key = (namespace, tuple(pinned.token_ids))
+        if self.tiers is not None and key not in self._pinned_keys:
+            try:
+                keys = self.tiers.keyer.extend([], pinned.token_ids, pinned.num_blocks, namespace)
+            except ValueError:  # a namespace with no stable serialisation: pool only
+                keys = []
+            self._pinned_keys[key] = keys
+            self.tiers.pinned.add(keys)
+        return pinned
 
     def unpin(self, token_ids: list[int], namespace: Hashable | None) -> bool:
-        """Unpin a pinned prefix; ``False`` if it was not pinned."""
-        return bool(self.require_cache().unpin_prefix(token_ids, namespace=namespace))
+        """Unpin a pinned prefix (in every tier); ``False`` if it was not pinned."""
+        ok = bool(self.require_cache().unpin_prefix(token_ids, namespace=namespace))
+        full = len(token_ids) // self.block_size * self.block_size
+        keys = self._pinned_keys.pop((namespace, tuple(token_ids[:full])), None)
+        if ok and keys and self.tiers is not None:
+            self.tiers.pinned.remove(keys)
+        return ok
 
-    def reset_cache(self) -> int:
-        """Drop every unlocked cached block back into the pool; returns how many."""
+    def reset_cache(self, tiers: Iterable[str] = ("host",)) -> dict[str, int | None]:
+        """Unpin everything (in every tier), drop every unlocked cached block back into the
+        pool, and clear the configured lower tiers named in ``tiers`` (see
+        :func:`~prefixkv.tiers.spec.reset_tiers`). Per tier, how many blocks were dropped:
+        ``pool`` first (``None``: the remote could not be reached)."""
+        out: dict[str, int | None] = {"pool": 0}
         if self.cache is None:
-            return 0
+            return out
         freed = self.cache.reset()
         for b in freed:
             self._keys.pop(b, None)
+        self._pinned_keys.clear()
         if self.tiers is not None:
-            self.tiers.clear_host()
+            self.tiers.pinned.clear()
+            out.update(self.tiers.clear(tiers))
         self.pool.free(freed)
-        return len(freed)
+        out["pool"] = len(freed)
+        return out
 
     def spill(self, num_blocks: int | None = None) -> int:
         """Evict up to ``num_blocks`` (default: all) unlocked, unpinned cached blocks from the

@@ -9,6 +9,7 @@ argument.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,27 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 Size = int | str | None
+
+LOWER_TIERS = ("host", "disk", "remote")
+RESET_PRESETS = {"local": frozenset({"host"}), "all": frozenset(LOWER_TIERS), "none": frozenset()}
+"""What an admin reset clears below the pool: ``local`` (the default: the host tier, which like
+the pool is this process's memory), ``all`` (also the disk and the shared remote tier), or
+``none`` (the pool only)."""
+
+
+def reset_tiers(value: str | Iterable[str]) -> frozenset[str]:
+    """The lower tiers an admin reset should clear: a preset of :data:`RESET_PRESETS`, or tier
+    names (``"host,disk"`` or a list). ``ValueError`` naming ``tiers`` for anything else."""
+    if isinstance(value, str):
+        if value.strip().lower() in RESET_PRESETS:
+            return RESET_PRESETS[value.strip().lower()]
+        value = value.split(",")
+    names = {str(v).strip().lower() for v in value} - {""}
+    bad = sorted(names - set(LOWER_TIERS))
+    if bad:
+        raise ValueError(f"tiers must be one of {sorted(RESET_PRESETS)} or names from "
+                         f"{list(LOWER_TIERS)}, got {bad}")
+    return frozenset(names)
 
 
 def parse_size(value: Size, block_nbytes: int, name: str) -> int:

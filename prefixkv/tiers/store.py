@@ -12,23 +12,35 @@ prompt's next blocks can be found:
 ``lookup(keys)``       the longest run of leading ``keys`` some tier holds; host slots are
                        held (not evictable) until ``load`` / ``cancel``
 ``load(hits, ids)``    copies the hits into freshly allocated pool blocks, releases holds
+``pinned``             keys of pinned prefixes: the host and disk tiers never evict them
+``clear(tiers)``       an admin reset of the named tiers (pinned keys stay)
 =====================  ==================================================================
 
-Ownership: pool block ids stay the caller's throughout; the store only reads and writes their
-KV through the :class:`BlockTransfer` it was given. Engine thread only (the disk and remote
-tiers have their own writer threads). Every lower tier is a cache: a failed read is a miss.
+Ownership and locking, per tier (docs/tiers.md, "Ownership"):
+
+* pool block ids stay the caller's throughout; the store only reads and writes their KV
+  through the :class:`BlockTransfer` it was given, during the call;
+* a host slot is free or holds exactly one key; a key looked up for a request is *held* (never
+  evicted) until that request's ``load`` or ``cancel``; a *pinned* key is never evicted;
+* a disk file is the disk tier's; its writer thread evicts only unpinned keys;
+* remote values are shared by every engine on the server; the server evicts them.
+
+Engine thread only (the disk and remote tiers have their own writer threads). Every lower
+tier is a cache: a failed read is a miss, never wrong KV (records carry their key and a
+checksum).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
+from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.remote import RemoteTier
 from prefixkv.tiers.spec import TierSpec, parse_size
 from prefixkv.tiers.stats import TierStats
@@ -94,6 +106,10 @@ class TieredStore:
         self.disk = disk
         self.remote = remote
         self._timer = timer
+        self.pinned = PinnedKeys()  # one set, shared by the tiers that evict on their own
+        for tier in (host, disk):
+            if tier is not None:
+                tier.pinned = self.pinned
 
     @classmethod
     def create(
@@ -214,8 +230,23 @@ class TieredStore:
 
     # ------------------------------------------------------------------ admin
     def clear_host(self) -> int:
-        """Drop the host tier's blocks (the disk and remote tiers are shared/persistent)."""
+        """Drop the host tier's unpinned blocks; returns how many."""
         return self.host.clear() if self.host is not None else 0
+
+    def clear(self, tiers: Iterable[str]) -> dict[str, int | None]:
+        """Drop the unpinned blocks of the configured tiers among ``tiers`` (names from
+        ``host``, ``disk``, ``remote``); per tier, how many were dropped (``None``: the remote
+        could not be reached). Clearing ``remote`` deletes every prefixkv block on that
+        server, other workers' included: it is one shared tier."""
+        out: dict[str, int | None] = {}
+        names = set(tiers)
+        if self.host is not None and "host" in names:
+            out["host"] = self.host.clear()
+        if self.disk is not None and "disk" in names:
+            out["disk"] = self.disk.clear()
+        if self.remote is not None and "remote" in names:
+            out["remote"] = self.remote.clear()
+        return out
 
     def stats(self) -> list[TierStats]:
         """A snapshot per configured tier, top down."""
