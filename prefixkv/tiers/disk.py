@@ -127,7 +127,7 @@ class DiskTier:
             return None
         return payload
 
-    def keys(self) -> list[bytes]:
+    def stored_keys(self) -> list[bytes]:
         """The indexed keys, least recently used first."""
         with self._lock:
             return list(self._index)

@@ -77,7 +77,7 @@ class HostTier:
         else:
             self._held.pop(key, None)
 
-    def keys(self) -> list[bytes]:
+    def stored_keys(self) -> list[bytes]:
         """The stored keys, least recently used first."""
         return list(self._slots)
 

@@ -40,13 +40,13 @@ def test_pinned_prefix_stays_on_host_and_disk(make_llm: Any, tokens: Any, tmp_pa
     churn(llm, tokens, 100)
     host, disk = kv.tiers.host, kv.tiers.disk
     assert host.counters.get("evictions") > 0 and disk.counters.get("evictions") > 0
-    assert all(k in host for k in keys) and set(keys) <= set(disk.keys())
+    assert all(k in host for k in keys) and set(keys) <= set(disk.stored_keys())
     assert kv.cache.match_prefix(system).match_length == 3 * BS  # and the pool keeps it
     assert llm.unpin_prefix(system)
     assert len(kv.tiers.pinned) == 0
     kv.spill()
     churn(llm, tokens, 200)
-    assert not any(k in host for k in keys) and not set(keys) & set(disk.keys())
+    assert not any(k in host for k in keys) and not set(keys) & set(disk.stored_keys())
     llm.engine.close()
 
 
@@ -61,7 +61,7 @@ def test_two_pins_share_blocks(make_llm: Any, tokens: Any, tmp_path: Path) -> No
     assert llm.unpin_prefix(long)
     assert kv.tiers.pinned.snapshot() == frozenset(keys[:2])
     churn(llm, tokens, 300)
-    assert set(keys[:2]) <= set(kv.tiers.disk.keys())
+    assert set(keys[:2]) <= set(kv.tiers.disk.stored_keys())
     llm.reset_prefix_cache()  # unpins everything, in every tier
     assert len(kv.tiers.pinned) == 0 and llm.list_pinned() == []
     llm.engine.close()

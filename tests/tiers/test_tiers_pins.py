@@ -40,7 +40,7 @@ def test_host_eviction_skips_pinned_keys() -> None:
     assert h.clear() == 0 and len(h) == 2  # clear keeps pinned keys too
     pins.remove([b"a"])
     assert h.reserve(b"d") is not None and b"a" not in h and b"c" in h
-    assert h.clear() == 1 and h.keys() == [b"c"]
+    assert h.clear() == 1 and h.stored_keys() == [b"c"]
 
 
 def test_disk_eviction_skips_pinned_keys(tmp_path: Path) -> None:
@@ -52,13 +52,13 @@ def test_disk_eviction_skips_pinned_keys(tmp_path: Path) -> None:
     pins.add([key(0)])  # the oldest file, pinned
     d.submit(key(2), b"\x02" * 4)
     assert d.flush()
-    assert d.keys() == [key(0), key(2)] and not d.path(key(1)).exists()
+    assert d.stored_keys() == [key(0), key(2)] and not d.path(key(1)).exists()
     pins.add([key(2)])
     d.submit(key(3), b"\x03" * 4)  # no unpinned file to make room: the new block is not kept
     assert d.flush()
-    assert d.keys() == [key(0), key(2)] and not d.path(key(3)).exists()
+    assert d.stored_keys() == [key(0), key(2)] and not d.path(key(3)).exists()
     assert d.counters.get("dropped") == 1 and d.counters.get("evictions") == 1
     assert d.read(key(0)) == b"\x00" * 4
     pins.remove([key(2)])
-    assert d.clear() == 1 and d.keys() == [key(0)] and len(list(tmp_path.glob("*.kvb"))) == 1
+    assert d.clear() == 1 and d.stored_keys() == [key(0)] and len(list(tmp_path.glob("*.kvb"))) == 1
     d.close()
