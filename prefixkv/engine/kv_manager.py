@@ -61,6 +61,8 @@ class KVManager:
         self.tiers = tiers
         self._copy_rows = copy_rows
         self._keys: dict[int, bytes] = {}  # cached block id -> tier key (only with tiers)
+        self._pooled: set[bytes] = set()  # the values of _keys
+        self._prefetched: set[int] = set()  # seq ids whose read-ahead was considered
         self._chains: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading blocks
         self._pinned_keys: dict[tuple[Hashable | None, tuple[int, ...]], list[bytes]] = {}
         self._pool_counters = TierCounters("pool", num_blocks)
@@ -108,6 +110,8 @@ class KVManager:
             chain = self._chain(seq, num_full) if num_full > len(matched) else []
             if chain:
                 hits = self.tiers.lookup(chain[len(matched) : num_full])
+            if seq.seq_id in self._prefetched:  # read ahead no more: admission read its blocks
+                self.tiers.cancel_prefetch(seq.seq_id)
             if hits:
                 partial = 0  # whole blocks from below supersede the copied rows
         loaded = len(hits) * bs
@@ -146,6 +150,24 @@ class KVManager:
             self.commit(seq)  # loaded blocks enter the index (locked) like computed ones
         return num_new
 
+    def prefetch(self, seq: Sequence) -> bool:
+        """Start reading the blocks of a queued sequence's prompt that only the disk or remote
+        tier holds into host staging, off the engine thread (the leading blocks the pool or
+        the host tier holds are skipped); ``True`` if a read was started. Admission then takes
+        the staged blocks (``TieredStore.lookup``); nothing is held for the sequence meanwhile."""
+        tiers = self.tiers
+        if tiers is None or tiers.prefetcher is None or seq.seq_id in self._prefetched:
+            return False
+        self._prefetched.add(seq.seq_id)
+        if seq.index > 0 or seq.request.needs_prompt_logprobs:  # shares / computes its prompt
+            return False
+        chain = self._chain(seq, (len(seq.token_ids) - 1) // self.block_size)
+        host = tiers.host
+        j = 0
+        while j < len(chain) and (chain[j] in self._pooled or (host is not None and chain[j] in host)):
+            j += 1
+        return j < len(chain) and tiers.prefetch(seq.seq_id, chain[j:])
+
     def _allocate(self, n: int) -> list[int] | None:
         """``n`` pool blocks, evicting unlocked cached blocks when short (offloading them to
         the host tier first); ``None`` (nothing taken, nothing evicted) if they cannot be had."""
@@ -156,6 +178,7 @@ class KVManager:
             freed = self.cache.evict(short)
             if self.tiers is not None:
                 pairs = [(b, self._keys.pop(b)) for b in freed if b in self._keys]
+                self._pooled.difference_update(k for _, k in pairs)
                 self.tiers.offload(pairs)
             self.pool.free(freed)
         return self.pool.allocate(n)
@@ -216,6 +239,7 @@ class KVManager:
             if chain:
                 pairs = [(table[i], chain[i]) for i in range(first, seq.num_indexed_blocks)]
                 self._keys.update(pairs)
+                self._pooled.update(k for _, k in pairs)
                 self.tiers.publish(pairs)
         if old is not None:
             self.cache.unlock(old)
@@ -231,6 +255,9 @@ class KVManager:
         seq.num_indexed_blocks = 0
         seq.num_computed_tokens = 0
         self._chains.pop(seq.seq_id, None)
+        if seq.seq_id in self._prefetched and self.tiers is not None:
+            self._prefetched.discard(seq.seq_id)
+            self.tiers.cancel_prefetch(seq.seq_id)
 
     def require_cache(self) -> PrefixCache:
         """The prefix index; ``ValueError`` with prefix caching off."""
@@ -277,7 +304,7 @@ class KVManager:
             return out
         freed = self.cache.reset()
         for b in freed:
-            self._keys.pop(b, None)
+            self._pooled.discard(self._keys.pop(b, b""))
         self._pinned_keys.clear()
         if self.tiers is not None:
             self.tiers.pinned.clear()
