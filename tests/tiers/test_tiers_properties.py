@@ -234,6 +234,7 @@ class Harness:
             assert torch.equal(self.pool_block(b), self.expected_block(k)), "pool block != its key's KV"
         pool_keys = set(kv._keys.values())
         assert len(pool_keys) == len(kv._keys)  # one pool block per key
+        assert kv._pooled == pool_keys
         host = store.host
         assert host is not None and host.num_held == 0 and len(host) <= HOST
         slots = [host._slots[k] for k in host.stored_keys()]
