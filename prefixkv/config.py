@@ -185,6 +185,9 @@ _TIER_OPTIONS: dict[str, dict[str, Any]] = {
                "metavar": "URL"},
     "remote_timeout": {"help": "a remote call slower than this counts as down",
                        "metavar": "SECONDS"},
+    "prefetch_blocks": {"help": "most blocks read ahead from disk / remote into host memory "
+                                "while their requests wait in the queue (0: off)",
+                        "metavar": "BLOCKS"},
     "namespace": {"help": "extra key part of every block in the lower tiers (e.g. a "
                           "deployment name): engines on other namespaces never see them",
                   "shown": "none", "metavar": "NAME"},

@@ -195,9 +195,14 @@ class AsyncEngine:
         """Engine and cache statistics."""
         return await self.call(lambda e: e.get_stats())
 
-    async def reset_prefix_cache(self) -> bool:
-        """Drop every cached block not in use by a running request."""
-        return await self.call(lambda e: e.reset_prefix_cache())
+    async def reset_prefix_cache(self, tiers: str | Sequence[str] = "local") -> bool:
+        """Drop every cached block not in use by a running request (and the lower tiers
+        ``tiers`` names: ``LLMEngine.reset_prefix_cache``)."""
+        return await self.call(lambda e: e.reset_prefix_cache(tiers))
+
+    async def reset_prefix_cache_tiers(self, tiers: str | Sequence[str] = "local") -> dict[str, int | None] | None:
+        """:meth:`reset_prefix_cache`, returning the blocks dropped per tier (``None``: caching off)."""
+        return await self.call(lambda e: e.reset_prefix_cache_tiers(tiers))
 
     async def reset_prefix_cache_blocks(self) -> int | None:
         """:meth:`reset_prefix_cache`, returning the blocks freed (``None``: caching off)."""

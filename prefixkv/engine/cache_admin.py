@@ -10,11 +10,12 @@ Single-threaded like the engine: call it on the engine's thread. Pure Python.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from prefixkv.cache.protocol import PinError, PinnedPrefix
 from prefixkv.engine.kv_manager import KVManager
 from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.tiers.spec import reset_tiers
 
 PIN_ATTEMPTS = 2
 """Pin = prefill if not cached, then pin; the prefilled blocks may be evicted before the pin
@@ -39,9 +40,18 @@ class CacheAdmin:
         self.max_pinned_blocks_per_tenant = cap
 
     def reset_blocks(self) -> int | None:
-        """Unpin everything and drop every cached block not in use; returns how many blocks
-        went back to the pool (``None`` with prefix caching off)."""
-        return None if self.kv.cache is None else self.kv.reset_cache()
+        """Unpin everything and drop every cached block not in use, and the host tier's
+        blocks; returns how many blocks went back to the pool (``None``: caching off)."""
+        out = self.reset("local")
+        return None if out is None else out["pool"]
+
+    def reset(self, tiers: str | Iterable[str] = "local") -> dict[str, int | None] | None:
+        """Unpin everything, drop every cached block not in use, and clear the lower tiers
+        ``tiers`` names (``local``: the host tier; ``all``: also disk and remote; or names:
+        :func:`~prefixkv.tiers.spec.reset_tiers`, ``ValueError`` naming ``tiers`` otherwise).
+        Blocks dropped per tier, ``pool`` first (``None`` with prefix caching off)."""
+        names = reset_tiers(tiers)
+        return None if self.kv.cache is None else self.kv.reset_cache(names)
 
     def is_cached(self, token_ids: Sequence[int], namespace: Hashable | None) -> bool:
         """Whether every full block of ``token_ids`` is cached (``ValueError``: caching off)."""

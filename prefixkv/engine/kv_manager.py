@@ -23,7 +23,7 @@ and they enter the index exactly as if they had been computed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from prefixkv.cache.block_pool import BlockPool
@@ -62,7 +62,10 @@ class KVManager:
         self.tiers = tiers
         self._copy_rows = copy_rows
         self._keys: dict[int, bytes] = {}  # cached block id -> tier key (only with tiers)
+        self._pooled: set[bytes] = set()  # the values of _keys
+        self._prefetched: set[int] = set()  # seq ids whose read-ahead was considered
         self._chains: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading blocks
+        self._pinned_keys: dict[tuple[Hashable | None, tuple[int, ...]], list[bytes]] = {}
         self._pool_counters = TierCounters("pool", num_blocks)
         self.events: KVEventSink | None = None  # KV events (BlockStored / BlockRemoved) sink
 
@@ -109,6 +112,8 @@ class KVManager:
             chain = self._chain(seq, num_full) if num_full > len(matched) else []
             if chain:
                 hits = self.tiers.lookup(chain[len(matched) : num_full])
+            if seq.seq_id in self._prefetched:  # read ahead no more: admission read its blocks
+                self.tiers.cancel_prefetch(seq.seq_id)
             if hits:
                 partial = 0  # whole blocks from below supersede the copied rows
         loaded = len(hits) * bs
@@ -147,6 +152,24 @@ class KVManager:
             self.commit(seq)  # loaded blocks enter the index (locked) like computed ones
         return num_new
 
+    def prefetch(self, seq: Sequence) -> bool:
+        """Start reading the blocks of a queued sequence's prompt that only the disk or remote
+        tier holds into host staging, off the engine thread (the leading blocks the pool or
+        the host tier holds are skipped); ``True`` if a read was started. Admission then takes
+        the staged blocks (``TieredStore.lookup``); nothing is held for the sequence meanwhile."""
+        tiers = self.tiers
+        if tiers is None or tiers.prefetcher is None or seq.seq_id in self._prefetched:
+            return False
+        self._prefetched.add(seq.seq_id)
+        if seq.index > 0 or seq.request.needs_prompt_logprobs:  # shares / computes its prompt
+            return False
+        chain = self._chain(seq, (len(seq.token_ids) - 1) // self.block_size)
+        host = tiers.host
+        j = 0
+        while j < len(chain) and (chain[j] in self._pooled or (host is not None and chain[j] in host)):
+            j += 1
+        return j < len(chain) and tiers.prefetch(seq.seq_id, chain[j:])
+
     def _allocate(self, n: int) -> list[int] | None:
         """``n`` pool blocks, evicting unlocked cached blocks when short (offloading them to
         the host tier first); ``None`` (nothing taken, nothing evicted) if they cannot be had."""
@@ -159,6 +182,7 @@ class KVManager:
                 self.events.removed(freed)
             if self.tiers is not None:
                 pairs = [(b, self._keys.pop(b)) for b in freed if b in self._keys]
+                self._pooled.difference_update(k for _, k in pairs)
                 self.tiers.offload(pairs)
             self.pool.free(freed)
         return self.pool.allocate(n)
@@ -219,6 +243,7 @@ class KVManager:
             if chain:
                 pairs = [(table[i], chain[i]) for i in range(first, seq.num_indexed_blocks)]
                 self._keys.update(pairs)
+                self._pooled.update(k for _, k in pairs)
                 self.tiers.publish(pairs)
         if self.events is not None and seq.num_indexed_blocks > first:
             self.events.stored(table[first : seq.num_indexed_blocks],
@@ -239,6 +264,9 @@ class KVManager:
         seq.num_indexed_blocks = 0
         seq.num_computed_tokens = 0
         self._chains.pop(seq.seq_id, None)
+        if seq.seq_id in self._prefetched and self.tiers is not None:
+            self._prefetched.discard(seq.seq_id)
+            self.tiers.cancel_prefetch(seq.seq_id)
 
     def require_cache(self) -> PrefixCache:
         """The prefix index; ``ValueError`` with prefix caching off."""
@@ -253,26 +281,48 @@ class KVManager:
         return cache.match_prefix(token_ids, namespace=namespace).match_length >= full
 
     def pin(self, token_ids: list[int], namespace: Hashable | None, description: str | None) -> PinnedPrefix:
-        """Pin the cached full blocks of ``token_ids``; :class:`PinError` says why not."""
-        return self.require_cache().pin(token_ids, namespace=namespace, description=description)
+        """Pin the cached full blocks of ``token_ids``; :class:`PinError` says why not. With
+        lower tiers their keys are pinned there too (never evicted from the host or disk)."""
+        pinned = self.require_cache().pin(token_ids, namespace=namespace, description=description)
+        key = (namespace, tuple(pinned.token_ids))
+        if self.tiers is not None and key not in self._pinned_keys:
+            try:
+                keys = self.tiers.keyer.extend([], pinned.token_ids, pinned.num_blocks, namespace)
+            except ValueError:  # a namespace with no stable serialisation: pool only
+                keys = []
+            self._pinned_keys[key] = keys
+            self.tiers.pinned.add(keys)
+        return pinned
 
     def unpin(self, token_ids: list[int], namespace: Hashable | None) -> bool:
-        """Unpin a pinned prefix; ``False`` if it was not pinned."""
-        return bool(self.require_cache().unpin_prefix(token_ids, namespace=namespace))
+        """Unpin a pinned prefix (in every tier); ``False`` if it was not pinned."""
+        ok = bool(self.require_cache().unpin_prefix(token_ids, namespace=namespace))
+        full = len(token_ids) // self.block_size * self.block_size
+        keys = self._pinned_keys.pop((namespace, tuple(token_ids[:full])), None)
+        if ok and keys and self.tiers is not None:
+            self.tiers.pinned.remove(keys)
+        return ok
 
-    def reset_cache(self) -> int:
-        """Drop every unlocked cached block back into the pool; returns how many."""
+    def reset_cache(self, tiers: Iterable[str] = ("host",)) -> dict[str, int | None]:
+        """Unpin everything (in every tier), drop every unlocked cached block back into the
+        pool, and clear the configured lower tiers named in ``tiers`` (see
+        :func:`~prefixkv.tiers.spec.reset_tiers`). Per tier, how many blocks were dropped:
+        ``pool`` first (``None``: the remote could not be reached)."""
+        out: dict[str, int | None] = {"pool": 0}
         if self.cache is None:
-            return 0
+            return out
         freed = self.cache.reset()
         if self.events is not None:
             self.events.reset(freed, self.cache.num_cached_blocks)
         for b in freed:
-            self._keys.pop(b, None)
+            self._pooled.discard(self._keys.pop(b, b""))
+        self._pinned_keys.clear()
         if self.tiers is not None:
-            self.tiers.clear_host()
+            self.tiers.pinned.clear()
+            out.update(self.tiers.clear(tiers))
         self.pool.free(freed)
-        return len(freed)
+        out["pool"] = len(freed)
+        return out
 
     def spill(self, num_blocks: int | None = None) -> int:
         """Evict up to ``num_blocks`` (default: all) unlocked, unpinned cached blocks from the

@@ -171,9 +171,11 @@ class LLM:
         return [done[r] for r in ids]
 
     # ------------------------------------------------------------------ cache admin
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block (``False`` with prefix caching off)."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, tiers: str | Sequence[str] = "local") -> bool:
+        """Drop every cached block (``False`` with prefix caching off), and the lower KV tiers
+        ``tiers`` names: ``local`` (default: the host tier), ``all`` (also the disk and the
+        shared remote tier), ``none``, or names like ``"host,disk"`` (docs/tiers.md)."""
+        return self.engine.reset_prefix_cache(tiers)
 
     def get_cache_stats(self) -> CacheStats | None:
         """The prefix index's statistics (``None`` with prefix caching off)."""

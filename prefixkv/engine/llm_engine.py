@@ -369,9 +369,15 @@ class LLMEngine:
             self.kv.events.close()
             self.kv.events = None  # a closed sink takes no more records
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block not in use; ``False`` with prefix caching off."""
-        return self.cache_admin.reset_blocks() is not None
+    def reset_prefix_cache(self, tiers: str | Sequence[str] = "local") -> bool:
+        """Drop every cached block not in use, and the lower tiers ``tiers`` names (``local``:
+        the host tier; ``all``: also disk and remote); ``False`` with prefix caching off."""
+        return self.cache_admin.reset(tiers) is not None
+
+    def reset_prefix_cache_tiers(self, tiers: str | Sequence[str] = "local") -> dict[str, int | None] | None:
+        """:meth:`reset_prefix_cache`, returning the blocks dropped per tier (``pool`` first;
+        ``None`` with prefix caching off): :meth:`CacheAdmin.reset`."""
+        return self.cache_admin.reset(tiers)
 
     def reset_prefix_cache_blocks(self) -> int | None:
         """Unpin everything and drop every cached block not in use; returns how many blocks

@@ -16,12 +16,17 @@ Each :meth:`Scheduler.schedule` call builds one step:
    sharing an uncached prefix with one admitted in the same step waits one step (16 concurrent
    prompts with one system prompt compute it once, not 16 times).
 
+With lower KV tiers, the first ``PREFETCH_AHEAD`` sequences still waiting after a step start
+reading their disk / remote blocks into host memory in the background
+(``KVManager.prefetch``), so their admission later copies instead of reading.
+
 A waiting sequence that cannot be admitted while nothing runs can never run (pinned blocks
 fill the pool); it is finished with ``finish_reason="abort"`` instead of hanging.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +35,8 @@ from prefixkv.engine.kv_manager import KVManager
 from prefixkv.engine.schedule_policy import AdmissionOrder
 from prefixkv.engine.sequence import Sequence, SequenceStatus
 
+PREFETCH_AHEAD = 8
+"""Sequences at the head of the waiting queue whose lower-tier blocks are read ahead."""
 MIN_SHARED_TOKENS = 16
 """A waiting sequence defers one step when it shares this many uncached prompt tokens with
 a sequence admitted in the same step (see :meth:`Scheduler._shares_uncached`)."""
@@ -130,6 +137,8 @@ class Scheduler:
         self.running.extend(queue)  # out of budget this step; they keep their blocks
         if not out.preempted:
             budget = self._admit(out, budget)
+        for seq in itertools.islice(self.waiting, PREFETCH_AHEAD):
+            self.kv.prefetch(seq)  # still waiting after this step: read its blocks meanwhile
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:

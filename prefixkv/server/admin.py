@@ -6,7 +6,10 @@
     POST /v1/cache/pin       {"token_ids" | "text" | "messages", "description"?, "cache_salt"?}
     POST /v1/cache/unpin     {"token_ids" | "text" | "messages", "cache_salt"?}
     GET  /v1/cache/pinned    {"object": "list", "data": [pinned prefix, ...]}
-    POST /v1/cache/reset     unpin everything, drop every unlocked cached block
+    POST /v1/cache/reset     unpin everything, drop every unlocked cached block and the host
+                             tier's; ``?tiers=all`` (or body ``{"tiers": "all"}``) also clears
+                             the disk and remote tiers (``local`` | ``all`` | ``none`` | names
+                             like ``host,disk``); answers the blocks dropped per tier
 
 A prefix that is not cached yet is computed first (a one-token prefill through the engine),
 then pinned. Only whole blocks are cached, so a pin covers ``len(prefix) // block_size``
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -114,7 +118,7 @@ def _stats_dict(s: EngineStats) -> dict[str, Any]:
     return body
 
 
-def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[[], Awaitable[dict[str, Any]]]]:
+def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[..., Awaitable[dict[str, Any]]]]:
     """The ``/cache`` router (mounted under ``/v1`` behind :func:`admin_dependency`) and the
     reset handler (also served at ``/reset_prefix_cache``)."""
     router = APIRouter(prefix="/cache")
@@ -156,12 +160,35 @@ def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[[], Awa
         return {"object": "list", "data": [_pinned_dict(p) for p in await engine.list_pinned()]}
 
     @router.post("/reset")
-    async def reset() -> dict[str, Any]:
-        freed = await engine.reset_prefix_cache_blocks()
-        return {"reset": freed is not None, "freed_blocks": freed or 0}
+    async def reset(request: Request, tiers: str | None = None) -> dict[str, Any]:
+        if tiers is None:  # the body's form passes through the router's fan-out
+            tiers = await _body_tiers(request)
+        try:
+            cleared = await engine.reset_prefix_cache_tiers(tiers)
+        except ValueError as exc:
+            raise APIError(str(exc), param="tiers") from exc
+        freed = cleared.pop("pool", 0) if cleared is not None else 0
+        return {"reset": cleared is not None, "freed_blocks": freed or 0, "tiers": cleared or {}}
 
     return router, reset
 
 
 def _param(spec: PrefixSpec) -> str:
     return next(k for k in ("token_ids", "text", "messages") if getattr(spec, k) is not None)
+
+
+async def _body_tiers(request: Request) -> str:
+    """``tiers`` of an optional JSON body (``"local"`` without one)."""
+    raw = await request.body()
+    if not raw.strip():
+        return "local"
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(f"invalid JSON body: {exc}", param="tiers") from exc
+    tiers = body.get("tiers", "local") if isinstance(body, dict) else None
+    if isinstance(tiers, list) and all(isinstance(t, str) for t in tiers):
+        return ",".join(tiers)
+    if not isinstance(tiers, str):
+        raise APIError("tiers must be a string or a list of tier names", param="tiers")
+    return tiers

@@ -181,6 +181,9 @@ def _register_cache(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.set_defaults(func=_cache_list_pinned)
     q = csub.add_parser("reset", help="unpin everything and drop all unused cached blocks")
     common(q)
+    q.add_argument("--tiers", default="local",
+                   help="lower KV tiers to clear too: local (host tier, default), all (also disk "
+                        "and the shared remote), none, or names: host,disk,remote")
     q.set_defaults(func=_cache_reset)
 
 
@@ -310,8 +313,9 @@ def _cache_list_pinned(args: argparse.Namespace) -> int:
 
 
 def _cache_reset(args: argparse.Namespace) -> int:
-    d = _request(args, "POST", "/v1/cache/reset")
-    return _show(args, d, f"cache reset ({d['freed_blocks']} blocks freed)")
+    d = _request(args, "POST", "/v1/cache/reset", {"tiers": args.tiers})
+    tiers = "".join(f", {k}: {'unreachable' if v is None else v}" for k, v in d.get("tiers", {}).items())
+    return _show(args, d, f"cache reset ({d['freed_blocks']} blocks freed{tiers})")
 
 
 # ---------------------------------------------------------------- generate (offline)

@@ -4,7 +4,9 @@ See docs/tiers.md."""
 
 from prefixkv.tiers.codec import CorruptBlockError
 from prefixkv.tiers.keys import BlockKeyer
-from prefixkv.tiers.spec import TierSpec, parse_size
+from prefixkv.tiers.pins import PinnedKeys
+from prefixkv.tiers.prefetch import Prefetcher
+from prefixkv.tiers.spec import TierSpec, parse_size, reset_tiers
 from prefixkv.tiers.stats import TierStats
 from prefixkv.tiers.store import BlockTransfer, TieredStore, TierHit
 
@@ -12,9 +14,12 @@ __all__ = [
     "BlockKeyer",
     "BlockTransfer",
     "CorruptBlockError",
+    "PinnedKeys",
+    "Prefetcher",
     "TierHit",
     "TierSpec",
     "TierStats",
     "TieredStore",
     "parse_size",
+    "reset_tiers",
 ]

@@ -7,7 +7,9 @@ modification time first), which is what makes a restarted engine answer from dis
 
 Reads check the record (magic, version, key, layout, length, xxhash64); a corrupt or truncated
 file is a miss and is deleted. Capacity is in blocks; the least recently used file goes first
-(a read touches the file's mtime, so LRU order survives restarts).
+(a read touches the file's mtime, so LRU order survives restarts), skipping pinned keys
+(:class:`~prefixkv.tiers.pins.PinnedKeys`): when only pinned files could make room, the new
+block is the one not kept.
 
 Threads: the engine thread calls :meth:`contains` / :meth:`read` / :meth:`submit`; the writer
 thread writes and evicts. The index is guarded by one lock.
@@ -15,6 +17,7 @@ thread writes and evicts. The index is guarded by one lock.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -22,6 +25,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from prefixkv.tiers.codec import CorruptBlockError, decode, encode
+from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.stats import TierCounters
 from prefixkv.tiers.writer import BackgroundWriter
 
@@ -32,7 +36,10 @@ SUFFIX = ".kvb"
 class DiskTier:
     """Blocks as files in ``directory``, at most ``capacity`` of them."""
 
-    def __init__(self, directory: str | Path, capacity: int, layout: str, nbytes: int) -> None:
+    def __init__(
+        self, directory: str | Path, capacity: int, layout: str, nbytes: int,
+        pinned: PinnedKeys | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"kv_disk_size must be >= 1 block, got {capacity}")
         self.directory = Path(directory)
@@ -46,6 +53,7 @@ class DiskTier:
         self.layout = layout
         self.nbytes = nbytes
         self.counters = TierCounters("disk", capacity)
+        self.pinned = pinned if pinned is not None else PinnedKeys()
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first
         self._pending: set[bytes] = set()
@@ -119,6 +127,23 @@ class DiskTier:
             return None
         return payload
 
+    def stored_keys(self) -> list[bytes]:
+        """The indexed keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def clear(self) -> int:
+        """Wait for queued writes, then delete every indexed file whose key is not pinned;
+        returns how many were deleted."""
+        self._writer.flush()
+        with self._lock:
+            drop = [k for k in self._index if k not in self.pinned]
+            for k in drop:
+                del self._index[k]
+        for k in drop:
+            _unlink(self.path(k))
+        return len(drop)
+
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for queued writes; ``False`` on timeout."""
         return self._writer.flush(timeout)
@@ -143,13 +168,17 @@ class DiskTier:
                 self._pending.discard(key)
             _unlink(tmp)
             raise
-        victims = []
         with self._lock:
             self._pending.discard(key)
             self._index[key] = None
-            while len(self._index) > self.capacity:
-                victims.append(self._index.popitem(last=False)[0])
-        self.counters.add(stored_blocks=1, stored_bytes=len(payload), evictions=len(victims))
+            over = len(self._index) - self.capacity
+            victims = list(itertools.islice(
+                (k for k in self._index if k not in self.pinned), max(0, over)))
+            for v in victims:
+                del self._index[v]
+        kept = key not in victims  # False: only pinned files could have made room
+        self.counters.add(stored_blocks=int(kept), stored_bytes=len(payload) if kept else 0,
+                          evictions=len(victims) - (not kept), dropped=int(not kept))
         for v in victims:
             _unlink(self.path(v))
 

@@ -3,27 +3,31 @@
 Pure bookkeeping: the arena itself is a tensor the runner owns
 (:class:`~prefixkv.runner.kv_transfer.KVTransfer`); this class only hands out slot numbers.
 Ownership: a slot is either free or holds exactly one key. :meth:`reserve` takes a slot for a
-new key, evicting the least recently used key that is not *held*; a held key (a request is
-about to copy it into the pool) is never evicted until :meth:`release`.
+new key, evicting the least recently used key that is neither *held* nor *pinned*: a held key
+(a request is about to copy it into the pool) is never evicted until :meth:`release`, and a
+pinned key (:class:`~prefixkv.tiers.pins.PinnedKeys`, a pinned prefix's block) not until it is
+unpinned.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.stats import TierCounters
 
 
 class HostTier:
     """Slot index of the host-memory tier, ``capacity`` blocks. Engine thread only."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, pinned: PinnedKeys | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"kv_offload_size must be >= 1 block, got {capacity}")
         self.capacity = capacity
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._free = list(range(capacity - 1, -1, -1))
         self._held: dict[bytes, int] = {}
+        self.pinned = pinned if pinned is not None else PinnedKeys()
         self.counters = TierCounters("host", capacity)
 
     def __len__(self) -> int:
@@ -39,12 +43,14 @@ class HostTier:
 
     def reserve(self, key: bytes) -> int | None:
         """A slot for ``key`` (the caller fills it now); ``None`` if ``key`` is stored already
-        or every slot is held. May evict the least recently used unheld key."""
+        or every slot is held or pinned. May evict the least recently used key that is
+        neither."""
         if key in self._slots:
             self._slots.move_to_end(key)
             return None
         if not self._free:
-            victim = next((k for k in self._slots if k not in self._held), None)
+            victim = next(
+                (k for k in self._slots if k not in self._held and k not in self.pinned), None)
             if victim is None:
                 self.counters.add(dropped=1)
                 return None
@@ -71,9 +77,14 @@ class HostTier:
         else:
             self._held.pop(key, None)
 
+    def stored_keys(self) -> list[bytes]:
+        """The stored keys, least recently used first."""
+        return list(self._slots)
+
     def clear(self) -> int:
-        """Drop every unheld key; returns how many."""
-        drop = [k for k in self._slots if k not in self._held]
+        """Drop every key that is neither held nor pinned; returns how many."""
+        pinned = self.pinned.snapshot()
+        drop = [k for k in self._slots if k not in self._held and k not in pinned]
         for k in drop:
             self._free.append(self._slots.pop(k))
         return len(drop)

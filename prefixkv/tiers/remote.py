@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 PREFIX = b"pkv:"
 KNOWN_KEYS = 1 << 17
 """Most keys remembered as already published (their re-publication is skipped)."""
+CLEAR_BATCH = 512
+"""Keys scanned and unlinked per round trip by :meth:`RemoteTier.clear`."""
 
 
 class RemoteTier:
@@ -110,6 +112,28 @@ class RemoteTier:
             with self._lock:
                 self._remember(key)
         return out
+
+    def clear(self) -> int | None:
+        """Wait for queued writes, then delete every prefixkv block on the server (``pkv:*``,
+        every model's and every worker's: the tier is shared); returns how many, or ``None``
+        when the server could not be reached (counted in ``errors``)."""
+        self._writer.flush()
+        with self._lock:
+            self._known.clear()
+        deleted = 0
+        try:
+            batch: list[bytes] = []
+            for name in self._client.scan_iter(match=PREFIX + b"*", count=CLEAR_BATCH):
+                batch.append(name)
+                if len(batch) >= CLEAR_BATCH:
+                    deleted += int(self._client.unlink(*batch))
+                    batch = []
+            if batch:
+                deleted += int(self._client.unlink(*batch))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as "not cleared"
+            self._failed(exc)
+            return None
+        return deleted
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for queued writes; ``False`` on timeout."""

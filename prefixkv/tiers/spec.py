@@ -9,6 +9,7 @@ argument.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,27 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 Size = int | str | None
+
+LOWER_TIERS = ("host", "disk", "remote")
+RESET_PRESETS = {"local": frozenset({"host"}), "all": frozenset(LOWER_TIERS), "none": frozenset()}
+"""What an admin reset clears below the pool: ``local`` (the default: the host tier, which like
+the pool is this process's memory), ``all`` (also the disk and the shared remote tier), or
+``none`` (the pool only)."""
+
+
+def reset_tiers(value: str | Iterable[str]) -> frozenset[str]:
+    """The lower tiers an admin reset should clear: a preset of :data:`RESET_PRESETS`, or tier
+    names (``"host,disk"`` or a list). ``ValueError`` naming ``tiers`` for anything else."""
+    if isinstance(value, str):
+        if value.strip().lower() in RESET_PRESETS:
+            return RESET_PRESETS[value.strip().lower()]
+        value = value.split(",")
+    names = {str(v).strip().lower() for v in value} - {""}
+    bad = sorted(names - set(LOWER_TIERS))
+    if bad:
+        raise ValueError(f"tiers must be one of {sorted(RESET_PRESETS)} or names from "
+                         f"{list(LOWER_TIERS)}, got {bad}")
+    return frozenset(names)
 
 
 def parse_size(value: Size, block_nbytes: int, name: str) -> int:
@@ -58,6 +80,8 @@ class TierSpec:
         remote_timeout: seconds a remote call may take before it counts as down.
         namespace: extra key part for every stored block (e.g. a deployment name); blocks
             stored under one namespace are invisible to engines using another.
+        prefetch_blocks: most blocks read ahead from disk / remote into host staging while
+            their requests wait in the queue (``prefixkv.tiers.prefetch``); 0 turns it off.
     """
 
     offload_size: Size = None
@@ -66,6 +90,7 @@ class TierSpec:
     remote: str | None = None
     remote_timeout: float = 0.5
     namespace: str = ""
+    prefetch_blocks: int = 1024
 
     def __post_init__(self) -> None:
         if self.remote is not None and not (
@@ -74,6 +99,9 @@ class TierSpec:
             raise ValueError(f"kv_remote must be a redis://host:port[/db] URL, got {self.remote!r}")
         if not isinstance(self.remote_timeout, (int, float)) or not self.remote_timeout > 0:
             raise ValueError(f"kv_remote_timeout must be > 0, got {self.remote_timeout!r}")
+        if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, int) \
+                or self.prefetch_blocks < 0:
+            raise ValueError(f"kv_prefetch_blocks must be an int >= 0, got {self.prefetch_blocks!r}")
         if self.disk_size is not None and self.disk_dir is None:
             raise ValueError("kv_disk_size needs kv_disk_dir")
         parse_size(self.offload_size, 1, "kv_offload_size")  # malformed sizes fail before loading

@@ -12,23 +12,38 @@ prompt's next blocks can be found:
 ``lookup(keys)``       the longest run of leading ``keys`` some tier holds; host slots are
                        held (not evictable) until ``load`` / ``cancel``
 ``load(hits, ids)``    copies the hits into freshly allocated pool blocks, releases holds
+``pinned``             keys of pinned prefixes: the host and disk tiers never evict them
+``prefetch(keys)``     start reading a queued request's disk/remote blocks into host
+                       staging in the background (:mod:`prefixkv.tiers.prefetch`)
+``clear(tiers)``       an admin reset of the named tiers (pinned keys stay)
 =====================  ==================================================================
 
-Ownership: pool block ids stay the caller's throughout; the store only reads and writes their
-KV through the :class:`BlockTransfer` it was given. Engine thread only (the disk and remote
-tiers have their own writer threads). Every lower tier is a cache: a failed read is a miss.
+Ownership and locking, per tier (docs/tiers.md, "Ownership"):
+
+* pool block ids stay the caller's throughout; the store only reads and writes their KV
+  through the :class:`BlockTransfer` it was given, during the call;
+* a host slot is free or holds exactly one key; a key looked up for a request is *held* (never
+  evicted) until that request's ``load`` or ``cancel``; a *pinned* key is never evicted;
+* a disk file is the disk tier's; its writer thread evicts only unpinned keys;
+* remote values are shared by every engine on the server; the server evicts them.
+
+Engine thread only (the disk and remote tiers have their own writer threads). Every lower
+tier is a cache: a failed read is a miss, never wrong KV (records carry their key and a
+checksum).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
+from prefixkv.tiers.pins import PinnedKeys
+from prefixkv.tiers.prefetch import Prefetcher
 from prefixkv.tiers.remote import RemoteTier
 from prefixkv.tiers.spec import TierSpec, parse_size
 from prefixkv.tiers.stats import TierStats
@@ -36,6 +51,8 @@ from prefixkv.tiers.stats import TierStats
 REMOTE_BATCH = 8
 """Blocks fetched from the remote tier per round trip."""
 DEFAULT_DISK_SIZE = "10GiB"
+PREFETCH_WAIT = 1.0
+"""Seconds admission waits for a block the prefetch thread is reading at that moment."""
 
 
 class BlockTransfer(Protocol):
@@ -86,14 +103,19 @@ class TieredStore:
     def __init__(
         self, keyer: BlockKeyer, transfer: BlockTransfer, *, host: HostTier | None = None,
         disk: DiskTier | None = None, remote: RemoteTier | None = None,
-        timer: Callable[[], float] = time.perf_counter,
+        prefetcher: Prefetcher | None = None, timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.keyer = keyer
         self.transfer = transfer
         self.host = host
         self.disk = disk
         self.remote = remote
+        self.prefetcher = prefetcher
         self._timer = timer
+        self.pinned = PinnedKeys()  # one set, shared by the tiers that evict on their own
+        for tier in (host, disk):
+            if tier is not None:
+                tier.pinned = self.pinned
 
     @classmethod
     def create(
@@ -111,7 +133,10 @@ class TieredStore:
         remote = None
         if spec.remote is not None:
             remote = RemoteTier(spec.remote, layout, nbytes, timeout=spec.remote_timeout)
-        return cls(keyer, transfer, host=host, disk=disk, remote=remote)
+        prefetcher = None
+        if spec.prefetch_blocks and (disk is not None or remote is not None):
+            prefetcher = Prefetcher(disk, remote, spec.prefetch_blocks)
+        return cls(keyer, transfer, host=host, disk=disk, remote=remote, prefetcher=prefetcher)
 
     # ------------------------------------------------------------------ into the tiers
     def offload(self, pairs: Sequence[tuple[int, bytes]]) -> None:
@@ -147,9 +172,21 @@ class TieredStore:
                 remote.submit(key, payload)
 
     # ------------------------------------------------------------------ out of the tiers
+    def prefetch(self, job: int, keys: Sequence[bytes]) -> bool:
+        """Start reading ``keys`` (a queued request's blocks below the host tier, in chain
+        order) into host staging off the engine thread; ``False`` if not started. ``job``
+        names the request for :meth:`cancel_prefetch`."""
+        return self.prefetcher is not None and self.prefetcher.submit(job, keys)
+
+    def cancel_prefetch(self, job: int) -> None:
+        """Stop reading ahead for request ``job`` (it is admitted or gone)."""
+        if self.prefetcher is not None:
+            self.prefetcher.cancel(job)
+
     def lookup(self, keys: Sequence[bytes]) -> list[TierHit]:
         """Hits for the longest run of leading ``keys`` found in some tier (host first, then
-        disk, then remote). Host hits stay held until :meth:`load` or :meth:`cancel`."""
+        prefetched blocks, disk, remote). Host hits stay held until :meth:`load` or
+        :meth:`cancel`."""
         hits: list[TierHit] = []
         fetched: dict[int, tuple[bytes | None, float]] = {}
         for j, key in enumerate(keys):
@@ -166,6 +203,10 @@ class TieredStore:
             slot = self.host.hold(key)
             if slot is not None:
                 return TierHit(key, "host", slot=slot)
+        if self.prefetcher is not None:
+            staged = self.prefetcher.take(key, wait=PREFETCH_WAIT)
+            if staged is not None:  # read off the request path: only the copy counts now
+                return TierHit(key, staged.tier, payload=staged.payload)
         if self.disk is not None and self.disk.contains(key):
             t0 = self._timer()
             payload = self.disk.read(key)
@@ -214,8 +255,25 @@ class TieredStore:
 
     # ------------------------------------------------------------------ admin
     def clear_host(self) -> int:
-        """Drop the host tier's blocks (the disk and remote tiers are shared/persistent)."""
+        """Drop the host tier's unpinned blocks; returns how many."""
         return self.host.clear() if self.host is not None else 0
+
+    def clear(self, tiers: Iterable[str]) -> dict[str, int | None]:
+        """Drop the unpinned blocks of the configured tiers among ``tiers`` (names from
+        ``host``, ``disk``, ``remote``); per tier, how many were dropped (``None``: the remote
+        could not be reached). Clearing ``remote`` deletes every prefixkv block on that
+        server, other workers' included: it is one shared tier."""
+        out: dict[str, int | None] = {}
+        names = set(tiers)
+        if self.host is not None and "host" in names:
+            out["host"] = self.host.clear()
+        if self.prefetcher is not None and names & {"disk", "remote"}:
+            self.prefetcher.clear()
+        if self.disk is not None and "disk" in names:
+            out["disk"] = self.disk.clear()
+        if self.remote is not None and "remote" in names:
+            out["remote"] = self.remote.clear()
+        return out
 
     def stats(self) -> list[TierStats]:
         """A snapshot per configured tier, top down."""
@@ -238,6 +296,8 @@ class TieredStore:
 
     def close(self) -> None:
         """Finish queued writes and stop the writer threads. Idempotent."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         for tier in (self.disk, self.remote):
             if tier is not None:
                 tier.close()

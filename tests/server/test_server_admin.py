@@ -75,6 +75,20 @@ def test_admin_bad_input(http: httpx.Client) -> None:
     assert r.status_code == 400 and "block" in r.json()["error"]["message"]
 
 
+def test_reset_tiers_argument(http: httpx.Client, capsys: pytest.CaptureFixture[str],
+                              server: LiveServer) -> None:
+    """``tiers`` by query or body (the body passes through the router); this server has no lower
+    tiers, so nothing below the pool is reported. Bad values are a 400 naming ``tiers``."""
+    for r in (http.post("/v1/cache/reset?tiers=all"), http.post("/v1/cache/reset", json={"tiers": ["disk"]}),
+              http.post("/reset_prefix_cache", json={"tiers": "none"})):
+        assert r.status_code == 200 and r.json()["reset"] is True and r.json()["tiers"] == {}, r.text
+    for bad in (http.post("/v1/cache/reset?tiers=gpu"), http.post("/v1/cache/reset", json={"tiers": 3}),
+                http.post("/v1/cache/reset", content=b"{", headers={"content-type": "application/json"})):
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tiers", bad.text
+    code, out, _ = _cli(capsys, "cache", "reset", "--tiers", "all", "--url", server.url)
+    assert code == 0 and "cache reset" in out
+
+
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _cli(capsys, "cache", "stats", "--url", "http://127.0.0.1:9")
     assert code == 1 and "cannot reach the server" in err and len(err.strip().splitlines()) == 1

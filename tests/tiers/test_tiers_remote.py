@@ -55,3 +55,22 @@ def test_bad_url() -> None:
     pytest.importorskip("redis")
     with pytest.raises(ValueError, match="kv_remote"):
         RemoteTier("redis://host:notaport", LAYOUT, 16)
+
+
+def test_clear_deletes_every_block_and_reports_a_down_server(valkey: Any) -> None:
+    import redis
+
+    client = redis.Redis.from_url(valkey.url)
+    client.set(b"other:key", b"kept")  # not a prefixkv block
+    r = RemoteTier(valkey.url, LAYOUT, 16, timeout=0.2)
+    for i in range(1000):  # more than one SCAN/UNLINK batch (queue: 1024)
+        r.submit(key(i), bytes([i % 256]) * 16)
+    assert r.flush()
+    assert r.clear() == 1000
+    assert r.read_many([key(0), key(999)]) == [None, None] and not r.is_known(key(0))
+    assert client.get(b"other:key") == b"kept"
+    r.submit(key(0), b"a" * 16)  # forgotten as "known": published again
+    assert r.flush() and r.read_many([key(0)]) == [b"a" * 16]
+    valkey.kill()
+    assert r.clear() is None and r.counters.get("errors") == 1
+    r.close()

@@ -1,0 +1,109 @@
+"""Pins and admin resets across the tiers, through a real engine (demo model) and a real
+``valkey-server``: a pinned prefix is never dropped from the host or disk tier while other
+prompts churn them; ``reset_prefix_cache(tiers=...)`` clears exactly the tiers it names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixkv.engine import SamplingParams
+
+ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+BS = 16
+
+
+def keys_of(llm: Any, prompt: list[int]) -> list[bytes]:
+    tiers = llm.engine.kv.tiers
+    return tiers.keyer.extend([], prompt, len(prompt) // BS, None)  # type: ignore[no-any-return]
+
+
+def churn(llm: Any, tokens: Any, seed: int, n: int = 6) -> None:
+    """Unrelated prompts, each spilled out of the pool: the host and disk tiers fill and evict."""
+    for i in range(n):
+        llm.generate([tokens(seed + i, 3 * BS + 1)], ONE)
+        llm.engine.kv.spill()
+    assert llm.engine.kv.tiers.flush()
+
+
+def test_pinned_prefix_stays_on_host_and_disk(make_llm: Any, tokens: Any, tmp_path: Path) -> None:
+    llm = make_llm(block_size=BS, kv_offload_size=4, kv_disk_dir=tmp_path, kv_disk_size=6)
+    kv = llm.engine.kv
+    system = tokens(1, 3 * BS)
+    llm.generate([system + [33]], ONE)
+    kv.spill()  # the prefix's 3 blocks: host and disk
+    keys = keys_of(llm, system)
+    assert all(k in kv.tiers.host for k in keys)
+    llm.pin_prefix(system, description="sys")  # loaded back from the host tier, then pinned
+    churn(llm, tokens, 100)
+    host, disk = kv.tiers.host, kv.tiers.disk
+    assert host.counters.get("evictions") > 0 and disk.counters.get("evictions") > 0
+    assert all(k in host for k in keys) and set(keys) <= set(disk.stored_keys())
+    assert kv.cache.match_prefix(system).match_length == 3 * BS  # and the pool keeps it
+    assert llm.unpin_prefix(system)
+    assert len(kv.tiers.pinned) == 0
+    kv.spill()
+    churn(llm, tokens, 200)
+    assert not any(k in host for k in keys) and not set(keys) & set(disk.stored_keys())
+    llm.engine.close()
+
+
+def test_two_pins_share_blocks(make_llm: Any, tokens: Any, tmp_path: Path) -> None:
+    llm = make_llm(block_size=BS, kv_offload_size=4, kv_disk_dir=tmp_path, kv_disk_size=6)
+    kv = llm.engine.kv
+    long = tokens(2, 4 * BS)
+    llm.pin_prefix(long)
+    llm.pin_prefix(long[: 2 * BS])  # shares the first two blocks
+    keys = keys_of(llm, long)
+    assert kv.tiers.pinned.snapshot() == frozenset(keys)
+    assert llm.unpin_prefix(long)
+    assert kv.tiers.pinned.snapshot() == frozenset(keys[:2])
+    churn(llm, tokens, 300)
+    assert set(keys[:2]) <= set(kv.tiers.disk.stored_keys())
+    llm.reset_prefix_cache()  # unpins everything, in every tier
+    assert len(kv.tiers.pinned) == 0 and llm.list_pinned() == []
+    llm.engine.close()
+
+
+def cached(llm: Any, prompt: list[int]) -> int:
+    return llm.generate([prompt], ONE)[0].num_cached_tokens  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("tiers,left", [
+    ("local", {"disk", "remote"}), ("none", {"host", "disk", "remote"}), ("all", set()),
+    ("host,disk", {"remote"}), (["remote"], {"host", "disk"}),
+])
+def test_reset_clears_the_named_tiers(
+    tiers: Any, left: set[str], make_llm: Any, tokens: Any, tmp_path: Path, valkey: Any
+) -> None:
+    llm = make_llm(block_size=BS, kv_offload_size=64, kv_disk_dir=tmp_path, kv_remote=valkey.url)
+    kv = llm.engine.kv
+    prompt = tokens(3, 4 * BS + 1)
+    llm.generate([prompt], ONE)
+    kv.spill()
+    assert kv.tiers.flush()
+    out = llm.engine.reset_prefix_cache_tiers(tiers)
+    assert out["pool"] == 0 and kv.cache.num_cached_blocks == 0  # spilled already
+    cleared = {t for t in ("host", "disk", "remote") if out.get(t)}
+    assert cleared == {"host", "disk", "remote"} - left
+    assert (len(kv.tiers.host) > 0) == ("host" in left)
+    assert (len(kv.tiers.disk) > 0) == ("disk" in left)
+    hits = cached(llm, prompt[:-1] + [34])
+    assert hits == (4 * BS if left else 0)  # any tier left answers the whole prefix
+    stats = {t.tier: t.hits for t in llm.get_stats().tiers}
+    top = next((t for t in ("host", "disk", "remote") if t in left), None)
+    assert (top is None and sum(stats.values()) == 0) or stats[top] == 4
+    llm.engine.close()
+
+
+def test_reset_bad_tiers_and_no_caching(make_llm: Any) -> None:
+    llm = make_llm(kv_offload_size=8)
+    with pytest.raises(ValueError, match="tiers"):
+        llm.reset_prefix_cache("everything")
+    with pytest.raises(ValueError, match="tiers"):
+        llm.reset_prefix_cache(["host", "gpu"])
+    off = make_llm(enable_prefix_caching=False)
+    assert off.reset_prefix_cache("all") is False
+    assert off.engine.reset_prefix_cache_tiers("all") is None
