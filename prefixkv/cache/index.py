@@ -235,8 +235,9 @@ class PrefixIndex(Generic[E]):
             handle = self._take_lock(target, nb) if lock else None
             is_pinned = False
             if pin and nb:
-                is_pinned = self.pin_prefix(tokens[: nb * bs], namespace=namespace,
-                                            description=description, extra_keys=extra_keys)
+                is_pinned = self.pin_prefix(
+                    tokens[: nb * bs], namespace=namespace, description=description,
+                    extra_keys=None if extra_keys is None else list(extra_keys)[:nb])
             elif target is not None:
                 is_pinned = target.pin_ref > 0
             shown = token_ids if type(token_ids) is list else tokens

@@ -31,6 +31,10 @@ def test_insert_with_pin_pins_the_prefix_with_its_extra_keys() -> None:
     node = cache.insert_prefix(list(range(8)), [0, 1], pin=True, extra_keys=[1, 2])
     assert node.is_pinned and cache.list_pinned()[0].extra_keys == [1, 2]
     assert cache.unpin_prefix(list(range(8)), extra_keys=[1, 2])
+    # a trailing partial block's extra key (one more than the full blocks) is not part of the pin
+    node = cache.insert_prefix(list(range(20, 30)), [4, 5], pin=True, extra_keys=["x", "y", "z"])
+    assert node.is_pinned and cache.list_pinned()[0].extra_keys == ["x", "y"]
+    cache.check_invariants()
 
 
 def test_unhashable_extra_keys_on_unpin_are_a_value_error() -> None:
