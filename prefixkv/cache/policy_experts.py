@@ -171,8 +171,11 @@ class ExpertsPolicy(EvictionPolicy):
             return (t, -entry.depth, entry.tick)
         depth = entry.depth
         memo = self._entries.get(id(entry))
-        try:  # the common case inlined (hot): a memoized node; the index is in range (_record)
-            rec = self._table.get(memo[2][depth - memo[1] - 1])  # type: ignore[index]
+        try:  # the common case inlined (hot): a memoized node (see _record)
+            j = depth - memo[1] - 1  # type: ignore[index]
+            if j < 0:
+                raise IndexError(j)
+            rec = self._table.get(memo[2][j])  # type: ignore[index]
         except (TypeError, IndexError):
             rec = self._record(entry)
         if rec is None:

@@ -37,7 +37,8 @@ Signals and state (all kept through the hooks; the index needs no extra fields):
   typical revisit interval: on the trace it needs >= 32,768 (about 5x a 3M-token cache).
 
 Cost: a counted visit is O(blocks on the path) dict updates, a repeated touch within
-``min_gap`` is O(nodes). At block size 1 every token is a block, so prefer block sizes >= 16
+``min_gap`` is O(nodes). A key is one memo and one table lookup; keys are declared monotone
+(see the class attributes), so eviction frees a leaf's run of blocks in one step. At block size 1 every token is a block, so prefer block sizes >= 16
 with this policy, or raise ``ghost_capacity`` well above the cached tokens.
 
 A policy instance keeps per-index state: give each index its own instance.
