@@ -171,12 +171,11 @@ class ExpertsPolicy(EvictionPolicy):
             return (t, -entry.depth, entry.tick)
         depth = entry.depth
         memo = self._entries.get(id(entry))
-        try:  # the common case inlined (hot): a memoized node (see _record)
-            j = depth - memo[1] - 1  # type: ignore[index]
-            if j < 0:
-                raise IndexError(j)
-            rec = self._table.get(memo[2][j])  # type: ignore[index]
-        except (TypeError, IndexError):
+        if memo is not None and memo[2] is not None:  # a memoized node, inlined (see _record)
+            idents = memo[2]
+            j = depth - memo[1] - 1
+            rec = self._table.get(idents[j]) if 0 <= j < len(idents) else self._record(entry)
+        else:  # a hashed block, or a node not memoized yet
             rec = self._record(entry)
         if rec is None:
             return (t, -depth, entry.tick)
