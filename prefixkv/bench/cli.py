@@ -185,9 +185,9 @@ def run_trace(args: argparse.Namespace) -> int:
     if args.experts_plot:
         from prefixkv.bench.plots import plot_expert_history
 
-        end = clock_times(requests, args.clock)[-1]
-        xlabel = "trace time (s)" if args.clock == "timestamp" else "request index"
-        plot_expert_history(rows, args.experts_plot, end_time=end, xlabel=xlabel,
+        times = clock_times(requests, args.clock)
+        plot_expert_history(rows, args.experts_plot, end_time=times[-1], request_times=times,
+                            xlabel="requests served (arrival order)",
                             title=f"{_basename(args.file)}: expert chosen over time "
                                   f"(block {args.block_size}, {args.index} index)")
         print(f"wrote {args.experts_plot}")

@@ -6,6 +6,8 @@ the unbounded cache as a dashed ceiling, like Mooncake FAST'25 Figure 9.
 
 from __future__ import annotations
 
+import bisect
+
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,10 +65,14 @@ def plot_hit_rates(rows: Sequence[TraceRow], path: str | Path, *, title: str | N
 
 
 def plot_expert_history(rows: Sequence[TraceRow], path: str | Path, *, end_time: float,
-                        title: str | None = None, xlabel: str = "clock") -> Path:
+                        title: str | None = None, xlabel: str = "clock",
+                        request_times: Sequence[float] | None = None) -> Path:
     """Write a PNG of the expert an adaptive policy chose over time, one panel per row that has
     an ``expert_history`` (clock time on x, from 0 to ``end_time``); returns the path.
 
+    With ``request_times`` (the clock time of each request, non-decreasing), x is the number
+    of requests served instead (each switch placed at the first request at or after its
+    time), so bursts of requests get the room they take in the hit rate.
     ``ValueError`` if no row has an expert history.
     """
     import matplotlib
@@ -88,6 +94,9 @@ def plot_expert_history(rows: Sequence[TraceRow], path: str | Path, *, end_time:
         for ax, r in zip(axes[:, 0], rows):
             hist = list(r.expert_history or ())
             xs = [max(0.0, t) if t != float("-inf") else 0.0 for t, _ in hist] + [end_time]
+            if request_times is not None:
+                xs = [float(bisect.bisect_left(request_times, x)) for x in xs[:-1]]
+                xs.append(float(len(request_times)))
             ys = [names.index(e) for _, e in hist]
             ys.append(ys[-1])
             ax.step(xs, ys, where="post", color="tab:blue")

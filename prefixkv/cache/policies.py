@@ -69,8 +69,10 @@ class EvictionPolicy:
     of blocks in one step: it probes the key at a few smaller depths (an object that answers
     ``depth`` itself and every other field from the entry) instead of re-filing the leaf after
     each block, so evicting a 1,024-block leaf at block size 1 costs O(log 1024) key calls. A
-    policy whose key reads per-block state (the deepest block's identity, as ``ghost`` does)
-    leaves it ``False`` and gets the per-block order, re-checked after every block."""
+    policy whose key reads per-block state can still declare it if it reads the block at
+    ``depth`` (as ``ghost`` and ``experts`` do: a probe moves ``depth``); one that reads the
+    entry's last block whatever ``depth`` says leaves it ``False`` and gets the per-block
+    order, re-checked after every block."""
 
     def key(self, entry: CacheEntry) -> Any:
         """Sort key; the entry with the smallest key is evicted first."""

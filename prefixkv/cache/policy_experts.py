@@ -40,8 +40,10 @@ hashed block's chained hash; a radix node's per-block hashes folded from the roo
 The table holds ``max(ghost_capacity, 8 * resident)`` identities, about 200 bytes each.
 
 Cost: while ``lru`` is chosen, :meth:`key` is LRU's key; otherwise one memo and one table
-lookup. A counted visit is O(blocks on the path) dict updates plus, for the ``1 /
-sample_every`` sampled blocks, one heap push per expert.
+lookup. Keys read the blocks through ``depth`` only and are declared monotone (see the class
+attributes), so the index frees a leaf's run of blocks in one step and does not re-file a
+leaf on every touch, as it does for LRU. A counted visit is O(blocks on the path) dict
+updates plus, for the ``1 / sample_every`` sampled blocks, one heap push per expert.
 
 A policy instance keeps per-index state: give each index its own instance.
 """
@@ -51,7 +53,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from prefixkv.cache.block_identity import fold_identities
@@ -104,6 +106,18 @@ class ExpertsPolicy(EvictionPolicy):
     """
 
     name: str = "experts"
+    monotone_keys = True
+    """A touch never lowers a key under a fixed expert: it raises the last access time, the
+    visits and the previous visit time, and marks the block cached when last visited. (A
+    switch of expert, or a change of ``G``, may lower keys; the heap then holds lower or
+    higher stale keys either way, refreshed when they reach its top.)"""
+    depth_monotone_keys = True
+    """Every expert's key reads the blocks through ``depth`` (the record of the block there),
+    and grows toward the root: a block's visits include its descendants' (a visit of a block
+    is a visit of its prefix), so shallower blocks have at least the visits, the last and
+    previous visit times and the interior mark of deeper ones. Exceptions are rare and only
+    reorder eviction slightly: ``lru2``/``rate``/``hit`` give a once-seen block ``-G``, which
+    may exceed its parent's offset after a long gap, and a ghost-table drop loses a record."""
 
     def __init__(self, experts: tuple[str, ...] = EXPERTS, *, sample_every: int = 8,
                  window: float = 8.0, margin: float = 0.02, ghost_capacity: int = 65536,
@@ -126,6 +140,7 @@ class ExpertsPolicy(EvictionPolicy):
         self.min_gap = float(min_gap)
         self._chosen = 0  # index into self.experts
         self._lru_chosen = self.experts[0] == "lru"
+        self._offset_of = _OFFSETS[self.experts[0]]
         self.gap = 0.0  # G: mean revisit gap (clock units)
         self._gaps_seen = 0
         # identity -> [visits, last counted visit, previous counted visit, interior, depth]
@@ -154,9 +169,17 @@ class ExpertsPolicy(EvictionPolicy):
         t = entry.last_access_time
         if self._lru_chosen:
             return (t, -entry.depth, entry.tick)
-        rec = self._record(entry)
-        off = 0.0 if rec is None else self._offset(self.experts[self._chosen], rec, t)
-        return (t + off, -entry.depth, entry.tick)
+        depth = entry.depth
+        memo = self._entries.get(id(entry))
+        if memo is not None and memo[2] is not None:  # a memoized node, inlined (see _record)
+            idents = memo[2]
+            j = depth - memo[1] - 1
+            rec = self._table.get(idents[j]) if 0 <= j < len(idents) else self._record(entry)
+        else:  # a hashed block, or a node not memoized yet
+            rec = self._record(entry)
+        if rec is None:
+            return (t, -depth, entry.tick)
+        return (t + self._offset_of(rec, t, self.gap), -depth, entry.tick)
 
     def on_access(self, entry: CacheEntry) -> None:
         now = entry.last_access_time
@@ -240,32 +263,21 @@ class ExpertsPolicy(EvictionPolicy):
 
     # ---------------------------------------------------------------- internals
     def _offset(self, expert: str, rec: list[Any], t: float) -> float:
-        g = self.gap
-        dead_tail = rec[_V] == 1 and not rec[_INTERIOR]
-        if expert == "lru":
-            return 0.0
-        if expert == "tail":
-            return -g if dead_tail else 0.0
-        if expert == "ghost":
-            if dead_tail:
-                return -g
-            return g * math.log2(rec[_V]) if rec[_V] > 1 else 0.0
-        if expert == "lru2":  # the previous visit's time (a single visit: G before the last)
-            return rec[_TP] - t if rec[_V] > 1 else -g
-        if expert == "s2":  # second-touch admission
-            return -g if rec[_V] == 1 else 0.0
-        if expert == "rate":  # the mean gap between the block's visits (LRU-K's rate)
-            return (rec[_T0] - t) / (rec[_V] - 1) if rec[_V] > 1 else -g
-        return 0.0 if rec[_HIT] else -g  # hit: cached when last visited (ARC's T2), else T1
+        return _OFFSETS[expert](rec, t, self.gap)
 
     def _record(self, entry: Any) -> list[Any] | None:
-        """The ghost-table record of ``entry``'s deepest block (``None`` if unknown)."""
+        """The ghost-table record of ``entry``'s block at ``entry.depth`` (``None`` if unknown).
+
+        Read through ``depth`` only, so a key probe at a smaller depth (the index's eviction
+        of a run of blocks) sees the record of the block that would be deepest then. An entry
+        not memoized by a touch yet is folded here (never during a probe: every evictable
+        leaf was touched when it was inserted, and a memo survives splits and trims)."""
         if self._hashed(entry):
             return self._table.get(entry.hash)
         memo = self._entries.get(id(entry))
-        if memo is not None and memo[2] is not None:  # no list slicing: leaves are trimmed
-            _, start, idents = memo                    # block by block, each asking the key
-            j = entry.start_depth - start + entry.num_blocks - 1
+        if memo is not None and memo[2] is not None:  # no list slicing: one index
+            idents = memo[2]
+            j = entry.depth - memo[1] - 1
             if 0 <= j < len(idents) and entry.num_blocks:
                 return self._table.get(idents[j])
         idents = self._identities(entry)
@@ -316,6 +328,7 @@ class ExpertsPolicy(EvictionPolicy):
         if best != self._chosen and scores[best] > scores[self._chosen] * (1.0 + self.margin):
             self._chosen = best
             self._lru_chosen = self.experts[best] == "lru"
+            self._offset_of = _OFFSETS[self.experts[best]]
             self.history.append((now, self.experts[best]))
 
     def _count_resident(self) -> None:
@@ -343,6 +356,31 @@ class ExpertsPolicy(EvictionPolicy):
         if lo < 0 or hi > len(idents) or hi <= lo:
             return None
         return idents if (lo == 0 and hi == len(idents)) else idents[lo:hi]
+
+
+def _dead_tail(rec: list[Any]) -> bool:
+    return rec[_V] == 1 and not rec[_INTERIOR]
+
+
+def _ghost(rec: list[Any], t: float, g: float) -> float:
+    if _dead_tail(rec):
+        return -g
+    return g * math.log2(rec[_V]) if rec[_V] > 1 else 0.0
+
+
+_Offset = Callable[[list[Any], float, float], float]
+_OFFSETS: dict[str, _Offset] = {  # expert -> offset(record, last access time, G)
+    "lru": lambda rec, t, g: 0.0,
+    "tail": lambda rec, t, g: -g if _dead_tail(rec) else 0.0,
+    "ghost": _ghost,
+    # the previous visit's time (a single visit: G before the last)
+    "lru2": lambda rec, t, g: rec[_TP] - t if rec[_V] > 1 else -g,
+    "s2": lambda rec, t, g: -g if rec[_V] == 1 else 0.0,  # second-touch admission
+    # the mean gap between the block's visits (LRU-K's rate)
+    "rate": lambda rec, t, g: (rec[_T0] - t) / (rec[_V] - 1) if rec[_V] > 1 else -g,
+    # cached when last visited (ARC's T2), else T1
+    "hit": lambda rec, t, g: 0.0 if rec[_HIT] else -g,
+}
 
 
 def _int_hash(ident: Hashable) -> int:

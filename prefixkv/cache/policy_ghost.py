@@ -37,7 +37,8 @@ Signals and state (all kept through the hooks; the index needs no extra fields):
   typical revisit interval: on the trace it needs >= 32,768 (about 5x a 3M-token cache).
 
 Cost: a counted visit is O(blocks on the path) dict updates, a repeated touch within
-``min_gap`` is O(nodes). At block size 1 every token is a block, so prefer block sizes >= 16
+``min_gap`` is O(nodes). A key is one memo and one table lookup; keys are declared monotone
+(see the class attributes), so eviction frees a leaf's run of blocks in one step. At block size 1 every token is a block, so prefer block sizes >= 16
 with this policy, or raise ``ghost_capacity`` well above the cached tokens.
 
 A policy instance keeps per-index state: give each index its own instance.
@@ -70,6 +71,13 @@ class GhostPolicy(EvictionPolicy):
     """
 
     name = "ghost"
+    monotone_keys = True
+    """A touch raises the last access time and the visits, so it never lowers a key (the
+    adaptive bonus drifts between touches; a stale key is refreshed at the heap's top)."""
+    depth_monotone_keys = True
+    """The key reads the blocks through ``depth`` (the visits of the block there), and a
+    block's visits include its descendants' (a visit of a block is a visit of its prefix), so
+    the key grows toward the root: the index frees a leaf's run of blocks in one step."""
 
     def __init__(self, bonus: float | None = None, ghost_capacity: int = 65536,
                  min_gap: float = 1.0) -> None:
@@ -139,9 +147,21 @@ class GhostPolicy(EvictionPolicy):
 
     # ---------------------------------------------------------------- queries
     def visits(self, entry: CacheEntry) -> int:
-        """Counted visits of ``entry``'s deepest block (1 when unknown)."""
-        idents = self._identities(entry)
-        rec = self._visits.get(idents[-1]) if idents else None
+        """Counted visits of ``entry``'s block at ``entry.depth`` (1 when unknown).
+
+        Read through ``depth`` only, so a key probe at a smaller depth (the index's eviction
+        of a run of blocks) sees the block that would be deepest then. A node is memoized
+        when first keyed at its real depth (an evictable leaf is filed, so keyed, before any
+        probe), and a memo stays valid as the node's blocks shrink to a sub-range."""
+        e: Any = entry
+        memo = None if getattr(e, "hash", None) is not None else self._memo.get(e)
+        if memo is not None:
+            j = e.depth - memo[0] - 1
+            ident = memo[1][j] if 0 <= j < len(memo[1]) else None
+        else:
+            idents = self._identities(e)
+            ident = idents[-1] if idents else None
+        rec = None if ident is None else self._visits.get(ident)
         return int(rec[0]) if rec is not None else 1
 
     @property

@@ -9,6 +9,7 @@ import pytest
 
 from prefixkv.bench.trace import (
     TraceRequest,
+    TraceRow,
     format_ratios,
     format_table,
     format_tokens,
@@ -210,3 +211,19 @@ def test_experts_plot_from_the_command_line(tmp_path: Path, capsys) -> None:
     rc = main(["bench", "trace", str(DATA), "--policies", "lru", "--experts-plot",
                str(png), "--no-progress"])
     assert rc == 1 and "--experts-plot needs" in capsys.readouterr().err
+
+
+def test_experts_plot_on_a_request_axis(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from prefixkv.bench.plots import plot_expert_history
+
+    reqs = load_trace(DATA)[:200]
+    row = replay(reqs, 300_000, "experts", index="radix")
+    times = [r.timestamp / 1000 for r in reqs]
+    late = TraceRow(**{**{f: getattr(row, f) for f in row.__slots__},  # a switch after the end
+                       "expert_history": (*(row.expert_history or ()), (times[-1] + 5, "lru2"))})
+    png = plot_expert_history([row, late], tmp_path / "e.png", end_time=times[-1],
+                              request_times=times)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="expert_history"):
+        plot_expert_history([replay(reqs, 300_000, "lru")], tmp_path / "x.png", end_time=1.0)
