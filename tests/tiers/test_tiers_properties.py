@@ -93,7 +93,8 @@ class Harness:
         transfer = KVTransfer(self.kv_pool, HOST)
         nbytes, layout = transfer.block_nbytes, transfer.layout
         keyer = BlockKeyer(f"oracle/{layout}", bs)
-        remote = RemoteTier(remote_url, layout, nbytes) if remote_url else None
+        # a generous timeout: a loaded test machine must not open the circuit
+        remote = RemoteTier(remote_url, layout, nbytes, timeout=10.0) if remote_url else None
         self.store = TieredStore(keyer, transfer, host=HostTier(HOST),
                                  disk=DiskTier(disk_dir, DISK, layout, nbytes), remote=remote)
         cache = make_cache(index, max_blocks=NUM_BLOCKS, block_size=bs, max_pinned_blocks=MAX_PINNED)
@@ -106,6 +107,7 @@ class Harness:
         self.pinned_seen: set[tuple[str, bytes]] = set()
         self.cleared = {"host": 0, "disk": 0}
         self.history: list[tuple[list[int], Any]] = []
+        self.stale: set[bytes] = set()
 
     # ---------------------------------------------------------------- the oracle's KV
     def expected_block(self, key: bytes) -> torch.Tensor:
@@ -153,7 +155,9 @@ class Harness:
             self.write_row(seq.block_table[p // bs], p % bs, ns, tuple(tokens[: p + 1]))
         seq.num_computed_tokens = len(tokens)
         self.kv.commit(seq)
-        self.committed.update(self.keys_of(tokens, ns)[: seq.num_indexed_blocks])
+        keys = self.keys_of(tokens, ns)[: seq.num_indexed_blocks]
+        self.stale.difference_update(keys[done // bs :])  # computed now: published again
+        self.committed.update(k for k in keys if k not in self.stale)
         if keep:
             self.running.append(seq)
         else:
@@ -190,6 +194,9 @@ class Harness:
         self.pinned_seen.clear()
         if "remote" in names:  # the shared copy is gone: "nothing lost" restarts from here
             self.committed.clear()
+            # blocks still in the pool (running sequences lock them) are not published again
+            # until they are recomputed: a cache may lose them after this
+            self.stale = set(self.kv._keys.values())
 
     def pin(self, i: int, cut: int) -> None:
         """Pin (the first ``cut`` tokens of) an earlier prompt."""
@@ -261,7 +268,9 @@ class Harness:
                 payload = decode(rec, k, disk.layout, disk.nbytes)
                 assert torch.equal(self.as_block(payload), self.expected_block(k)), "remote != its KV"
             everywhere |= set(rkeys)
-            assert self.committed <= everywhere, "a committed block is in no tier"
+            c = store.remote.counters  # a remote that failed or dropped a write may lose it
+            if c.get("errors") == 0 and c.get("dropped") == 0:
+                assert self.committed <= everywhere, "a committed block is in no tier"
         for _, keys in self.pins:  # pinned: in the pool, and kept by every tier that holds it
             assert set(keys) <= pool_keys
             for k in keys:
