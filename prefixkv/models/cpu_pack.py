@@ -30,7 +30,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
+        and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
@@ -53,7 +53,9 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch
         return None
     with torch.inference_mode():
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+            packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach(), PACK_BATCH_HINT
+            )
             probe = torch.linspace(-1.0, 1.0, 3 * weight.shape[1], dtype=torch.float32)
             probe = probe.view(3, -1).to(weight.dtype)
             got = packed_linear(probe, packed, bias).float()
