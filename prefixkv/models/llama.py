@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixkv.models.config import ModelConfig
+from prefixkv.models.cpu_pack import pack_weight, packed_linear
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D]``.
@@ -36,7 +37,8 @@ class CausalLM(Protocol):
     """What the loader and the runner need from a model class (a registry family builds one).
 
     ``__call__(input_ids [T], positions [T], attention) -> hidden [T, hidden]``;
-    ``compute_logits(hidden [N, hidden]) -> [N, vocab]``; the rest is ``nn.Module``'s.
+    ``compute_logits(hidden [N, hidden]) -> [N, vocab]``; ``pack_weights()`` prepares the
+    matmul weights for the device once after loading; the rest is ``nn.Module``'s.
     """
 
     config: ModelConfig
@@ -46,6 +48,8 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def pack_weights(self) -> int: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -110,15 +114,24 @@ class Linear(nn.Module):
     """``y = x W^T (+ b)``; parameters are allocated uninitialised (the loader fills them).
 
     Unlike ``nn.Linear`` there is no random init, so building a model costs nothing before
-    its weights are loaded.
+    its weights are loaded. :meth:`pack` adds a oneDNN-packed copy of the weight (CPU) that
+    the forward then uses (see :mod:`prefixkv.models.cpu_pack`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # a plain attribute: never in the state dict
+
+    def pack(self) -> bool:
+        """Pack the loaded weight for the CPU matmul; ``False`` when it stays on ``F.linear``."""
+        self.packed = pack_weight(self.weight, self.bias)
+        return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -232,6 +245,17 @@ class LlamaForCausalLM(nn.Module):
         )
         # A plain attribute, not a buffer: it is derived from the config, never loaded.
         self._inv_freq = rope_inv_freq(config)
+        self._logits_packed: torch.Tensor | None = None  # see pack_weights
+
+    def pack_weights(self) -> int:
+        """Pack every matmul weight for the CPU (:mod:`prefixkv.models.cpu_pack`), the output
+        layer included (a packed copy of the tied embedding: lookups keep the plain table).
+        Call once after loading; returns how many weights were packed (0 off CPU)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
+        count = sum(m.pack() for m in linears)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._logits_packed = pack_weight(weight)
+        return count + (self._logits_packed is not None)
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -256,5 +280,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` (model dtype) for hidden states ``[N, hidden]``."""
+        if self._logits_packed is not None:
+            return packed_linear(hidden, self._logits_packed, None)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

