@@ -41,7 +41,13 @@ from typing import TYPE_CHECKING
 from prefixkv.cache import POLICIES as CACHE_POLICIES
 from prefixkv.router.bench_meters import CpuMeter, quantile, thread_cpu
 from prefixkv.router.bench_report import format_table, plot_results
-from prefixkv.router.bench_workloads import WORKLOADS, Workload, make_workload, resolve
+from prefixkv.router.bench_workloads import (
+    WORKLOADS,
+    Workload,
+    make_workload,
+    resolve,
+    workload_of,
+)
 from prefixkv.router.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -293,9 +299,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[PolicyResult] = []
     for name in args.workloads:
         spec = resolve(name, args)
-        workload = make_workload(spec.users, spec.turns, system_words=spec.system_words,
-                                 user_words=spec.user_words,
-                                 assistant_words=spec.assistant_words, seed=args.seed)
+        workload = workload_of(spec, args.seed)
         launched = None
         if args.router_url:
             from prefixkv.router.bench_peers import run_external

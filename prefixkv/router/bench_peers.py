@@ -213,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import shlex
     from dataclasses import asdict
 
-    from prefixkv.router.bench import make_workload, ready
-    from prefixkv.router.bench_workloads import resolve
+    from prefixkv.router.bench import ready
+    from prefixkv.router.bench_workloads import resolve, workload_of
     from prefixkv.router.local import LocalWorkers
 
     p = argparse.ArgumentParser(prog="python -m prefixkv.router.bench_peers",
@@ -232,9 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[PolicyResult] = []
     for wname in args.workloads:
         spec = resolve(wname, args)
-        workload = make_workload(spec.users, spec.turns, system_words=spec.system_words,
-                                 user_words=spec.user_words,
-                                 assistant_words=spec.assistant_words, seed=args.seed)
+        workload = workload_of(spec, args.seed)
         launched = None
         if args.worker_urls:
             urls = list(args.worker_urls)

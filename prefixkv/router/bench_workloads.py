@@ -77,3 +77,10 @@ def make_workload(users: int, turns: int, *, system_words: int, user_words: int,
         for u in range(users)
     ]
     return Workload(system, sessions)
+
+
+def workload_of(spec: WorkloadSpec, seed: int = 0) -> Workload:
+    """The sessions ``spec`` describes (:func:`make_workload` with its sizes)."""
+    return make_workload(spec.users, spec.turns, system_words=spec.system_words,
+                         user_words=spec.user_words, assistant_words=spec.assistant_words,
+                         seed=seed)
