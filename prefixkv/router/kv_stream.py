@@ -14,6 +14,12 @@ numbers decide what the index can trust:
 * a number not above the last one: the worker restarted (its cache is empty): its blocks are
   dropped (``restarts``), and the new stream is followed from there;
 * an undecodable payload counts as a gap.
+
+Joining. ZMQ drops what a PUB socket sends before a new subscription reaches it (the "slow
+joiner"), and a quiet worker may send nothing after that for a long time. So, once subscribed,
+the stream first asks the replay socket (when there is one) for everything still buffered from
+sequence 0: a router that starts, or re-discovers a restarted worker, late knows the worker's
+blocks at once. Live batches the catch-up already covered are skipped.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ __all__ = ["EventSource", "EventStream", "discover_source", "parse_sources"]
 
 log = logging.getLogger("prefixkv.router")
 _END = -1
+_JOIN_DELAY = 0.1
+"""Seconds for a new subscription to reach the publisher before the catch-up is asked for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,7 @@ class EventStream:
         self._replay_timeout = replay_timeout
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.last_seq: int | None = None
+        self._caught_up_to: int | None = None  # live batches up to here were in the catch-up
 
     async def run(self) -> None:
         """Subscribe and apply batches until cancelled (a bad frame never ends it)."""
@@ -96,6 +105,8 @@ class EventStream:
         try:
             sub.connect(self.source.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode("utf-8"))
+            await asyncio.sleep(_JOIN_DELAY)
+            await self.catch_up()
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
@@ -106,6 +117,10 @@ class EventStream:
 
     async def receive(self, seq: int, payload: bytes) -> None:
         """Handle batch ``seq`` as the module docstring says."""
+        if self._caught_up_to is not None:
+            if seq <= self._caught_up_to:
+                return  # applied by the catch-up already
+            self._caught_up_to = None
         w = self._index.workers[self.url]
         if self.last_seq is not None and seq <= self.last_seq:
             w.restarts += 1
@@ -136,8 +151,31 @@ class EventStream:
             self._index.apply(self.url, batch)
         self.last_seq = seq
 
+    async def catch_up(self) -> None:
+        """Apply what the worker's replay buffer holds from sequence 0 (see "Joining")."""
+        got = await self._fetch(0, None)
+        if not got:
+            return
+        seqs = sorted(got)
+        w = self._index.workers[self.url]
+        if seqs != list(range(seqs[-1] + 1)):  # the buffer no longer reaches back to 0
+            self._index.reset(self.url, complete=False)
+        else:
+            w.complete = True
+        for seq in seqs:
+            self._index.apply(self.url, got[seq])
+        self.last_seq = self._caught_up_to = seqs[-1]
+
     async def _replay(self, start: int, stop: int) -> list[KVEventBatch] | None:
         """Batches ``start .. stop - 1`` from the replay socket; ``None`` unless all came."""
+        got = await self._fetch(start, stop)
+        if got is None or sorted(got) != list(range(start, stop)):
+            return None
+        return [got[s] for s in range(start, stop)]
+
+    async def _fetch(self, start: int, stop: int | None) -> dict[int, KVEventBatch] | None:
+        """The replay socket's batches from ``start`` (below ``stop``, if given) by sequence
+        number; ``None`` when there is no replay socket or it failed."""
         if self.source.replay_endpoint is None:
             return None
         sock = self._ctx.socket(zmq.DEALER)
@@ -151,7 +189,7 @@ class EventStream:
                 if len(frames) != 3:
                     return None
                 seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq == _END or seq >= stop:
+                if seq == _END or (stop is not None and seq >= stop):
                     break
                 if seq >= start:
                     got[seq] = self._decoder.decode(frames[2])
@@ -159,9 +197,7 @@ class EventStream:
             return None
         finally:
             sock.close(linger=0)
-        if sorted(got) != list(range(start, stop)):
-            return None
-        return [got[s] for s in range(start, stop)]
+        return got
 
 
 def parse_sources(urls: Sequence[str], specs: Sequence[str],

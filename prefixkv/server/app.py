@@ -194,7 +194,8 @@ _ERROR_SCHEMA = {
 }
 
 
-_AUTHED_PATHS = {"/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version"}
+_AUTHED_PATHS = {"/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version",
+                 "/kv_events"}
 
 
 def _openapi_with_error_bodies(app: FastAPI) -> dict[str, Any]:
