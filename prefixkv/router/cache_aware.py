@@ -149,7 +149,7 @@ class CacheAwarePolicy:
 
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
         check_candidates(urls)
-        self._maybe_trim()
+        self.maybe_trim()
         load = {u: loads.get(u, 0) for u in urls}
         recent = {u: self.recent[u] for u in urls}
         matched = {u: self.trees[u].match(key) for u in urls}
@@ -167,10 +167,12 @@ class CacheAwarePolicy:
         else:
             url = min(urls, key=lambda u: (load[u], recent[u], self.trees[u].size))
             reason = "least_load"
-        self._record(url, key)
+        self.record(url, key)
         return Decision(url, reason, key.ratio(matched[url]))
 
-    def _record(self, url: str, key: RouteKey) -> None:
+    def record(self, url: str, key: RouteKey) -> None:
+        """``key`` was sent to ``url``: its tree, load and recent window learn it (also called
+        by :class:`~prefixkv.router.precise.PrecisePolicy`, which embeds this policy)."""
         tree = self.trees[url]
         self._routed[url] += len(key)
         if self.simulate_eviction:
@@ -190,7 +192,8 @@ class CacheAwarePolicy:
             self._window.append(url)
             self.recent[url] += 1
 
-    def _maybe_trim(self) -> None:
+    def maybe_trim(self) -> None:
+        """Trim every tree when ``eviction_interval`` seconds have passed since the last trim."""
         now = self._clock()
         if self.eviction_interval > 0 and now - self._last_trim >= self.eviction_interval:
             self._last_trim = now

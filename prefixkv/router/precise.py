@@ -248,7 +248,7 @@ class PrecisePolicy:
             self._dispatches += 1
             return self.fallback.select(urls, loads, key)
         fb = self.fallback
-        fb._maybe_trim()  # the embedded policy's own periodic trim
+        fb.maybe_trim()  # the embedded policy's own periodic trim
         n = len(key.tokens) if isinstance(key, TokenRouteKey) else 1
         ratio: dict[str, float] = {}
         for u in urls:
@@ -262,7 +262,7 @@ class PrecisePolicy:
         recent = {u: fb.recent[u] for u in urls}
         if fb.is_imbalanced(list(load.values())):
             url, reason = min(urls, key=lambda u: (load[u], recent[u])), "balance"
-            fb._record(url, key)  # keeps the fallback's trees and recent window current
+            fb.record(url, key)  # keeps the fallback's trees and recent window current
         elif max(ratio.values()) > self.cache_threshold:
             url = min(urls, key=lambda u: (-ratio[u], load[u], recent[u]))
             reason = "exact_hit" if url in exact else "cache_hit"
@@ -271,7 +271,7 @@ class PrecisePolicy:
                     and fb.share_imbalanced(recent[url], recent[low])):
                 url, reason = low, "share"
                 self._last_move = self._dispatches
-            fb._record(url, key)
+            fb.record(url, key)
         else:  # no worker really holds much of it: cache_aware's guess keeps sessions in place
             decision = fb.select(urls, loads, key)
             url, reason = decision.url, decision.reason  # (it recorded the choice)

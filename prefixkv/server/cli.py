@@ -35,8 +35,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _register_generate(sub)
 
 
-_llm_kwargs = engine_kwargs  # the engine flags (generated from prefixkv.config) as kwargs
-
 
 # ---------------------------------------------------------------- serve
 
@@ -104,7 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_prompts=args.max_prompts_per_request,
                           default_chat_max_tokens=args.default_chat_max_tokens)
-    config = EngineConfig.from_kwargs(**_llm_kwargs(args))  # resolves --model first
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))  # resolves --model first
     sock = _listen(args.host, args.port)
     names = list(args.served_model_name or [])
     name = names[0] if names else (

@@ -11,9 +11,8 @@ import pytest
 from prefixkv.cache import make_cache
 from prefixkv.cli import build_parser, main
 from prefixkv.config import OPTIONS, EngineConfig
-from prefixkv.server.cli import _llm_kwargs
 from prefixkv.server.cli_compat import seed004_args
-from prefixkv.server.cli_flags import GROUPS
+from prefixkv.server.cli_flags import GROUPS, engine_kwargs
 
 
 def _sub(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
@@ -53,7 +52,7 @@ def test_every_engine_flag_is_a_config_field(command: argparse.ArgumentParser) -
 
 def test_no_flags_is_the_default_config(command: argparse.ArgumentParser) -> None:
     args = command.parse_args([])
-    assert EngineConfig.from_kwargs(**_llm_kwargs(args)) == EngineConfig()
+    assert EngineConfig.from_kwargs(**engine_kwargs(args)) == EngineConfig()
 
 
 def test_flags_build_the_config() -> None:
@@ -61,13 +60,13 @@ def test_flags_build_the_config() -> None:
         "serve", "some/model", "--block-size", "8", "--no-enable-prefix-caching",
         "--max-num-seqs", "4", "--seed", "7", "--kv-cache-memory", "1MiB", "--dtype", "auto",
         "--max-pinned-blocks", "3", "--schedule-policy", "lpm"])
-    c = EngineConfig.from_kwargs(**_llm_kwargs(args))
+    c = EngineConfig.from_kwargs(**engine_kwargs(args))
     assert c.model.model == "some/model" and c.model.seed == 7 and c.model.dtype is None
     assert (c.cache.block_size, c.cache.enable_prefix_caching) == (8, False)
     assert (c.cache.kv_cache_memory, c.cache.max_pinned_blocks) == (1 << 20, 3)
     assert (c.scheduler.max_num_seqs, c.scheduler.schedule_policy) == (4, "lpm")
     start = build_parser().parse_args(["engine", "start", "--prefix-cache-size", "32"])
-    assert EngineConfig.from_kwargs(**_llm_kwargs(seed004_args(start))).cache.num_kv_blocks == 32
+    assert EngineConfig.from_kwargs(**engine_kwargs(seed004_args(start))).cache.num_kv_blocks == 32
 
 
 def test_help_defaults_are_the_codes() -> None:

@@ -13,7 +13,8 @@ import httpx
 from server_live import start_server
 
 from prefixkv.engine import AsyncEngine
-from prefixkv.server.cli import _llm_kwargs, register
+from prefixkv.server.cli import register
+from prefixkv.server.cli_flags import engine_kwargs
 
 
 def text(seed: int, n: int) -> str:
@@ -63,7 +64,7 @@ def test_serve_flags_reach_the_engine_kwargs() -> None:
     args = parser.parse_args(["serve", "--kv-offload-size", "2GiB", "--kv-disk-dir", "/tmp/kv",
                               "--kv-disk-size", "4096", "--kv-remote", "redis://127.0.0.1:6379/0",
                               "--kv-remote-timeout", "0.25"])
-    kw = _llm_kwargs(args)
+    kw = engine_kwargs(args)
     assert kw["kv_offload_size"] == "2GiB" and kw["kv_disk_dir"] == "/tmp/kv"
     assert kw["kv_disk_size"] == "4096" and kw["kv_remote"] == "redis://127.0.0.1:6379/0"
     assert kw["kv_remote_timeout"] == 0.25
