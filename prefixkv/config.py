@@ -185,6 +185,10 @@ _TIER_OPTIONS: dict[str, dict[str, Any]] = {
                "metavar": "URL"},
     "remote_timeout": {"help": "a remote call slower than this counts as down",
                        "metavar": "SECONDS"},
+    "remote_ttl": {"help": "expiry of unpinned blocks stored in the remote tier; with the "
+                           "server on maxmemory-policy volatile-lru pinned blocks are then "
+                           "never evicted there", "shown": "none", "kind": "float",
+                   "metavar": "SECONDS"},
     "prefetch_blocks": {"help": "most blocks read ahead from disk / remote into host memory "
                                 "while their requests wait in the queue (0: off)",
                         "metavar": "BLOCKS"},

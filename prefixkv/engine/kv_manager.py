@@ -244,7 +244,7 @@ class KVManager:
                 pairs = [(table[i], chain[i]) for i in range(first, seq.num_indexed_blocks)]
                 self._keys.update(pairs)
                 self._pooled.update(k for _, k in pairs)
-                self.tiers.publish(pairs)
+                self.tiers.publish(pairs, chain[: seq.num_indexed_blocks])
         if self.events is not None and seq.num_indexed_blocks > first:
             self.events.stored(table[first : seq.num_indexed_blocks],
                                table[first - 1] if first else None,
@@ -282,7 +282,8 @@ class KVManager:
 
     def pin(self, token_ids: list[int], namespace: Hashable | None, description: str | None) -> PinnedPrefix:
         """Pin the cached full blocks of ``token_ids``; :class:`PinError` says why not. With
-        lower tiers their keys are pinned there too (never evicted from the host or disk)."""
+        lower tiers their keys are pinned there too (never evicted from the host or disk; on the
+        remote server stored without an expiry, see :class:`~prefixkv.tiers.remote.RemoteTier`)."""
         pinned = self.require_cache().pin(token_ids, namespace=namespace, description=description)
         key = (namespace, tuple(pinned.token_ids))
         if self.tiers is not None and key not in self._pinned_keys:
@@ -291,7 +292,8 @@ class KVManager:
             except ValueError:  # a namespace with no stable serialisation: pool only
                 keys = []
             self._pinned_keys[key] = keys
-            self.tiers.pinned.add(keys)
+            ids = self.require_cache().match_prefix(pinned.token_ids, namespace=namespace)
+            self.tiers.pin(keys, list(ids.matched_kv_blocks)[: len(keys)])
         return pinned
 
     def unpin(self, token_ids: list[int], namespace: Hashable | None) -> bool:
@@ -300,7 +302,7 @@ class KVManager:
         full = len(token_ids) // self.block_size * self.block_size
         keys = self._pinned_keys.pop((namespace, tuple(token_ids[:full])), None)
         if ok and keys and self.tiers is not None:
-            self.tiers.pinned.remove(keys)
+            self.tiers.unpin(keys)
         return ok
 
     def reset_cache(self, tiers: Iterable[str] = ("host",)) -> dict[str, int | None]:
@@ -316,6 +318,9 @@ class KVManager:
             self.events.reset(freed, self.cache.num_cached_blocks)
         for b in freed:
             self._pooled.discard(self._keys.pop(b, b""))
+        if self.tiers is not None:
+            for keys in self._pinned_keys.values():
+                self.tiers.unpin(keys)
         self._pinned_keys.clear()
         if self.tiers is not None:
             self.tiers.pinned.clear()

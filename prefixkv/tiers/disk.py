@@ -6,10 +6,13 @@ start, never a half-written ``.kvb``). At start the directory is indexed again (
 modification time first), which is what makes a restarted engine answer from disk.
 
 Reads check the record (magic, version, key, layout, length, xxhash64); a corrupt or truncated
-file is a miss and is deleted. Capacity is in blocks; the least recently used file goes first
-(a read touches the file's mtime, so LRU order survives restarts), skipping pinned keys
-(:class:`~prefixkv.tiers.pins.PinnedKeys`): when only pinned files could make room, the new
-block is the one not kept.
+file is a miss and is deleted. Capacity is in blocks; the least recently used file goes first,
+skipping pinned keys (:class:`~prefixkv.tiers.pins.PinnedKeys`): when only pinned files could
+make room, the new block is the one not kept. Recency is per prefix chain, with the pool's
+tie-break: :meth:`DiskTier.touch` makes a chain the most recent with its *first* block the most
+recent of all, so a full tier drops a prompt's tail before its head (a head block lost makes
+every block after it unreachable). A read touches the file's mtime, so the order survives
+restarts approximately.
 
 Threads: the engine thread calls :meth:`contains` / :meth:`read` / :meth:`submit`; the writer
 thread writes and evicts. The index is guarded by one lock.
@@ -22,6 +25,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 from prefixkv.tiers.codec import CorruptBlockError, decode, encode
@@ -55,8 +59,8 @@ class DiskTier:
         self.counters = TierCounters("disk", capacity)
         self.pinned = pinned if pinned is not None else PinnedKeys()
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first
-        self._pending: set[bytes] = set()
+        self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first; pending keys too
+        self._pending: set[bytes] = set()  # submitted, not written yet (never evicted)
         self._scan()
         self._writer: BackgroundWriter[tuple[bytes, bytes]] = BackgroundWriter(
             "prefixkv-disk-writer", self._write, self._write_failed)
@@ -79,7 +83,7 @@ class DiskTier:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._index)
+            return len(self._index) - len(self._pending)
 
     def path(self, key: bytes) -> Path:
         """The file of ``key``."""
@@ -88,23 +92,35 @@ class DiskTier:
     def contains(self, key: bytes) -> bool:
         """Whether a file for ``key`` is indexed (or queued to be written)."""
         with self._lock:
-            return key in self._index or key in self._pending
+            return key in self._index
 
     def submit(self, key: bytes, payload: bytes) -> None:
-        """Queue ``payload`` (one block's KV bytes) to be written under ``key``."""
+        """Queue ``payload`` (one block's KV bytes) to be written under ``key``; it takes its
+        place in the LRU order now (most recent)."""
         with self._lock:
-            if key in self._index or key in self._pending:
+            if key in self._index:
                 return
             self._pending.add(key)
+            self._index[key] = None
         if not self._writer.submit((key, payload)):
             with self._lock:
                 self._pending.discard(key)
+                self._index.pop(key, None)
             self.counters.add(dropped=1)
+
+    def touch(self, chain: Sequence[bytes]) -> None:
+        """Mark ``chain`` (one prefix's keys, first block first) the most recently used, its
+        first block most of all; keys not stored are skipped."""
+        with self._lock:
+            index = self._index
+            for k in reversed(chain):
+                if k in index:
+                    index.move_to_end(k)
 
     def read(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or ``None`` (absent, unreadable or corrupt)."""
         with self._lock:
-            if key not in self._index:
+            if key not in self._index or key in self._pending:
                 return None
             self._index.move_to_end(key)
         path = self.path(key)
@@ -130,7 +146,7 @@ class DiskTier:
     def stored_keys(self) -> list[bytes]:
         """The indexed keys, least recently used first."""
         with self._lock:
-            return list(self._index)
+            return [k for k in self._index if k not in self._pending]
 
     def clear(self) -> int:
         """Wait for queued writes, then delete every indexed file whose key is not pinned;
@@ -166,14 +182,18 @@ class DiskTier:
         except BaseException:
             with self._lock:
                 self._pending.discard(key)
+                self._index.pop(key, None)
             _unlink(tmp)
             raise
         with self._lock:
-            self._pending.discard(key)
-            self._index[key] = None
-            over = len(self._index) - self.capacity
+            pending = self._pending
+            pending.discard(key)
+            if key not in self._index:  # forgotten meanwhile: newest
+                self._index[key] = None
+            over = len(self._index) - len(pending) - self.capacity
             victims = list(itertools.islice(
-                (k for k in self._index if k not in self.pinned), max(0, over)))
+                (k for k in self._index if k not in pending and k not in self.pinned),
+                max(0, over)))
             for v in victims:
                 del self._index[v]
         kept = key not in victims  # False: only pinned files could have made room

@@ -12,6 +12,7 @@ unpinned.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.stats import TierCounters
@@ -68,6 +69,15 @@ class HostTier:
         self._slots.move_to_end(key)
         self._held[key] = self._held.get(key, 0) + 1
         return slot
+
+    def touch(self, chain: Sequence[bytes]) -> None:
+        """Mark ``chain`` (one prefix's keys, first block first) the most recently used, its
+        first block most of all (a full tier drops a prompt's tail before its head); keys not
+        stored are skipped."""
+        slots = self._slots
+        for k in reversed(chain):
+            if k in slots:
+                slots.move_to_end(k)
 
     def release(self, key: bytes) -> None:
         """Undo one :meth:`hold`."""

@@ -8,12 +8,21 @@ background thread; reads (``MGET``) run on the engine thread with a short socket
 Failure policy: the remote is a cache. Any error or timeout counts in ``errors``, logs one
 warning, and opens a circuit for ``retry_after`` seconds during which every read is a miss and
 every write is dropped: requests then recompute; they never fail because of the remote.
-Eviction is the server's own (configure ``maxmemory`` + ``maxmemory-policy allkeys-lru``).
+
+Eviction is the server's own. Pins: :meth:`RemoteTier.pin` counts a pin per block in
+``pkv:pin:<key>`` (shared by every engine on the server) and makes sure the block is stored
+without an expiry; unpinning the last pin gives it back its ``ttl``. Run the server with
+``maxmemory-policy volatile-lru`` and give the tier a ``ttl``: unpinned blocks then carry an
+expiry and are what the server evicts, pinned ones carry none and are never evicted. Under
+``allkeys-lru`` (fine without pins) the server may evict pinned blocks too. A pin lives until
+its engine unpins it or resets its cache; an engine that dies holding pins leaves them until a
+``reset --tiers remote`` (which deletes every ``pkv:`` key, counters included).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -26,10 +35,42 @@ from prefixkv.tiers.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 PREFIX = b"pkv:"
+PIN_PREFIX = b"pkv:pin:"
+"""Pin counters; as long as a pin exists the block it names has no expiry."""
 KNOWN_KEYS = 1 << 17
 """Most keys remembered as already published (their re-publication is skipped)."""
 CLEAR_BATCH = 512
 """Keys scanned and unlinked per round trip by :meth:`RemoteTier.clear`."""
+
+# KEYS: block, pin counter. ARGV: record, ttl seconds (0: none). Stored once (NX: every
+# writer of a key writes the same bytes); an expiry only while no pin names the block.
+_SET = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') and tonumber(ARGV[2]) > 0
+   and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+# KEYS: block, pin counter, block, pin counter, ... ARGV: each block's record, same order.
+_PIN = """
+for i = 1, #KEYS, 2 do
+  redis.call('INCR', KEYS[i + 1])
+  if redis.call('PERSIST', KEYS[i]) == 0 and redis.call('EXISTS', KEYS[i]) == 0 then
+    redis.call('SET', KEYS[i], ARGV[(i + 1) / 2])
+  end
+end
+return 0
+"""
+# KEYS as for _PIN. ARGV: ttl seconds (0: none).
+_UNPIN = """
+for i = 1, #KEYS, 2 do
+  if redis.call('DECR', KEYS[i + 1]) <= 0 then
+    redis.call('DEL', KEYS[i + 1])
+    if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+  end
+end
+return 0
+"""
 
 
 class RemoteTier:
@@ -37,7 +78,8 @@ class RemoteTier:
 
     def __init__(
         self, url: str, layout: str, nbytes: int, *, timeout: float = 0.5,
-        retry_after: float = 5.0, clock: Callable[[], float] = time.monotonic,
+        retry_after: float = 5.0, ttl: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         try:
             import redis
@@ -55,13 +97,17 @@ class RemoteTier:
         self.layout = layout
         self.nbytes = nbytes
         self.retry_after = retry_after
+        self.ttl = 0 if ttl is None else max(1, math.ceil(ttl))  # whole seconds; 0: none
+        self._set = self._client.register_script(_SET)
+        self._pin = self._client.register_script(_PIN)
+        self._unpin = self._client.register_script(_UNPIN)
         self._clock = clock
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self.counters = TierCounters("remote", 0)
-        self._writer: BackgroundWriter[tuple[bytes, bytes]] = BackgroundWriter(
-            "prefixkv-remote-writer", self._write, self._failed)
+        self._writer: BackgroundWriter[Callable[[], None]] = BackgroundWriter(
+            "prefixkv-remote-writer", _call, self._failed)
 
     @property
     def is_up(self) -> bool:
@@ -82,10 +128,33 @@ class RemoteTier:
             if key in self._known:
                 return
             self._remember(key)
-        if not self._writer.submit((key, payload)):
+        if not self._writer.submit(lambda: self._write(key, payload)):
             with self._lock:
                 self._known.pop(key, None)
             self.counters.add(dropped=1)
+
+    def pin(self, keys: Sequence[bytes], payloads: Sequence[bytes]) -> bool:
+        """Pin ``keys`` once more each on the server (in the background, after the writes
+        queued before), storing ``payloads`` (their KV, same order) for any the server lacks;
+        a pinned block has no expiry. ``False`` if the pin could not be queued (remote down or
+        the queue full: the prefix stays pinned locally, not on the server)."""
+        if not keys:
+            return True
+        if not self.is_up:
+            self.counters.add(dropped=len(keys))
+            return False
+        names = _pairs(keys)
+        records = [encode(k, self.layout, p) for k, p in zip(keys, payloads)]
+        ok = self._writer.submit(lambda: self._pin(keys=names, args=records))
+        if not ok:
+            self.counters.add(dropped=len(keys))
+        return ok
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Undo one :meth:`pin` of ``keys`` (in the background); a block whose last pin goes
+        gets the tier's ``ttl`` back."""
+        if keys and not self._writer.submit(lambda: self._unpin(keys=_pairs(keys), args=[self.ttl])):
+            self.counters.add(dropped=len(keys))
 
     def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Payloads for ``keys`` (``None`` for a miss); all misses while the remote is down."""
@@ -150,15 +219,15 @@ class RemoteTier:
         if len(self._known) > KNOWN_KEYS:
             self._known.popitem(last=False)
 
-    def _write(self, item: tuple[bytes, bytes]) -> None:
-        key, payload = item
+    def _write(self, key: bytes, payload: bytes) -> None:
         if not self.is_up:
             self.counters.add(dropped=1)
             with self._lock:
                 self._known.pop(key, None)
             return
         try:
-            self._client.set(PREFIX + key, encode(key, self.layout, payload))
+            self._set(keys=[PREFIX + key, PIN_PREFIX + key],
+                      args=[encode(key, self.layout, payload), self.ttl])
         except BaseException:
             with self._lock:
                 self._known.pop(key, None)
@@ -181,3 +250,15 @@ class RemoteTier:
         if was_up:
             logger.warning("remote KV tier %s unavailable (%s); recomputing for %.1f s",
                            self.url, exc, self.retry_after)
+
+
+def _call(job: Callable[[], None]) -> None:
+    job()
+
+
+def _pairs(keys: Sequence[bytes]) -> list[bytes]:
+    """Block and pin-counter names, interleaved, as the pin scripts take them."""
+    out: list[bytes] = []
+    for k in keys:
+        out += (PREFIX + k, PIN_PREFIX + k)
+    return out

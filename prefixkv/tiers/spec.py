@@ -78,6 +78,9 @@ class TierSpec:
         disk_size: disk tier capacity (default 10GiB when ``disk_dir`` is set).
         remote: ``redis://host:port[/db]`` of a shared Valkey/Redis tier; ``None``: none.
         remote_timeout: seconds a remote call may take before it counts as down.
+        remote_ttl: expiry (seconds) of the unpinned blocks this engine stores in the remote
+            tier; with the server on ``maxmemory-policy volatile-lru`` pinned blocks (no
+            expiry) are then never evicted there. ``None``: no expiry.
         namespace: extra key part for every stored block (e.g. a deployment name); blocks
             stored under one namespace are invisible to engines using another.
         prefetch_blocks: most blocks read ahead from disk / remote into host staging while
@@ -89,6 +92,7 @@ class TierSpec:
     disk_size: Size = None
     remote: str | None = None
     remote_timeout: float = 0.5
+    remote_ttl: float | None = None
     namespace: str = ""
     prefetch_blocks: int = 1024
 
@@ -99,6 +103,11 @@ class TierSpec:
             raise ValueError(f"kv_remote must be a redis://host:port[/db] URL, got {self.remote!r}")
         if not isinstance(self.remote_timeout, (int, float)) or not self.remote_timeout > 0:
             raise ValueError(f"kv_remote_timeout must be > 0, got {self.remote_timeout!r}")
+        if self.remote_ttl is not None and (
+            isinstance(self.remote_ttl, bool) or not isinstance(self.remote_ttl, (int, float))
+            or not self.remote_ttl > 0
+        ):
+            raise ValueError(f"kv_remote_ttl must be > 0 seconds, got {self.remote_ttl!r}")
         if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, int) \
                 or self.prefetch_blocks < 0:
             raise ValueError(f"kv_prefetch_blocks must be an int >= 0, got {self.prefetch_blocks!r}")

@@ -132,7 +132,8 @@ class TieredStore:
             disk = DiskTier(spec.disk_dir, parse_size(size, nbytes, "kv_disk_size"), layout, nbytes)
         remote = None
         if spec.remote is not None:
-            remote = RemoteTier(spec.remote, layout, nbytes, timeout=spec.remote_timeout)
+            remote = RemoteTier(spec.remote, layout, nbytes, timeout=spec.remote_timeout,
+                                ttl=spec.remote_ttl)
         prefetcher = None
         if spec.prefetch_blocks and (disk is not None or remote is not None):
             prefetcher = Prefetcher(disk, remote, spec.prefetch_blocks)
@@ -154,22 +155,25 @@ class TieredStore:
             self.host.counters.add(stored_blocks=len(ids),
                                    stored_bytes=len(ids) * self.transfer.block_nbytes)
 
-    def publish(self, pairs: Sequence[tuple[int, bytes]]) -> None:
-        """Queue newly computed ``(pool block id, key)`` blocks for the disk and remote tiers."""
+    def publish(self, pairs: Sequence[tuple[int, bytes]], chain: Sequence[bytes] = ()) -> None:
+        """Queue newly computed ``(pool block id, key)`` blocks for the disk and remote tiers;
+        ``chain``: the keys of the whole prefix they extend (theirs included), then marked
+        most recently used on disk, head first (see :meth:`DiskTier.touch`)."""
         disk, remote = self.disk, self.remote
         todo = [
             (b, k) for b, k in pairs
             if (disk is not None and not disk.contains(k))
             or (remote is not None and not remote.is_known(k))
         ]
-        if not todo:
-            return
-        payloads = self.transfer.read_blocks([b for b, _ in todo])
-        for (_, key), payload in zip(todo, payloads):
-            if disk is not None:
-                disk.submit(key, payload)
-            if remote is not None:
-                remote.submit(key, payload)
+        if todo:
+            payloads = self.transfer.read_blocks([b for b, _ in todo])
+            for (_, key), payload in zip(todo, payloads):
+                if disk is not None:
+                    disk.submit(key, payload)
+                if remote is not None:
+                    remote.submit(key, payload)
+        if disk is not None and chain:
+            disk.touch(chain)
 
     # ------------------------------------------------------------------ out of the tiers
     def prefetch(self, job: int, keys: Sequence[bytes]) -> bool:
@@ -194,6 +198,11 @@ class TieredStore:
             if hit is None:
                 break
             hits.append(hit)
+        if hits:  # recency per chain, head first, in the tiers that evict by it
+            run = [h.key for h in hits]
+            for tier in (self.host, self.disk):
+                if tier is not None:
+                    tier.touch(run)
         return hits
 
     def _find(
@@ -254,6 +263,20 @@ class TieredStore:
                     self.host.release(h.key)
 
     # ------------------------------------------------------------------ admin
+    def pin(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Pin a prefix's block ``keys`` (held in the pool blocks ``block_ids``, same order)
+        in every tier: the host and disk skip them when evicting; the remote tier counts the
+        pin on the server and stores the blocks without an expiry (their KV read now)."""
+        self.pinned.add(keys)
+        if self.remote is not None and keys:
+            self.remote.pin(keys, self.transfer.read_blocks(list(block_ids)))
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Undo one :meth:`pin` of ``keys``."""
+        self.pinned.remove(keys)
+        if self.remote is not None:
+            self.remote.unpin(keys)
+
     def clear_host(self) -> int:
         """Drop the host tier's unpinned blocks; returns how many."""
         return self.host.clear() if self.host is not None else 0

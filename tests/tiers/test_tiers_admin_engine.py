@@ -67,6 +67,39 @@ def test_two_pins_share_blocks(make_llm: Any, tokens: Any, tmp_path: Path) -> No
     llm.engine.close()
 
 
+def test_pinned_prefix_on_the_remote_server(
+    make_llm: Any, tokens: Any, small_valkey: Any
+) -> None:
+    """A pin reaches the shared tier: its blocks lose their expiry (the server's volatile-lru
+    cannot evict them), a second worker reuses them after the first worker's other blocks were
+    evicted, and unpinning (or a reset) gives the expiry back."""
+    import redis
+
+    from prefixkv.tiers.remote import PIN_PREFIX, PREFIX
+
+    client = redis.Redis.from_url(small_valkey.url)
+    a = make_llm(block_size=BS, kv_remote=small_valkey.url, kv_remote_ttl=600)
+    system = tokens(3, 4 * BS)
+    a.pin_prefix(system)
+    keys = keys_of(a, system)
+    assert a.engine.kv.tiers.flush()
+    assert [client.ttl(PREFIX + k) for k in keys] == [-1] * 4
+    assert [client.get(PIN_PREFIX + k) for k in keys] == [b"1"] * 4
+    b = make_llm(block_size=BS, kv_remote=small_valkey.url, kv_remote_ttl=600, num_kv_blocks=64)
+    for i in range(40):  # far more KV than the 8 MB server holds
+        b.generate([tokens(500 + i, 16 * BS + 1)], ONE)
+        b.engine.kv.spill()
+    assert b.engine.kv.tiers.flush() and client.dbsize() < 40 * 16
+    c = make_llm(block_size=BS, kv_remote=small_valkey.url)
+    assert cached(c, system + [40]) == 4 * BS  # all four from the shared tier
+    assert a.unpin_prefix(system)
+    assert a.engine.kv.tiers.flush()
+    assert all(0 < client.ttl(PREFIX + k) <= 600 for k in keys) and not client.keys(PIN_PREFIX + b"*")
+    a.pin_prefix(system)
+    a.reset_prefix_cache()  # unpins everything, the remote pins included
+    assert a.engine.kv.tiers.flush() and not client.keys(PIN_PREFIX + b"*")
+
+
 def cached(llm: Any, prompt: list[int]) -> int:
     return llm.generate([prompt], ONE)[0].num_cached_tokens  # type: ignore[no-any-return]
 

@@ -38,6 +38,32 @@ def test_write_read_reindex_and_capacity(tmp_path: Path) -> None:
     again.close()
 
 
+def test_a_full_tier_drops_a_chains_tail_before_its_head(tmp_path: Path) -> None:
+    """Chains are touched head first: under pressure a prompt keeps its leading blocks (which
+    stay reachable) rather than its tail; a chain read again moves ahead of a newer one."""
+    d = DiskTier(tmp_path, 6, LAYOUT, 16)
+    a = [key(i) for i in range(4)]
+    b = [key(10 + i) for i in range(4)]
+    for k in a:
+        d.submit(k, payload(0))
+    d.touch(a)
+    assert d.flush() and d.stored_keys() == a[::-1]
+    for k in b:
+        d.submit(k, payload(1))
+    d.touch(b)
+    assert d.flush()
+    assert set(d.stored_keys()) == {*a[:2], *b}  # a's tail went first, its head is left
+    d.touch(a[:2])  # a read again: now b is the older chain
+    c = [key(20 + i) for i in range(2)]
+    for k in c:
+        d.submit(k, payload(2))
+    d.touch(c)
+    assert d.flush()
+    assert set(d.stored_keys()) == {*a[:2], *b[:2], *c}
+    assert d.counters.get("evictions") == 4
+    d.close()
+
+
 def test_corrupt_and_missing_files_are_misses(tmp_path: Path) -> None:
     d = DiskTier(tmp_path, 8, LAYOUT, 16)
     for i in range(3):

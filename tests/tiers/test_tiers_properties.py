@@ -45,7 +45,7 @@ from prefixkv.tiers.codec import decode
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
-from prefixkv.tiers.remote import PREFIX, RemoteTier
+from prefixkv.tiers.remote import PIN_PREFIX, PREFIX, RemoteTier
 from prefixkv.tiers.spec import reset_tiers
 from prefixkv.tiers.store import TieredStore
 
@@ -263,7 +263,8 @@ class Harness:
         everywhere = pool_keys | set(host.stored_keys()) | set(dkeys)
         if store.remote is not None:
             client = store.remote._client
-            rkeys = [n[len(PREFIX):] for n in client.scan_iter(match=PREFIX + b"*")]
+            rkeys = [n[len(PREFIX):] for n in client.scan_iter(match=PREFIX + b"*")
+                     if not n.startswith(PIN_PREFIX)]
             for k, rec in zip(rkeys, client.mget([PREFIX + k for k in rkeys])):
                 payload = decode(rec, k, disk.layout, disk.nbytes)
                 assert torch.equal(self.as_block(payload), self.expected_block(k)), "remote != its KV"
@@ -271,6 +272,15 @@ class Harness:
             c = store.remote.counters  # a remote that failed or dropped a write may lose it
             if c.get("errors") == 0 and c.get("dropped") == 0:
                 assert self.committed <= everywhere, "a committed block is in no tier"
+                assert store.remote.flush()
+                counts: dict[bytes, int] = {}
+                for _, keys in self.pins:
+                    for k in keys:
+                        counts[k] = counts.get(k, 0) + 1
+                names = [PIN_PREFIX + k for k in counts]
+                got = [int(v or 0) for v in client.mget(names)] if names else []
+                assert got == list(counts.values()), "remote pin counts != the engine's pins"
+                assert set(counts) <= set(rkeys), "a pinned block is missing from the remote"
         for _, keys in self.pins:  # pinned: in the pool, and kept by every tier that holds it
             assert set(keys) <= pool_keys
             for k in keys:
