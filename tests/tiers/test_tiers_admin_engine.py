@@ -140,3 +140,18 @@ def test_reset_bad_tiers_and_no_caching(make_llm: Any) -> None:
     off = make_llm(enable_prefix_caching=False)
     assert off.reset_prefix_cache("all") is False
     assert off.engine.reset_prefix_cache_tiers("all") is None
+
+
+def test_a_small_disk_tier_keeps_a_prompts_head(make_llm: Any, tokens: Any, tmp_path: Path) -> None:
+    """Disk smaller than two prompts: the first prompt loses its tail, not its head, so a
+    restarted engine still serves its leading blocks from disk (an LRU by write order would
+    have dropped its first block and left nothing reachable)."""
+    a, b = tokens(7, 6 * BS), tokens(8, 6 * BS)
+    llm = make_llm(block_size=BS, kv_disk_dir=tmp_path, kv_disk_size=8)
+    llm.generate([a + [33]], ONE)
+    llm.generate([b + [33]], ONE)
+    assert llm.engine.kv.tiers.flush()
+    llm.engine.close()
+    again = make_llm(block_size=BS, kv_disk_dir=tmp_path, kv_disk_size=8)
+    assert cached(again, a + [34]) == 2 * BS  # a's two head blocks, from disk
+    assert cached(again, b + [34]) == 6 * BS
