@@ -5,13 +5,22 @@ is ``kv[:, :, block_id]`` (K and V of every layer, ``[2, layers, block_size, kv_
 head_dim]``). The host arena holds ``host_blocks`` such blocks in one tensor, pinned when the
 pool is on CUDA (so copies can run as DMA). Ownership: the arena belongs to this object; which
 key lives in which slot is the host tier's bookkeeping (``prefixkv.tiers.host``).
+
+On CUDA, pool <-> arena copies run on a side stream and never block the CPU: an offload
+(:meth:`KVTransfer.to_host`) starts after the model's queued writes to those blocks (the side
+stream waits for the compute stream) and the compute stream waits, on the GPU, for the copy
+before its next kernel, which may overwrite the freed blocks; a load (:meth:`KVTransfer.from_host`)
+is ordered the same way, so the next step reads the loaded KV. The CPU never touches the arena
+between, so no host-side wait is needed. :meth:`KVTransfer.read_blocks` (bytes for disk and
+the remote tier) waits for its own copies only. On CPU every copy is synchronous.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -34,6 +43,7 @@ class KVTransfer:
         self._dtype = kv.dtype
         pin = kv.device.type == "cuda"
         self.host = torch.empty((host_blocks, *self._shape), dtype=kv.dtype, pin_memory=pin)
+        self._stream = torch.cuda.Stream(kv.device) if pin else None  # type: ignore[no-untyped-call]
 
     @property
     def layout(self) -> str:
@@ -54,32 +64,48 @@ class KVTransfer:
         return self.host.numel() * self.host.element_size()
 
     def to_host(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        """Copy pool blocks into arena slots (one each, same order)."""
-        kv = self.pool.kv
-        with torch.inference_mode():
+        """Copy pool blocks into arena slots (one each, same order); the blocks may be reused
+        as soon as this returns (on CUDA the compute stream waits for the copy)."""
+        kv, host = self.pool.kv, self.host
+        with torch.inference_mode(), self._side() as side:
             for b, s in zip(block_ids, slots):  # per-block strided copies beat a gather here
-                self.host[s].copy_(kv[:, :, b], non_blocking=True)
-            _sync(kv.device)
+                host[s].copy_(kv[:, :, b], non_blocking=side)
 
     def from_host(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Copy arena slots into pool blocks (one each, same order)."""
-        kv = self.pool.kv
-        with torch.inference_mode():
+        """Copy arena slots into pool blocks (one each, same order), ready for the next step."""
+        kv, host = self.pool.kv, self.host
+        with torch.inference_mode(), self._side() as side:
             for s, b in zip(slots, block_ids):
-                kv[:, :, b].copy_(self.host[s], non_blocking=True)
-            _sync(kv.device)
+                kv[:, :, b].copy_(host[s], non_blocking=side)
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         """Each pool block's raw bytes (C order of ``[2, layers, block_size, heads, dim]``)."""
         kv = self.pool.kv
         with torch.inference_mode():
             out = torch.empty((len(block_ids), *self._shape), dtype=kv.dtype,
-                              pin_memory=kv.device.type == "cuda")
-            for i, b in enumerate(block_ids):
-                out[i].copy_(kv[:, :, b], non_blocking=True)
-            _sync(kv.device)
+                              pin_memory=self._stream is not None)
+            with self._side() as side:
+                for i, b in enumerate(block_ids):
+                    out[i].copy_(kv[:, :, b], non_blocking=side)
+            if self._stream is not None:
+                self._stream.synchronize()  # these copies (and what they waited for) only
             raw = out.view(torch.uint8).reshape(len(block_ids), -1).numpy()
             return [row.tobytes() for row in raw]
+
+    @contextlib.contextmanager
+    def _side(self) -> Iterator[bool]:
+        """Run the copies in the block on the side stream, ordered after the compute stream's
+        queued work, and make the compute stream wait for them; yields whether copies may be
+        asynchronous (``False`` on CPU: nothing to order)."""
+        stream = self._stream
+        if stream is None:
+            yield False
+            return
+        compute = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            yield True
+        compute.wait_stream(stream)
 
     def write_block(self, block_id: int, data: bytes) -> None:
         """Overwrite one pool block with bytes from :meth:`read_blocks` (``data`` is only read)."""
@@ -89,11 +115,6 @@ class KVTransfer:
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer: never written
             t = torch.frombuffer(data, dtype=torch.uint8).view(self._dtype).reshape(self._shape)
             self.pool.kv[:, :, block_id].copy_(t)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def model_fingerprint(model: CausalLM | torch.nn.Module) -> str:

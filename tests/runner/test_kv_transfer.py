@@ -72,3 +72,27 @@ def test_cuda_engine_host_tier_outputs_equal() -> None:
     outs = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert outs[0].num_cached_tokens == 96
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_side_stream_copies_are_ordered_with_compute() -> None:
+    """Offloads and loads run on a side stream without a host wait: an offloaded block may be
+    overwritten by the very next kernel (it still reaches the arena intact), and a loaded block
+    is what the next kernel reads."""
+    pool = KVPool(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=64,
+                  dtype=torch.float32, device=torch.device("cuda"))
+    t = KVTransfer(pool, host_blocks=32)
+    assert t._stream is not None
+    for _ in range(3):
+        big = torch.randn(4096, 4096, device="cuda")
+        pool.kv.normal_()
+        _ = big @ big  # queued compute ahead of the copies
+        want = pool.kv[:, :, :32].clone()
+        t.to_host(list(range(32)), list(range(32)))
+        pool.kv[:, :, :32].fill_(-1.0)  # the freed blocks reused at once, on the compute stream
+        t.from_host(list(range(32)), list(range(32, 64)))
+        got = pool.kv[:, :, 32:64].sum()  # the next "kernel" reads the loaded blocks
+        torch.cuda.synchronize()
+        assert torch.equal(t.host[:32].to("cuda").movedim(0, 2), want)
+        assert torch.equal(pool.kv[:, :, 32:64], want) and got.item() == pytest.approx(want.sum().item())
