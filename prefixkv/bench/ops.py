@@ -139,7 +139,7 @@ def _insert(cache: Any, pool: BlockPool | None, tokens: list[int], bs: int) -> N
     m = cache.match_prefix(tokens)
     ids = pool.allocate(len(tokens) // bs - len(m.matched_kv_blocks), evict_from=cache)
     assert ids is not None
-    node = cache.insert_prefix(tokens, m.matched_kv_blocks + ids)
+    node = cache.insert_prefix(tokens, [*m.matched_kv_blocks, *ids])
     pool.free(node.returned_block_ids)
 
 
@@ -162,7 +162,7 @@ def _prepare(kind: str, w: dict[str, Any]) -> _Subject:
     if pool is None:
         ids = [list(range(1024)) for _ in seqs]
     else:
-        ids = [cache.match_prefix(s[:512]).matched_kv_blocks + pool.allocate(512 // bs)
+        ids = [[*cache.match_prefix(s[:512]).matched_kv_blocks, *(pool.allocate(512 // bs) or [])]
                for s in seqs]
     ask = EVICT_TOKENS // bs
     freed: list[int] = []

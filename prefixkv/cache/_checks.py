@@ -35,8 +35,11 @@ def as_token_list(token_ids: Any, name: str = "token_ids") -> Sequence[int]:
         raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}") from None
 
 
-def as_token_array(token_ids: Any, name: str = "token_ids") -> array[int]:
+def as_token_array(token_ids: Any, name: str = "token_ids", narrow: bool = False) -> array[int]:
     """Return ``token_ids`` as an ``array('I')`` (the radix tree's key type), every value checked.
+
+    With ``narrow=True``: as an ``array('H')`` (2 bytes a token) when every value is below
+    2**16 (a vocabulary of at most 65,536 tokens), else as an ``array('I')`` all the same.
 
     No per-element Python work for any supported input: an ``array('I')`` is returned as is (the
     fastest form), a list, tuple or range is packed in C by ``array``, and other int arrays
@@ -49,12 +52,17 @@ def as_token_array(token_ids: Any, name: str = "token_ids") -> array[int]:
     kind = type(token_ids)
     if kind is array:
         code = token_ids.typecode
-        if code == "I":
+        if code == "I" and not narrow or code == "H" and narrow:
             return token_ids  # type: ignore[no-any-return]
         if code not in _INT_TYPECODES:
             raise ValueError(f"{name} must contain ints, got array({code!r})")
-        return _from_numpy(np.frombuffer(token_ids, dtype=np.dtype(code)), name)
+        return _from_numpy(np.frombuffer(token_ids, dtype=np.dtype(code)), name, narrow)
     if kind is list or kind is tuple or kind is range:
+        if narrow:
+            try:
+                return array("H", token_ids)
+            except (TypeError, OverflowError):
+                pass  # an id >= 2**16 (or a bad value, reported below)
         try:
             return array("I", token_ids)
         except (TypeError, OverflowError):
@@ -62,19 +70,19 @@ def as_token_array(token_ids: Any, name: str = "token_ids") -> array[int]:
             raise
     _reject_non_sequence(token_ids, name)
     if isinstance(token_ids, np.ndarray):
-        return _from_numpy(token_ids, name)
+        return _from_numpy(token_ids, name, narrow)
     to_numpy = getattr(token_ids, "numpy", None)
     if callable(to_numpy):  # a torch tensor
         try:
             as_np = to_numpy()
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"{name}: a tensor must be a CPU tensor without grad ({exc})") from None
-        return _from_numpy(np.asarray(as_np), name)
+        return _from_numpy(np.asarray(as_np), name, narrow)
     try:
         seq = list(token_ids)
     except TypeError:
         raise ValueError(f"{name} must be a sequence of ints, got {kind.__name__}") from None
-    return as_token_array(seq, name)
+    return as_token_array(seq, name, narrow)
 
 
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
@@ -85,17 +93,30 @@ def _reject_non_sequence(token_ids: Any, name: str) -> None:
         raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
 
 
-def _from_numpy(x: np.ndarray[Any, Any], name: str) -> array[int]:
+def _from_numpy(x: np.ndarray[Any, Any], name: str, narrow: bool = False) -> array[int]:
     """A 1-D numpy int array as a checked ``array('I')``: one check pass, one cast, one copy.
 
     64-bit ints (``array('q')``, numpy/torch int64) are checked by counting their set high
-    words, which catches negatives and values >= 2**32 in one C pass.
+    words, which catches negatives and values >= 2**32 in one C pass. ``narrow``: an
+    ``array('H')`` when every value is below 2**16 (checked by min and max).
     """
     if x.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
     kind = x.dtype.kind
     if kind not in "iu":
         raise ValueError(f"{name} must contain ints, got dtype {x.dtype}")
+    if narrow and x.size:
+        lo = int(x.min()) if kind == "i" else 0
+        hi = int(x.max())
+        if lo < 0:
+            raise ValueError(f"{name} must be non-negative, found {lo}")
+        if hi <= 0xFFFF:
+            out = array("H")
+            out.frombytes(np.ascontiguousarray(x.astype(np.uint16)).data.cast("B"))
+            return out
+        if hi > MAX_TOKEN_ID:
+            raise ValueError(f"{name} must be < 2**32, found {hi}")
+        x = x.astype(np.uint32)
     if x.dtype != np.uint32 and x.size:
         if x.dtype.itemsize == 8 and x.dtype.isnative and _LITTLE and x.flags.c_contiguous:
             if np.count_nonzero(x.view(np.uint32)[1::2]):  # a high word set: out of range

@@ -82,7 +82,7 @@ def test_cpu_torch_tensors_by_duck_typing(make):
     for t in (torch.tensor(toks), torch.tensor(toks, dtype=torch.int32),
               torch.tensor(toks + [0, 0])[: len(toks)]):
         m = cache.match_prefix(t)
-        assert m.matched_kv_blocks == [1, 2, 3] and m.matched_tokens == toks
+        assert list(m.matched_kv_blocks) == [1, 2, 3] and m.matched_tokens == toks
     with pytest.raises(ValueError, match="non-negative"):
         cache.match_prefix(torch.tensor([-1] * make.bs))
     with pytest.raises(ValueError, match="ints"):
@@ -99,6 +99,6 @@ def test_numpy_and_array_q_queries_match_like_lists(make):
     cache.insert_prefix(np.array(toks, dtype=np.int64), [4, 5, 6])
     for q in (np.array(toks, dtype=np.uint32), array("q", toks), np.array(toks + [9])):
         m = cache.match_prefix(q)
-        assert m.matched_kv_blocks == [4, 5, 6] and m.matched_tokens == toks
+        assert list(m.matched_kv_blocks) == [4, 5, 6] and m.matched_tokens == toks
         assert all(type(t) is int for t in m.matched_tokens)
     assert cache.pin_prefix(np.array(toks)) and cache.unpin_prefix(array("q", toks))

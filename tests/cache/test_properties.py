@@ -84,7 +84,7 @@ def run(cache, bs, ops, num_blocks=NUM_BLOCKS):
                 if not cache.is_cached(bid):
                     assert not oracle.covered(key, oracle.locks) and not oracle.covered(key, oracle.pins)
                     del oracle.cached[key]
-            node = cache.insert_prefix(toks, reuse + new, namespace=ns)
+            node = cache.insert_prefix(toks, [*reuse, *new], namespace=ns)
             cache.unlock(m)
             pool.free(node.returned_block_ids)
             for key, bid in zip(oracle.keys(ns, toks), node.kv_block_ids):
@@ -95,7 +95,7 @@ def run(cache, bs, ops, num_blocks=NUM_BLOCKS):
             m = cache.match_prefix(toks, lock=lock)
             k = oracle.longest(ns, toks)
             assert m.match_length == k * bs
-            assert m.matched_kv_blocks == [oracle.cached[key] for key in oracle.keys(ns, toks)[:k]]
+            assert list(m.matched_kv_blocks) == [oracle.cached[key] for key in oracle.keys(ns, toks)[:k]]
             if lock:
                 covered = toks[: k * bs + (bs if m.partial_tokens else 0)]
                 if m.partial_tokens:
@@ -243,7 +243,7 @@ def test_run_eviction_frees_exactly_the_per_block_order(ops, policy, bs, index):
                 got.append(cache.evict(max(0, cache.num_cached_blocks + need - BIG_POOL)))
                 new = [b for b in range(BIG_POOL) if not cache.is_cached(b)][:need]
                 if len(new) == need:
-                    got.append(cache.insert_prefix(toks, m.matched_kv_blocks + new,
+                    got.append(cache.insert_prefix(toks, [*m.matched_kv_blocks, *new],
                                                    namespace=ns).kv_block_ids)
             assert got[: len(got) // 2] == got[len(got) // 2 :]
         elif o[0] == "match":
