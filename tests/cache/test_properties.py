@@ -161,6 +161,19 @@ def test_radix_against_oracle(ops, bs):
     run(RadixPrefixCache(NUM_BLOCKS, bs, max_pinned_blocks=6), bs, ops)
 
 
+def _scaled(ops, factor):
+    """The same operations with every token id multiplied (2 * 35,000 > 2**16: the radix tree
+    widens its keys mid-run, the first time such an id is inserted)."""
+    return [(o[0], [t * factor for t in o[1]], *o[2:]) if o[0] in ("insert", "match", "pin")
+            else o for o in ops]
+
+
+@SETTINGS
+@given(st.lists(op, max_size=40), st.sampled_from([1, 2, 3]))
+def test_radix_with_large_token_ids_against_oracle(ops, bs):
+    run(RadixPrefixCache(NUM_BLOCKS, bs, max_pinned_blocks=6), bs, _scaled(ops, 35_000))
+
+
 @SETTINGS
 @given(st.lists(op, max_size=40), st.sampled_from([1, 2, 3]), st.sampled_from(["sha256", "builtin"]))
 def test_hash_against_oracle(ops, bs, algo):
