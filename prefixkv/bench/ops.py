@@ -11,8 +11,9 @@ them; ``--vocab 32000`` draws them from a Llama-2-size vocabulary instead, where
 keeps 2-byte keys (every id < 2**16).
 
 Input forms: plain kinds pass lists; ``+array`` passes ``array('q')`` (SGLang's key type, so
-SGLang rows are compared with these); ``+u32`` passes ``array('I')`` (the radix tree's own key
-type, our fastest form). Inputs are built outside the timed calls.
+SGLang rows are compared with these); ``+u32`` passes ``array('I')`` (the radix tree's key type
+for a large vocabulary, our fastest form there); ``+u16`` passes ``array('H')`` (its key type
+when every id < 2**16, e.g. ``--vocab 32000``). Inputs are built outside the timed calls.
 
 The ids an evict call returns are kept (an engine's pool keeps them), so freeing their int
 objects is not timed; SGLang's rows likewise hand their value tensors to the allocator.
@@ -68,7 +69,7 @@ class OpsRow:
 EVICT_TOKENS = 10 * 1024
 """Tokens each evict call asks for: 10 leaves of the workload's 1,024-token prompts."""
 
-MODES = {"": None, "array": "q", "u32": "I"}
+MODES = {"": None, "array": "q", "u32": "I", "u16": "H"}
 """Input modes: ``kind+MODE`` -> the ``array`` typecode the tokens are passed as (``None``: list)."""
 
 
@@ -115,10 +116,10 @@ def _parse(kind: str) -> tuple[str, int, str | None]:
         return kind, 1, None
     body, plus, mode = kind.partition("+")
     if (plus and not mode) or mode not in MODES:
-        raise ValueError(f"unknown input mode in {kind!r} (+array or +u32)")
+        raise ValueError(f"unknown input mode in {kind!r} (+array, +u32 or +u16)")
     name, sep, bs = body.rpartition("-bs")
     if not sep or not bs.isdigit():
-        raise ValueError(f"bad kind {kind!r}: expected INDEX-bsN[+array|+u32], e.g. radix-bs16")
+        raise ValueError(f"bad kind {kind!r}: expected INDEX-bsN[+array|+u32|+u16], e.g. radix-bs16")
     return name, int(bs), MODES[mode]
 
 
