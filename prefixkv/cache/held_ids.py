@@ -126,7 +126,7 @@ class HeldIds:
             raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
         i = 0
         try:
-            for i, b in enumerate(taken):  # noqa: B007 (i is read on failure)
+            for i, b in enumerate(taken):  # i is read on failure
                 if flags[b]:
                     raise ValueError(f"kv_block_ids: block id {b} is repeated or already cached")
                 flags[b] = 1
