@@ -6,11 +6,14 @@ sequence sharing 512 tokens with a cached prompt; *evict* 10 leaves' worth of to
 full cache (10 x 1,024 = 10,240 tokens on every row: ``evict(10240 // block_size)`` blocks for
 ours, ``evict(num_tokens=10240)`` for SGLang, 640 blocks for vLLM), reporting the tokens and
 leaves each call actually freed; memory of 1,000 cached 512-token prefixes (tracemalloc).
-Token ids are fresh Python ints in [0, 150000), as a tokenizer returns them.
+Token ids are fresh Python ints in [0, 150000) (a Qwen-size vocabulary), as a tokenizer returns
+them; ``--vocab 32000`` draws them from a Llama-2-size vocabulary instead, where the radix tree
+keeps 2-byte keys (every id < 2**16).
 
 Input forms: plain kinds pass lists; ``+array`` passes ``array('q')`` (SGLang's key type, so
-SGLang rows are compared with these); ``+u32`` passes ``array('I')`` (the radix tree's own key
-type, our fastest form). Inputs are built outside the timed calls.
+SGLang rows are compared with these); ``+u32`` passes ``array('I')`` (the radix tree's key type
+for a large vocabulary, our fastest form there); ``+u16`` passes ``array('H')`` (its key type
+when every id < 2**16, e.g. ``--vocab 32000``). Inputs are built outside the timed calls.
 
 The ids an evict call returns are kept (an engine's pool keeps them), so freeing their int
 objects is not timed; SGLang's rows likewise hand their value tensors to the allocator.
@@ -66,7 +69,7 @@ class OpsRow:
 EVICT_TOKENS = 10 * 1024
 """Tokens each evict call asks for: 10 leaves of the workload's 1,024-token prompts."""
 
-MODES = {"": None, "array": "q", "u32": "I"}
+MODES = {"": None, "array": "q", "u32": "I", "u16": "H"}
 """Input modes: ``kind+MODE`` -> the ``array`` typecode the tokens are passed as (``None``: list)."""
 
 
@@ -87,8 +90,8 @@ class _Subject:
     note: str = ""
 
 
-def _fresh(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB) for _ in range(n)]
+def _fresh(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
 
 
 def _copy(tokens: list[int]) -> list[int]:
@@ -96,14 +99,14 @@ def _copy(tokens: list[int]) -> list[int]:
     return [int(str(t)) for t in tokens]
 
 
-def _workload(seed: int, n_prompts: int) -> dict[str, Any]:
+def _workload(seed: int, n_prompts: int, vocab: int = VOCAB) -> dict[str, Any]:
     rng = random.Random(seed)
     return {
-        "system": _fresh(rng, 2000),
-        "prompts": [_fresh(rng, 1024) for _ in range(n_prompts)],
-        "suffixes": [_fresh(rng, 512) for _ in range(400)],
-        "query_tail": _fresh(rng, 48),
-        "mem_prefixes": [_fresh(rng, 512) for _ in range(1000)],
+        "system": _fresh(rng, 2000, vocab),
+        "prompts": [_fresh(rng, 1024, vocab) for _ in range(n_prompts)],
+        "suffixes": [_fresh(rng, 512, vocab) for _ in range(400)],
+        "query_tail": _fresh(rng, 48, vocab),
+        "mem_prefixes": [_fresh(rng, 512, vocab) for _ in range(1000)],
     }
 
 
@@ -113,10 +116,10 @@ def _parse(kind: str) -> tuple[str, int, str | None]:
         return kind, 1, None
     body, plus, mode = kind.partition("+")
     if (plus and not mode) or mode not in MODES:
-        raise ValueError(f"unknown input mode in {kind!r} (+array or +u32)")
+        raise ValueError(f"unknown input mode in {kind!r} (+array, +u32 or +u16)")
     name, sep, bs = body.rpartition("-bs")
     if not sep or not bs.isdigit():
-        raise ValueError(f"bad kind {kind!r}: expected INDEX-bsN[+array|+u32], e.g. radix-bs16")
+        raise ValueError(f"bad kind {kind!r}: expected INDEX-bsN[+array|+u32|+u16], e.g. radix-bs16")
     return name, int(bs), MODES[mode]
 
 
@@ -139,7 +142,7 @@ def _insert(cache: Any, pool: BlockPool | None, tokens: list[int], bs: int) -> N
     m = cache.match_prefix(tokens)
     ids = pool.allocate(len(tokens) // bs - len(m.matched_kv_blocks), evict_from=cache)
     assert ids is not None
-    node = cache.insert_prefix(tokens, m.matched_kv_blocks + ids)
+    node = cache.insert_prefix(tokens, [*m.matched_kv_blocks, *ids])
     pool.free(node.returned_block_ids)
 
 
@@ -162,7 +165,7 @@ def _prepare(kind: str, w: dict[str, Any]) -> _Subject:
     if pool is None:
         ids = [list(range(1024)) for _ in seqs]
     else:
-        ids = [cache.match_prefix(s[:512]).matched_kv_blocks + pool.allocate(512 // bs)
+        ids = [[*cache.match_prefix(s[:512]).matched_kv_blocks, *(pool.allocate(512 // bs) or [])]
                for s in seqs]
     ask = EVICT_TOKENS // bs
     freed: list[int] = []
@@ -284,7 +287,7 @@ DEFAULT_KINDS = ("seed-reference", "radix-bs1", "radix-bs1+array", "radix-bs1+u3
 
 
 def run_ops(kinds: tuple[str, ...] = DEFAULT_KINDS, *, prompts: int = 1000, iters: int = 2000,
-            seed: int = 0, rounds: int = 5) -> list[OpsRow]:
+            seed: int = 0, rounds: int = 5, vocab: int = VOCAB) -> list[OpsRow]:
     """Run every kind on one workload, interleaved; the first kind is the baseline for ratios.
 
     ``iters`` match calls per kind; inserts are the workload's 400 sequences; evict calls are
@@ -297,9 +300,11 @@ def run_ops(kinds: tuple[str, ...] = DEFAULT_KINDS, *, prompts: int = 1000, iter
         raise ValueError("kinds must name at least one index")
     if rounds <= 0:
         raise ValueError("rounds must be positive")
+    if vocab < 2:
+        raise ValueError(f"vocab must be at least 2, got {vocab}")
     for k in kinds:
         _check_kind(k)
-    w = _workload(seed, prompts)
+    w = _workload(seed, prompts, vocab)
     subjects = [_prepare(k, w) for k in kinds]
     match = _interleaved(subjects, "match", iters, rounds)
     insert = _interleaved(subjects, "insert", len(w["suffixes"]), rounds)
@@ -394,6 +399,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--iters", type=int, default=2000, help="match calls per kind")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--vocab", type=int, default=VOCAB,
+                   help="token ids are drawn from [0, VOCAB) (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
                    help="also run SGLang's and vLLM's caches (default: when they import)")
@@ -414,7 +421,7 @@ def run_from_args(args: Any) -> int:
             print("peers not installed: " + "; ".join(missing))
         kinds += found
     rows = run_ops(kinds, prompts=args.prompts, iters=args.iters, seed=args.seed,
-                   rounds=getattr(args, "rounds", 5))
+                   rounds=getattr(args, "rounds", 5), vocab=getattr(args, "vocab", VOCAB))
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -245,7 +245,7 @@ def replay(
         if new is None:
             raise RuntimeError(f"request {i}: could not allocate {n} blocks (pool accounting)")
         if n > 0:
-            node = cache.insert_prefix(ids[: k + n], m.matched_kv_blocks + new)
+            node = cache.insert_prefix(ids[: k + n], [*m.matched_kv_blocks, *new])
             if node.returned_block_ids:
                 pool.free(node.returned_block_ids)
         cache.unlock(m)

@@ -110,7 +110,7 @@ def replay_tiered(
         if new is None:
             raise RuntimeError(f"request {i}: could not allocate {n} blocks")
         if n > 0:
-            node = cache.insert_prefix(ids[: k + n], m.matched_kv_blocks + new)
+            node = cache.insert_prefix(ids[: k + n], [*m.matched_kv_blocks, *new])
             for h, b in zip(ids, node.kv_block_ids):
                 key_of[b] = h
             pool.free(node.returned_block_ids)

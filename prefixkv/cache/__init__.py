@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prefixkv.cache.block_pool import BlockPool
 from prefixkv.cache.hashed import HashPrefixCache
 from prefixkv.cache.hashing import HASH_ALGOS, hash_block_chain
+from prefixkv.cache.held_ids import BlockIds
 from prefixkv.cache.policies import (
     POLICIES,
     EvictionPolicy,
@@ -63,6 +64,7 @@ __all__ = [
     "HASH_ALGOS",
     "INDEXES",
     "POLICIES",
+    "BlockIds",
     "BlockPool",
     "CacheStats",
     "EvictionPolicy",

@@ -35,8 +35,11 @@ def as_token_list(token_ids: Any, name: str = "token_ids") -> Sequence[int]:
         raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}") from None
 
 
-def as_token_array(token_ids: Any, name: str = "token_ids") -> array[int]:
+def as_token_array(token_ids: Any, name: str = "token_ids", narrow: bool = False) -> array[int]:
     """Return ``token_ids`` as an ``array('I')`` (the radix tree's key type), every value checked.
+
+    With ``narrow=True``: as an ``array('H')`` (2 bytes a token) when every value is below
+    2**16 (a vocabulary of at most 65,536 tokens), else as an ``array('I')`` all the same.
 
     No per-element Python work for any supported input: an ``array('I')`` is returned as is (the
     fastest form), a list, tuple or range is packed in C by ``array``, and other int arrays
@@ -49,32 +52,39 @@ def as_token_array(token_ids: Any, name: str = "token_ids") -> array[int]:
     kind = type(token_ids)
     if kind is array:
         code = token_ids.typecode
-        if code == "I":
+        if code == "I" and not narrow or code == "H" and narrow:
             return token_ids  # type: ignore[no-any-return]
+        if code == "I" and token_ids:
+            return _narrowed(token_ids)
         if code not in _INT_TYPECODES:
             raise ValueError(f"{name} must contain ints, got array({code!r})")
-        return _from_numpy(np.frombuffer(token_ids, dtype=np.dtype(code)), name)
+        if token_ids.itemsize == 8 and _LITTLE and token_ids:  # array('q'), SGLang's key type
+            packed = _from_words(token_ids, narrow)
+            if packed is not None:
+                return packed
+        return _from_numpy(np.frombuffer(token_ids, dtype=np.dtype(code)), name, narrow)
     if kind is list or kind is tuple or kind is range:
-        try:
-            return array("I", token_ids)
+        try:  # array("H", ...) parses each item with a format string: twice as slow as "I"
+            packed = array("I", token_ids)
         except (TypeError, OverflowError):
             check_tokens(list(token_ids), name)  # raises the precise ValueError
             raise
+        return _narrowed(packed) if narrow and packed else packed
     _reject_non_sequence(token_ids, name)
     if isinstance(token_ids, np.ndarray):
-        return _from_numpy(token_ids, name)
+        return _from_numpy(token_ids, name, narrow)
     to_numpy = getattr(token_ids, "numpy", None)
     if callable(to_numpy):  # a torch tensor
         try:
             as_np = to_numpy()
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"{name}: a tensor must be a CPU tensor without grad ({exc})") from None
-        return _from_numpy(np.asarray(as_np), name)
+        return _from_numpy(np.asarray(as_np), name, narrow)
     try:
         seq = list(token_ids)
     except TypeError:
         raise ValueError(f"{name} must be a sequence of ints, got {kind.__name__}") from None
-    return as_token_array(seq, name)
+    return as_token_array(seq, name, narrow)
 
 
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
@@ -85,17 +95,30 @@ def _reject_non_sequence(token_ids: Any, name: str) -> None:
         raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
 
 
-def _from_numpy(x: np.ndarray[Any, Any], name: str) -> array[int]:
+def _from_numpy(x: np.ndarray[Any, Any], name: str, narrow: bool = False) -> array[int]:
     """A 1-D numpy int array as a checked ``array('I')``: one check pass, one cast, one copy.
 
     64-bit ints (``array('q')``, numpy/torch int64) are checked by counting their set high
-    words, which catches negatives and values >= 2**32 in one C pass.
+    words, which catches negatives and values >= 2**32 in one C pass. ``narrow``: an
+    ``array('H')`` when every value is below 2**16 (checked by min and max).
     """
     if x.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
     kind = x.dtype.kind
     if kind not in "iu":
         raise ValueError(f"{name} must contain ints, got dtype {x.dtype}")
+    if narrow and x.size:
+        lo = int(x.min()) if kind == "i" else 0
+        hi = int(x.max())
+        if lo < 0:
+            raise ValueError(f"{name} must be non-negative, found {lo}")
+        if hi <= 0xFFFF:
+            out = array("H")
+            out.frombytes(np.ascontiguousarray(x.astype(np.uint16)).data.cast("B"))
+            return out
+        if hi > MAX_TOKEN_ID:
+            raise ValueError(f"{name} must be < 2**32, found {hi}")
+        x = x.astype(np.uint32)
     if x.dtype != np.uint32 and x.size:
         if x.dtype.itemsize == 8 and x.dtype.isnative and _LITTLE and x.flags.c_contiguous:
             if np.count_nonzero(x.view(np.uint32)[1::2]):  # a high word set: out of range
@@ -106,6 +129,36 @@ def _from_numpy(x: np.ndarray[Any, Any], name: str) -> array[int]:
     out = array("I")
     out.frombytes(np.ascontiguousarray(x).data.cast("B"))  # one copy, any strides
     return out
+
+
+def _narrowed(packed: array[int]) -> array[int]:
+    """A non-empty ``array('I')`` as ``array('H')`` if every value fits, else itself."""
+    words = np.frombuffer(packed, dtype=_U32)
+    if int(words.max()) > 0xFFFF:
+        return packed
+    out = array("H")
+    out.frombytes(words.astype(np.uint16).tobytes())
+    return out
+
+
+def _from_words(ints64: array[int], narrow: bool) -> array[int] | None:
+    """A little-endian 64-bit int array read as 32-bit words: every high word zero means every
+    value is in ``[0, 2**32)`` (negatives set it too), and the low words are the values. Four
+    numpy calls, no cast; ``None`` when a high word is set (the caller reports the bad value)."""
+    words = np.frombuffer(ints64, dtype=_U32)
+    if np.count_nonzero(words[1::2]):
+        return None
+    low = words[::2]
+    if narrow and int(low.max()) <= 0xFFFF:
+        out = array("H")
+        out.frombytes(low.astype(np.uint16).tobytes())
+        return out
+    out = array("I")
+    out.frombytes(low.tobytes())
+    return out
+
+
+_U32 = np.dtype(np.uint32)
 
 
 def _check_range(x: np.ndarray[Any, Any], name: str) -> None:

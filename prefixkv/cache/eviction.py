@@ -13,7 +13,9 @@ property test against the block-by-block loop:
   is below the heap's smallest (a tie goes to the older heap item), so it is taken directly.
 
 Policies without the declaration (``ghost``: per-block state) keep the block-by-block loop. So
-a call costs O(leaves touched x log n) Python steps plus the C-speed copies of the freed ids.
+a call costs O(leaves touched x log n) Python steps plus the C-speed copies of the freed ids:
+each entry's id array is appended to the result (``array('I')``) and the held flags are cleared
+once, for all of them, at the end.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import numpy as np
+
 from prefixkv.cache.evictable import EvictableHeap
-from prefixkv.cache.held_ids import Packed
+from prefixkv.cache.held_ids import BULK, BlockIds, new_ids
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protection import is_evictable_leaf
 
@@ -58,8 +62,8 @@ class Evictor(Generic[E]):
         heap: the index's evictable leaves.
         policy: its eviction policy.
         drop_tail: ``drop_tail(entry, k)`` removes an evictable leaf's last ``k`` blocks (and
-            detaches it when empty); returns their ids deepest first, and packed or ``None``.
-        release: ``release(ids, packed)``, the index stops holding dropped ids.
+            detaches it when empty); returns their ids shallowest first (as stored).
+        release: ``release(ids)``, the index stops holding dropped ids (called once a call).
         key_at: ``key_at(entry, depth)``, the policy's key at a smaller depth (a probe).
         refresh: re-files an entry in the heap after it changed (its children, its blocks).
         gone: called for each entry whose last block was evicted, before anything else moves.
@@ -68,8 +72,8 @@ class Evictor(Generic[E]):
     __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh", "_release")
 
     def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
-                 drop_tail: Callable[[E, int], tuple[list[int], Packed | None]],
-                 release: Callable[[list[int], Packed | None], None],
+                 drop_tail: Callable[[E, int], BlockIds],
+                 release: Callable[[BlockIds], None],
                  key_at: Callable[[E, int], Any], refresh: Callable[[Entry | None], None],
                  gone: Callable[[E], None]) -> None:
         self._heap = heap
@@ -80,24 +84,34 @@ class Evictor(Generic[E]):
         self._refresh = refresh
         self._gone = gone
 
-    def evict(self, num_blocks: int) -> list[int]:
-        """Free up to ``num_blocks`` blocks; returns their ids (fewer if fewer are evictable)."""
-        out: list[int] = []
+    def evict(self, num_blocks: int) -> BlockIds:
+        """Free up to ``num_blocks`` blocks; returns their ids (fewer if fewer are evictable):
+        the dropped runs in eviction order, each deepest block first."""
+        runs: list[BlockIds] = []
+        try:
+            self._evict(num_blocks, runs)
+        finally:  # every id dropped from the forest is released, even if a hook raised
+            out = deepest_first(runs)
+            self._release(out)
+        return out
+
+    def _evict(self, num_blocks: int, out: list[BlockIds]) -> None:
         heap, key = self._heap, self._policy.key
         runs = self._policy.depth_monotone_keys
         e: E | None = None
-        while len(out) < num_blocks:
+        got = 0
+        while got < num_blocks:
             if e is None:
                 e = heap.pop()
                 if e is None:
                     break
             if runs:
-                ids, packed = self._drop_tail(e, self._run_length(e, min(num_blocks - len(out),
-                                                                         e.num_blocks)))
-                self._release(ids, packed)
-                out += ids
+                ids = self._drop_tail(e, self._run_length(e, min(num_blocks - got,
+                                                                 e.num_blocks)))
+                out.append(ids)
+                got += len(ids)
             else:
-                self._trim_per_block(e, num_blocks, out)
+                got = self._trim_per_block(e, num_blocks, out, got)
             if e.num_blocks:
                 heap.push(e)
                 e = None
@@ -106,14 +120,13 @@ class Evictor(Generic[E]):
             parent, e = e.parent, None
             if parent is None or parent.is_root:
                 continue
-            if (runs and len(out) < num_blocks and parent.num_blocks
+            if (runs and got < num_blocks and parent.num_blocks
                     and is_evictable_leaf(parent)):
                 top = heap.peek_key()
                 if top is None or key(parent) < top:  # it would be popped next: take it
                     e = parent
                     continue
             self._refresh(parent)
-        return out
 
     def _run_length(self, e: E, k: int) -> int:
         """How many of ``e``'s last ``k`` blocks go before any other leaf's (at least one).
@@ -139,16 +152,35 @@ class Evictor(Generic[E]):
                 hi = mid
         return lo + 1
 
-    def _trim_per_block(self, e: E, num_blocks: int, out: list[int]) -> None:
+    def _trim_per_block(self, e: E, num_blocks: int, out: list[BlockIds], got: int) -> int:
         """Trim ``e`` one block at a time while it stays the policy's choice (its key may change
-        with its tail block: a per-block policy state)."""
+        with its tail block: a per-block policy state); returns the new count of freed ids."""
         heap, key = self._heap, self._policy.key
         while True:
-            ids, packed = self._drop_tail(e, 1)
-            self._release(ids, packed)
-            out += ids
-            if not e.num_blocks or len(out) >= num_blocks:
-                break
+            out.append(self._drop_tail(e, 1))
+            got += 1
+            if not e.num_blocks or got >= num_blocks:
+                return got
             top = heap.peek_key()
             if top is not None and key(e) > top:
-                break
+                return got
+
+
+def deepest_first(runs: list[BlockIds]) -> BlockIds:
+    """The runs (each shallowest first, as stored) concatenated in order, each reversed.
+
+    ``reversed(R1 + ... + Rk)`` is ``rev(Rk) + ... + rev(R1)``, so the runs are joined in
+    reverse order and the whole reversed once, in numpy (an ``array`` reverses item by item,
+    several times slower); a few ids take the plain path.
+    """
+    if len(runs) == 1 and len(runs[0]) <= 1:
+        return runs[0]
+    total = sum(map(len, runs))
+    out = new_ids()
+    if total < BULK:
+        for r in runs:
+            out += r[::-1]
+        return out
+    joined = b"".join(reversed(runs))
+    out.frombytes(np.frombuffer(joined, dtype=np.uint32)[::-1].tobytes())
+    return out

@@ -8,7 +8,8 @@ counts, the eviction order, the pin registry, held block ids, statistics) is the
 
 Ownership: a forest never frees or claims block ids itself. ``add`` calls the driver's
 ``claim`` as its last check (after it, nothing fails); ``drop_tail`` returns the ids it
-dropped and the driver releases them. A forest is guarded by its driver's lock.
+dropped and the driver releases them. Ids travel as :data:`~prefixkv.cache.held_ids.BlockIds`
+(``array('I')``). A forest is guarded by its driver's lock.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Self, TypeVar
 
-from prefixkv.cache.held_ids import Packed
+from prefixkv.cache.held_ids import BlockIds, new_ids
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 from prefixkv.cache.protocol import Namespace
 
@@ -51,7 +52,7 @@ class Entry(CacheEntry, Protocol):
         ...
 
     @property
-    def blocks(self) -> list[int]:
+    def blocks(self) -> Sequence[int]:
         """The block ids held, shallowest first."""
         ...
 
@@ -81,8 +82,9 @@ E = TypeVar("E", bound=Entry)
 ExtraKeys = Sequence[Hashable | None] | None
 """One extra key per block (hashed index only), or ``None``."""
 
-Claim = Callable[[int], "Packed | None"]
-"""``claim(stop)``: the driver validates and holds the caller's ids up to position ``stop``."""
+Claim = Callable[[int], BlockIds]
+"""``claim(stop)``: the driver validates and holds the caller's ids from the walk's end up to
+position ``stop``, and returns them (a new array, the forest's to keep)."""
 
 
 @dataclass(slots=True)
@@ -95,7 +97,7 @@ class Walk(Generic[E]):
     query's next tokens (``partial_entry`` is ``None`` when ``partial`` is 0).
     """
 
-    ids: list[int] = field(default_factory=list)
+    ids: BlockIds = field(default_factory=new_ids)
     path: list[E] = field(default_factory=list)
     last_used: int = 0
     partial: int = 0
@@ -112,7 +114,7 @@ class Added(Generic[E]):
     them in the evictable heap."""
 
     path: list[E]
-    ids: list[int]
+    ids: BlockIds
     target: E | None
     refile: list[E] = field(default_factory=list)
 
@@ -146,15 +148,17 @@ class Forest(Protocol[E]):
         ...
 
     def add(self, tokens: Sequence[int], nb: int, walk: Walk[E], namespace: Namespace,
-            extra_keys: ExtraKeys, ids: list[int], claim: Claim, now: float) -> Added[E]:
+            extra_keys: ExtraKeys, claim: Claim, now: float) -> Added[E]:
         """Store the ``nb`` full blocks of ``tokens`` beyond ``walk`` (a walk over them),
-        holding ``ids[len(walk.ids):stop]``. Validates first, then calls ``claim(stop)``,
-        then changes the forest; ``ValueError`` before the claim leaves everything unchanged."""
+        holding the caller's ids from ``len(walk.ids)`` to ``stop``. Validates first, then calls
+        ``claim(stop)`` (which returns those ids), then changes the forest; ``ValueError``
+        before the claim leaves everything unchanged."""
         ...
 
-    def drop_tail(self, entry: E, k: int) -> tuple[list[int], Packed | None]:
+    def drop_tail(self, entry: E, k: int) -> BlockIds:
         """Remove an evictable leaf's last ``k`` blocks; detach it when none are left.
-        Returns their ids deepest first, and the same ids packed (or ``None``) for release."""
+        Returns their ids shallowest first, as stored (an array no longer the entry's; the
+        driver orders and releases them)."""
         ...
 
     def key_at(self, policy: EvictionPolicy, entry: E, depth: int) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from prefixkv.cache._checks import as_token_list, check_tokens
 from prefixkv.cache.eviction import key_at_depth
 from prefixkv.cache.forest import Added, Claim, EntryState, ExtraKeys, Walk
 from prefixkv.cache.hashing import BlockHasher, check_key_part, make_block_hasher, root_hash
-from prefixkv.cache.held_ids import Packed
+from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds
 from prefixkv.cache.index import PrefixIndex
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protocol import Namespace
@@ -158,8 +159,7 @@ class HashForest:
         return entry
 
     def add(self, tokens: Sequence[int], nb: int, walk: Walk[HashBlock], namespace: Namespace,
-            extra_keys: ExtraKeys, ids: list[int], claim: Claim,
-            now: float) -> Added[HashBlock]:
+            extra_keys: ExtraKeys, claim: Claim, now: float) -> Added[HashBlock]:
         """Store one block per new position, stopping at a hash collision (see :class:`Forest`)."""
         if not isinstance(tokens, list):
             tokens = list(tokens)
@@ -179,13 +179,13 @@ class HashForest:
             seen.add(parent_hash)
             new_hashes.append(parent_hash)
         stop = m + len(new_hashes)
-        claim(stop)
+        taken = claim(stop)
         # --- validated: change from here on
         prev = walk.path[-1] if walk.path else None
-        added = Added(walk.path, walk.ids + ids[m:stop], prev)
+        added = Added(walk.path, walk.ids + taken, prev)
         for off, h in enumerate(new_hashes):
             j = m + off
-            blk = HashBlock(h, ids[j], prev, list(tokens[j * bs : (j + 1) * bs]),
+            blk = HashBlock(h, taken[off], prev, list(tokens[j * bs : (j + 1) * bs]),
                             ek[j] if ek is not None else None, namespace, j + 1, now)
             if prev is None:
                 children = self._root_children.setdefault(namespace, {})
@@ -202,7 +202,7 @@ class HashForest:
         added.target = prev
         return added
 
-    def drop_tail(self, entry: HashBlock, k: int) -> tuple[list[int], Packed | None]:
+    def drop_tail(self, entry: HashBlock, k: int) -> BlockIds:
         """Remove an evictable leaf block (``k`` is 1) and its table entry."""
         del self._table[entry.hash]
         parent = entry.parent
@@ -215,7 +215,7 @@ class HashForest:
         if parent is not None:
             parent.num_children -= 1
         entry.num_blocks = 0
-        return [entry.block_id], None
+        return array(ID_TYPECODE, (entry.block_id,))
 
     def key_at(self, policy: EvictionPolicy, entry: HashBlock, depth: int) -> Any:
         """The generic probe (a block's run is never longer than one, so this is rare)."""

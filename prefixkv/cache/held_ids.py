@@ -5,14 +5,11 @@ check (so nothing can fail after it), eviction *releases* them. An id is held at
 claiming an id that is held, or the same id twice, is a ``ValueError`` that leaves nothing
 marked.
 
-Cost: a claim or release of ``n`` ids is O(n), in C for long runs: a claim of at least
-:data:`BULK` ids packs them once into an ``array('I')`` (``'q'`` for id spaces past 2**32;
-returned to the caller, who keeps it
-as the entry's compact copy of its ids) and checks and marks them with numpy over that buffer;
-a release given such a copy clears the flags the same way. A claim whose ids are consecutive
-(ascending or descending, as a block pool hands them out) is kept as a ``range`` instead: O(1)
-memory, and a slice assignment to claim or release. Short runs use a Python loop, which is
-faster below a few dozen ids.
+Block ids travel as :data:`BlockIds`, an ``array('I')`` (4 bytes an id, no Python int per id):
+:meth:`HeldIds.pack` packs a caller's ids once, in C; a claim returns the claimed ids as a new
+array that the entry keeps; matches and evictions concatenate those arrays (a memory copy, no
+per-id Python work). Cost: a claim or release of ``n`` ids is O(n), in C (numpy over the array's
+buffer) from :data:`BULK` ids on; short runs use a Python loop, faster below a few dozen ids.
 """
 
 from __future__ import annotations
@@ -25,24 +22,36 @@ import numpy as np
 
 from prefixkv.cache._checks import check_block_ids
 
-Packed: TypeAlias = "array[int] | range"
-"""A compact copy of an entry's ids: a ``range`` for a run of consecutive ids, else an array."""
+BlockIds: TypeAlias = "array[int]"
+"""Block ids as an ``array('I')``: a ``Sequence[int]`` that is compact and copied in C."""
+
+ID_TYPECODE = "I"
+"""The ``array`` typecode of :data:`BlockIds` (uint32)."""
+
+MAX_BLOCKS = 2**32
+"""Largest id space an index takes (ids are uint32; the flags alone would be 4 GiB)."""
 
 BULK = 48
-"""Claims of at least this many ids take the numpy path (and return a compact copy)."""
+"""Claims and releases of at least this many ids take the numpy path."""
+
+
+def new_ids() -> BlockIds:
+    """An empty :data:`BlockIds`."""
+    return array(ID_TYPECODE)
 
 
 class HeldIds:
     """The set of block ids held by one index (not thread safe: the index's lock guards it)."""
 
-    __slots__ = ("_code", "_flags", "_view", "count", "max_blocks")
+    __slots__ = ("_flags", "_view", "count", "max_blocks")
 
     def __init__(self, max_blocks: int) -> None:
+        if max_blocks > MAX_BLOCKS:
+            raise ValueError(f"max_blocks must be <= 2**32 (uint32 block ids), got {max_blocks}")
         self.max_blocks = max_blocks
         self._flags = bytearray(max_blocks)
         self._view = np.frombuffer(self._flags, dtype=np.uint8)  # shares the bytes (writable)
         self.count = 0
-        self._code = "I" if max_blocks <= 2**32 else "q"  # packed ids: 4 bytes each
 
     def __contains__(self, block_id: object) -> bool:
         return (type(block_id) is int and 0 <= block_id < self.max_blocks
@@ -56,119 +65,108 @@ class HeldIds:
         """Every held id (O(max_blocks); for invariant checks)."""
         return {int(b) for b in np.flatnonzero(self._view)}
 
-    def release(self, ids: Sequence[int], packed: Packed | None = None) -> None:
-        """Stop holding ``ids`` (they were held). ``packed``, if given, holds the same ids (the
-        compact copy a bulk claim returned, or a slice of it)."""
-        if type(packed) is range:  # a run of consecutive ids: one slice assignment
-            lo = min(packed[0], packed[-1])
-            self._flags[lo : lo + len(packed)] = bytes(len(packed))
-        elif packed is not None and len(packed) >= BULK:
-            self._view[np.frombuffer(packed, dtype=packed.typecode)] = 0
+    def pack(self, ids: Sequence[int], name: str = "kv_block_ids") -> BlockIds:
+        """A caller's ids as :data:`BlockIds` (an ``array('I')`` is taken as is, not copied).
+
+        ``ValueError`` naming ``name`` for a non-int (a bool at either end included) or a value
+        outside ``[0, 2**32)``; the range against ``max_blocks`` is checked by :meth:`claim`.
+        """
+        if type(ids) is array and ids.typecode == ID_TYPECODE:
+            return ids
+        try:
+            packed = array(ID_TYPECODE, ids)
+        except (TypeError, OverflowError):
+            check_block_ids(list(ids), self.max_blocks, name)  # raises the precise error
+            raise ValueError(f"{name} must contain ints in [0, 2**32)") from None
+        if packed and (type(ids[0]) is bool or type(ids[-1]) is bool):
+            check_block_ids(list(ids), self.max_blocks, name)
+        return packed
+
+    def release(self, ids: BlockIds) -> None:
+        """Stop holding ``ids`` (they were held)."""
+        if len(ids) >= BULK:
+            self._view[np.frombuffer(ids, dtype=np.uint32)] = 0
         else:
             flags = self._flags
             for b in ids:
                 flags[b] = 0
         self.count -= len(ids)
 
-    def claim(self, ids: list[int], cached: list[int],
-              stop: int) -> tuple[list[int], Packed | None]:
+    def claim(self, ids: BlockIds, cached: BlockIds, stop: int) -> tuple[list[int], BlockIds]:
         """Validate the caller's ids and hold ``ids[len(cached):stop]``; return the others.
 
         ``cached`` are the ids already held for the first positions: a caller id equal to its
         cached id is simply re-confirmed (no check, so re-inserting a long cached prefix costs
-        one list comparison); one that differs, and every id from ``stop`` on, is *returned*
-        (it stays the caller's). ``ValueError``, with nothing marked, if an id is not an int,
-        out of range, repeated, or already held.
+        one memory comparison); one that differs, and every id from ``stop`` on, is *returned*
+        (it stays the caller's). ``ValueError``, with nothing marked, if an id is out of range,
+        repeated, or already held.
 
-        Returns the returned ids and, for a claim of at least :data:`BULK` ids, the claimed
-        ids packed as an ``array('I')`` (else ``None``).
+        Returns the returned ids (a list) and the claimed ones (a new array, the entry's own).
         """
         m = len(cached)
         returned: list[int] = []
         if ids[:m] != cached:
             returned = [mine for mine, theirs in zip(ids[:m], cached) if mine != theirs]
-        returned += ids[stop:]
+        returned += ids[stop:].tolist()
         taken = ids[m:stop]
         flags = self._flags
         if returned:  # rare (duplicate blocks, hash collisions): the thorough check
-            check_block_ids(returned + taken, self.max_blocks)
+            check_block_ids(returned + taken.tolist(), self.max_blocks)
             if any(map(flags.__getitem__, returned)):
                 dup = next(b for b in returned if flags[b])
                 raise ValueError(f"kv_block_ids: block id {dup} is already cached at another position")
         if not taken:
-            return returned, None
+            return returned, taken
         if len(taken) >= BULK:
-            packed = self._claim_bulk(taken)
+            self._claim_bulk(taken)
             self.count += len(taken)
-            return returned, packed
-        try:
-            lo, hi = min(taken), max(taken)
-        except TypeError:
-            check_block_ids(taken, self.max_blocks)  # raises with the offending element
-            raise
-        if type(lo) is not int or type(hi) is not int:
-            check_block_ids(taken, self.max_blocks)
-        if lo < 0 or hi >= self.max_blocks:
-            raise ValueError(f"kv_block_ids: block id {lo if lo < 0 else hi} out of range "
-                             f"[0, {self.max_blocks})")
+            return returned, taken
+        hi = max(taken)
+        if hi >= self.max_blocks:
+            raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
         i = 0
         try:
-            for i, b in enumerate(taken):
+            for i, b in enumerate(taken):  # i is read on failure
                 if flags[b]:
                     raise ValueError(f"kv_block_ids: block id {b} is repeated or already cached")
                 flags[b] = 1
-        except (ValueError, TypeError) as exc:
+        except ValueError:
             for b in taken[:i]:
                 flags[b] = 0
-            if isinstance(exc, TypeError):
-                check_block_ids(taken, self.max_blocks)
             raise
         self.count += len(taken)
-        return returned, None
+        return returned, taken
 
-    def _claim_bulk(self, taken: list[int]) -> Packed:
-        """Check and mark ``taken`` in C; returns them packed (``ValueError``: nothing marked)."""
-        try:
-            packed = array(self._code, taken)  # rejects non-ints (bools: caught below)
-        except (TypeError, OverflowError):
-            check_block_ids(taken, self.max_blocks)
-            raise
-        idx = np.frombuffer(packed, dtype=self._code)
-        run = self._claim_run(taken, idx)
-        if run is not None:
-            return run
-        srt = np.sort(idx)
-        lo, hi = int(srt[0]), int(srt[-1])
-        if lo < 0 or hi >= self.max_blocks:
-            raise ValueError(f"kv_block_ids: block id {lo if lo < 0 else hi} out of range "
-                             f"[0, {self.max_blocks})")
+    def _claim_bulk(self, taken: BlockIds) -> None:
+        """Check and mark ``taken`` in C (``ValueError``: nothing marked)."""
+        idx: np.ndarray[Any, Any] = np.frombuffer(taken, dtype=np.uint32)
         view = self._view
-        if not np.diff(srt).all() or view[idx].any():
-            bad = next((b for b in taken if self._flags[b]), None)
-            if bad is None:
-                bad = int(srt[1:][srt[1:] == srt[:-1]][0])
-            raise ValueError(f"kv_block_ids: block id {bad} is repeated or already cached")
-        if type(taken[0]) is not int or type(taken[-1]) is not int:
-            check_block_ids(taken, self.max_blocks)  # e.g. bools (the short path checks the
-            # extremes the same way; every element is checked to be an index-able int)
-        view[idx] = 1
-        return packed
-
-    def _claim_run(self, taken: list[int], idx: np.ndarray[Any, Any]) -> range | None:
-        """Claim ``taken`` as a ``range`` if it is a run of consecutive ids (ascending or
-        descending, as a pool hands them out); ``None`` (nothing marked) if it is not one."""
-        first, last, n = taken[0], taken[-1], len(taken)
-        if type(first) is not int or type(last) is not int or abs(last - first) != n - 1:
-            return None
-        if not (np.diff(idx if last > first else idx[::-1]) == 1).all():
-            return None
-        lo, hi = min(first, last), max(first, last)
-        if lo < 0 or hi >= self.max_blocks:
-            raise ValueError(f"kv_block_ids: block id {lo if lo < 0 else hi} out of range "
-                             f"[0, {self.max_blocks})")
-        flags = self._flags
-        held = flags.find(1, lo, hi + 1)
+        if not _is_run(idx):
+            srt = np.sort(idx)
+            hi = int(srt[-1])
+            if hi >= self.max_blocks:
+                raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
+            if not np.diff(srt).all() or view[idx].any():
+                bad = next((b for b in taken if self._flags[b]), None)
+                if bad is None:
+                    bad = int(srt[1:][srt[1:] == srt[:-1]][0])
+                raise ValueError(f"kv_block_ids: block id {bad} is repeated or already cached")
+            view[idx] = 1
+            return
+        lo, hi = min(taken[0], taken[-1]), max(taken[0], taken[-1])
+        if hi >= self.max_blocks:
+            raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
+        held = self._flags.find(1, lo, hi + 1)
         if held != -1:
             raise ValueError(f"kv_block_ids: block id {held} is repeated or already cached")
-        flags[lo : hi + 1] = b"\x01" * n
-        return range(first, last + (1 if last > first else -1), 1 if last > first else -1)
+        self._flags[lo : hi + 1] = b"\x01" * len(taken)
+
+
+def _is_run(idx: np.ndarray[Any, Any]) -> bool:
+    """Whether ``idx`` is a run of consecutive ids, ascending or descending (as a pool hands
+    them out): then a slice of the flags checks and marks it."""
+    first, last, n = int(idx[0]), int(idx[-1]), len(idx)
+    if abs(last - first) != n - 1:
+        return False
+    step = np.diff(idx.astype(np.int64))
+    return bool((step == (1 if last > first else -1)).all())

@@ -22,7 +22,7 @@ from typing import Generic, cast
 from prefixkv.cache._checks import check_count, check_positive_int
 from prefixkv.cache.eviction import Evictor
 from prefixkv.cache.forest import E, Entry, ExtraKeys, Forest
-from prefixkv.cache.held_ids import HeldIds, Packed
+from prefixkv.cache.held_ids import BlockIds, HeldIds
 from prefixkv.cache.pins import PinRegistry, pin_key
 from prefixkv.cache.policies import EvictionPolicy, make_policy
 from prefixkv.cache.protection import Protection
@@ -62,6 +62,7 @@ class PrefixIndex(Generic[E]):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._max_blocks = check_positive_int(max_blocks, "max_blocks")
+        self._ids = HeldIds(max_blocks)  # ValueError past 2**32 ids (uint32)
         self._bs = check_positive_int(block_size, "block_size")
         if max_pinned_blocks is None:
             max_pinned_blocks = max_blocks // 5
@@ -74,7 +75,6 @@ class PrefixIndex(Generic[E]):
         self._clock = clock
         self._lock = threading.RLock()
         self._prot = Protection(self._policy)
-        self._ids = HeldIds(max_blocks)
         self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=forest.drop_tail,
                                 release=self._ids.release,
                                 key_at=partial(forest.key_at, self._policy),
@@ -208,7 +208,9 @@ class PrefixIndex(Generic[E]):
         tokens = self._forest.as_tokens(token_ids)
         bs = self._bs
         nb = len(tokens) // bs
-        ids = kv_block_ids if isinstance(kv_block_ids, list) else list(kv_block_ids)
+        if isinstance(kv_block_ids, (str, bytes, bytearray)) or kv_block_ids is None:
+            raise ValueError(f"kv_block_ids must be a sequence of ints, got {type(kv_block_ids).__name__}")
+        ids = self._ids.pack(kv_block_ids)
         if len(ids) != nb:
             raise ValueError(
                 f"kv_block_ids has {len(ids)} ids but token_ids has {len(tokens)} tokens = "
@@ -218,13 +220,13 @@ class PrefixIndex(Generic[E]):
             w = self._forest.walk(tokens, nb * bs, namespace, extra_keys)
             returned: list[int] = []
 
-            def claim(stop: int) -> Packed | None:  # the last check: marks ids[m:stop] held
-                got, packed = self._ids.claim(ids, w.ids, stop)
+            def claim(stop: int) -> BlockIds:  # the last check: marks ids[m:stop] held
+                got, taken = self._ids.claim(ids, w.ids, stop)
                 returned.extend(got)
-                return packed
+                return taken
 
             now = self._clock()
-            added = self._forest.add(tokens, nb, w, namespace, extra_keys, ids, claim, now)
+            added = self._forest.add(tokens, nb, w, namespace, extra_keys, claim, now)
             # --- stored: nothing below fails
             for e in added.refile:
                 self._prot.refresh(e)
@@ -252,8 +254,9 @@ class PrefixIndex(Generic[E]):
                 lock=handle,
             )
 
-    def evict(self, num_blocks: int) -> list[int]:
-        """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids.
+    def evict(self, num_blocks: int) -> BlockIds:
+        """Evict up to ``num_blocks`` blocks, leaves first, in policy order; caller owns the ids
+        (an ``array('I')``, deepest block of each leaf first).
 
         Order and cost: :class:`prefixkv.cache.eviction.Evictor` (a leaf's whole run of tail
         blocks per step for ``depth_monotone_keys`` policies).
@@ -264,7 +267,7 @@ class PrefixIndex(Generic[E]):
             self._counters.evicted_blocks += len(out)
             return out
 
-    def evict_lru(self, num_blocks: int) -> list[int]:
+    def evict_lru(self, num_blocks: int) -> BlockIds:
         """Seed 004's name for :meth:`evict`."""
         return self.evict(num_blocks)
 
@@ -328,7 +331,7 @@ class PrefixIndex(Generic[E]):
         with self._lock:
             return self._pins.records()
 
-    def reset(self) -> list[int]:
+    def reset(self) -> BlockIds:
         """Unpin all and evict every unlocked block; returns the freed ids (caller owns them)."""
         with self._lock:
             self._pins.unpin_all()

@@ -8,7 +8,10 @@ Terms
 * A *block* holds ``block_size`` consecutive tokens. ``kv_block_ids[i]`` holds tokens
   ``[i * block_size, (i + 1) * block_size)`` of a sequence. Only full blocks are cached.
 * Block ids are ints in ``[0, max_blocks)``; the index never invents ids, it only records
-  the ids callers hand it.
+  the ids callers hand it. Results carry them as a ``Sequence[int]``: the shipped indexes
+  return an ``array('I')`` (:data:`~prefixkv.cache.held_ids.BlockIds`), built by copying each
+  entry's stored id array in C, never one Python int per id. Index it, iterate it, ``len`` it,
+  or ``list(...)`` it when a list is needed (``array + list`` is a ``TypeError``).
 * A *namespace* (LoRA id, tenant ``cache_salt``, ...) is any hashable value or ``None``.
   Entries in different namespaces never match each other.
 
@@ -32,7 +35,9 @@ After each call:
   ``PrefixNode.returned_block_ids`` and stay caller-private (the caller frees them when it is
   done with them). Ids equal to the cached id at their position are simply re-confirmed.
 * ``evict`` / ``evict_lru`` / ``reset``: the returned ids leave the index and become
-  caller-private; the caller returns them to its pool.
+  caller-private; the caller returns them to its pool. The returned array is the caller's (the
+  index keeps no reference to it); so are ``matched_kv_blocks`` and ``kv_block_ids``, which are
+  copies, not views of the index.
 
 Eviction never touches a locked or pinned block, and only removes *leaves* (a block no other
 cached block depends on).
@@ -77,7 +82,8 @@ class PrefixMatch:
     Attributes:
         token_ids: the query (as passed in; not copied).
         match_length: number of leading tokens whose KV is cached; a multiple of ``block_size``.
-        matched_kv_blocks: block ids holding those tokens, ``match_length // block_size`` of them.
+        matched_kv_blocks: block ids holding those tokens, ``match_length // block_size`` of them
+            (an ``array('I')`` from the shipped indexes; see the module docstring).
         partial_tokens: how many leading tokens of the *next* block equal the leading tokens of a
             cached block (``0 <= partial_tokens < block_size``). An engine may copy those KV rows
             from ``partial_block_id`` instead of recomputing them.
@@ -88,7 +94,7 @@ class PrefixMatch:
 
     token_ids: Sequence[int]
     match_length: int
-    matched_kv_blocks: list[int]
+    matched_kv_blocks: Sequence[int]
     partial_tokens: int = 0
     partial_block_id: int | None = None
     namespace: Namespace = None
@@ -117,8 +123,9 @@ class PrefixNode:
     Attributes:
         token_ids: the block-aligned prefix that is now cached, a slice of the input (a trailing
             partial block of the input is never cached).
-        kv_block_ids: the cached block ids for that prefix, one per block. Where the caller's id
-            duplicated a block already cached, this holds the cached id, not the caller's.
+        kv_block_ids: the cached block ids for that prefix, one per block (an ``array('I')``
+            from the shipped indexes). Where the caller's id duplicated a block already cached,
+            this holds the cached id, not the caller's.
         returned_block_ids: caller ids the index did not take (their blocks were already cached
             under other ids). They stay owned by the caller, who frees them.
         is_pinned: whether the whole prefix is pinned after the call.
@@ -129,7 +136,7 @@ class PrefixNode:
     """
 
     token_ids: Sequence[int]
-    kv_block_ids: list[int]
+    kv_block_ids: Sequence[int]
     returned_block_ids: list[int]
     is_pinned: bool
     ref_count: int
@@ -256,14 +263,14 @@ class PrefixCache(Protocol):
         """Release the lock taken by ``match_prefix(lock=True)`` or ``insert_prefix(lock=True)``."""
         ...
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int) -> Sequence[int]:
         """Evict up to ``num_blocks`` blocks (leaves first, by the eviction policy).
 
-        Returns the freed ids; the caller owns them. Fewer are returned when fewer are evictable.
+        Returns the freed ids (an ``array('I')`` from the shipped indexes); the caller owns them. Fewer are returned when fewer are evictable.
         """
         ...
 
-    def evict_lru(self, num_blocks: int) -> list[int]:
+    def evict_lru(self, num_blocks: int) -> Sequence[int]:
         """Seed 004's name for :meth:`evict` (the policy decides the order; LRU by default)."""
         ...
 
@@ -303,7 +310,7 @@ class PrefixCache(Protocol):
         """The pinned prefixes, oldest first."""
         ...
 
-    def reset(self) -> list[int]:
+    def reset(self) -> Sequence[int]:
         """Unpin everything and drop every block that is not locked; returns the freed ids."""
         ...
 

@@ -10,7 +10,11 @@ Nodes are split when a query or an insert diverges inside them. A split keeps th
 part in the original node object (so a lock handle, which names the deepest locked node,
 stays valid) and creates a new parent for the upper part, inheriting lock and pin counts.
 
-Cost: a query is packed once into ``array('I')`` (:func:`as_token_array`), then a match
+Keys are ``array('H')`` (2 bytes a token) while every cached token id is below 2**16 (GPT-2,
+Llama 2, Mistral, Phi-3 vocabularies), widened once to ``array('I')`` when a larger id is first
+inserted (Llama 3, Qwen, DeepSeek vocabularies).
+
+Cost: a query is packed once into the key type (:func:`as_token_array`), then a match
 compares whole node keys with array-slice equality (C speed), so it is O(matched tokens) with a
 small constant plus O(nodes on the path) Python steps. Eviction frees a leaf's tail run of
 blocks in one step (:mod:`prefixkv.cache.eviction`): O(log n) per evicted node, never a scan.
@@ -26,14 +30,14 @@ from typing import Any
 
 from prefixkv.cache._checks import as_token_array, check_tokens
 from prefixkv.cache.forest import Added, Claim, ExtraKeys, Walk
-from prefixkv.cache.held_ids import Packed
+from prefixkv.cache.held_ids import BlockIds, new_ids
 from prefixkv.cache.index import PrefixIndex
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protocol import Namespace
 from prefixkv.cache.radix_node import RadixNode, common_blocks, lcp, seg
 
-_NODE_BYTES = sys.getsizeof(RadixNode(array("I"), [], None, 0.0)) + 64 + 56 + 64 + 232
-"""Estimated bytes of a node beyond its tokens and ids: the object, its key and block-list
+_NODE_BYTES = sys.getsizeof(RadixNode(array("I"), new_ids(), None, 0.0)) + 64 + 64 + 64 + 232
+"""Estimated bytes of a node beyond its tokens and ids: the object, its key and id-array
 headers, its children dict and its parent's sibling list."""
 
 
@@ -47,15 +51,21 @@ class RadixForest:
         self._roots: dict[Namespace, RadixNode] = {}
         self._num_entries = 0
         self._cached_tokens = 0
+        self._code = "H"  # the key typecode: uint16 until an id >= 2**16 is inserted
 
     @property
     def num_entries(self) -> int:
         """Nodes held (roots excluded)."""
         return self._num_entries
 
+    @property
+    def key_typecode(self) -> str:
+        """``"H"`` (2 bytes a token) until an id >= 2**16 is inserted, then ``"I"``."""
+        return self._code
+
     def as_tokens(self, token_ids: Any) -> array[int]:
-        """Queries are walked as ``array('I')``, the key type (see :func:`as_token_array`)."""
-        return as_token_array(token_ids)
+        """Queries are walked in the key type where they fit (see :func:`as_token_array`)."""
+        return as_token_array(token_ids, narrow=self._code == "H")
 
     # ------------------------------------------------------------------ walking
     def walk(self, tokens: Sequence[int], n: int, namespace: Namespace,
@@ -91,7 +101,7 @@ class RadixForest:
             klen = len(key)
             if i + klen <= n and seg(tokens, i, i + klen) == key:
                 path.append(child)
-                ids.extend(child.blocks)
+                ids += child.blocks
                 walk.last_used = len(child.blocks)
                 i += klen
                 node = child
@@ -101,7 +111,7 @@ class RadixForest:
                 self._partial_at_boundary(lst, tokens, i, n, walk)
                 break
             path.append(child)
-            ids.extend(child.blocks[:k])
+            ids += child.blocks[:k]
             walk.last_used = k
             i += k * bs
             if bs > 1 and i < n and k < len(child.blocks):
@@ -143,9 +153,6 @@ class RadixForest:
         upper.access_count = node.access_count
         upper.created_time = node.created_time
         upper.tick = node.tick
-        if node.bids is not None:
-            upper.bids = node.bids[:k]
-            node.bids = node.bids[k:]
         siblings = parent.children[node.key[0]]
         siblings[siblings.index(node)] = upper
         node.key = node.key[k * bs :]
@@ -160,20 +167,23 @@ class RadixForest:
         return upper
 
     def add(self, tokens: Sequence[int], nb: int, walk: Walk[RadixNode], namespace: Namespace,
-            extra_keys: ExtraKeys, ids: list[int], claim: Claim,
-            now: float) -> Added[RadixNode]:
+            extra_keys: ExtraKeys, claim: Claim, now: float) -> Added[RadixNode]:
         """Store the blocks beyond ``walk`` as one new node (see :class:`Forest`)."""
         bs = self._bs
         m = len(walk.ids)
         new_key = seg(tokens, m * bs, nb * bs)  # validates the new tokens
         check_tokens(tokens[nb * bs :])  # the trailing partial block, not stored
-        packed = claim(nb)
+        taken = claim(nb)
         # --- validated: change from here on
+        if new_key.typecode != self._code:  # a query with an id >= 2**16 (see as_tokens)
+            if self._code == "H" and new_key and max(new_key) > 0xFFFF:
+                self._widen()
+            new_key = array(self._code, new_key)
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = RadixNode(array("I"), [], None, now, is_root=True)
+            root = self._roots[namespace] = RadixNode(array("I"), new_ids(), None, now, is_root=True)
         path = walk.path
-        added = Added(path, walk.ids + ids[m:], None)
+        added = Added(path, walk.ids + taken, None)
         if path:
             last = path[-1]
             if walk.last_used < len(last.blocks):
@@ -183,8 +193,7 @@ class RadixForest:
         else:
             attach = root
         if m < nb:
-            node = RadixNode(new_key, ids[m:], attach, now, start_depth=m)
-            node.bids = packed
+            node = RadixNode(new_key, taken, attach, now, start_depth=m)
             attach.children.setdefault(node.key[0], []).append(node)
             attach.num_children += 1
             self._num_entries += 1
@@ -194,23 +203,18 @@ class RadixForest:
             added.refile.append(attach)
         return added
 
-    def drop_tail(self, entry: RadixNode, k: int) -> tuple[list[int], Packed | None]:
+    def drop_tail(self, entry: RadixNode, k: int) -> BlockIds:
         """Remove an evictable leaf's last ``k`` blocks, detaching it when none are left."""
-        blocks, bids = entry.blocks, entry.bids
+        blocks = entry.blocks
         n = len(blocks)
         self._cached_tokens -= k * self._bs
         if k < n:
-            ids = blocks[n - 1 : n - k - 1 : -1]  # deepest block first
-            dropped = None if bids is None else bids[n - k :]
+            ids = blocks[n - k :]
             del blocks[n - k :]
-            if type(bids) is range:
-                entry.bids = bids[: n - k]
-            elif bids is not None:
-                del bids[n - k :]
             del entry.key[(n - k) * self._bs :]
-            return ids, dropped
-        # the whole entry goes: no copies but the reversed id list (its key is left as is)
-        entry.blocks, entry.bids = [], None
+            return ids
+        # the whole entry goes: no copies (its id array is handed over, its key left as is)
+        entry.blocks = new_ids()
         parent = entry.parent
         assert parent is not None
         first_token = entry.key[0]
@@ -221,8 +225,18 @@ class RadixForest:
             siblings.remove(entry)
         parent.num_children -= 1
         self._num_entries -= 1
-        blocks.reverse()  # deepest block first; the list is no longer the node's
-        return blocks, bids
+        return blocks  # no longer the node's
+
+    def _widen(self) -> None:
+        """Store every key as ``array('I')`` from now on (once per tree; O(cached tokens))."""
+        self._code = "I"
+        for root in self._roots.values():
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                node.key = array("I", node.key)
+                for lst in node.children.values():
+                    stack.extend(lst)
 
     def key_at(self, policy: EvictionPolicy, entry: RadixNode, depth: int) -> Any:
         """The policy's key for ``entry`` cut to ``depth`` (its start depth moved, then put
@@ -236,9 +250,10 @@ class RadixForest:
 
     # -------------------------------------------------------------- inspection
     def memory_bytes(self) -> int:
-        """Nodes, their keys (4 bytes a token) and block lists (8 bytes an id)."""
-        return (self._num_entries * _NODE_BYTES + self._cached_tokens * 4
-                + self._cached_tokens // self._bs * 8)
+        """Nodes, their keys (2 or 4 bytes a token) and id arrays (4 bytes an id)."""
+        return (self._num_entries * _NODE_BYTES
+                + self._cached_tokens * (2 if self._code == "H" else 4)
+                + self._cached_tokens // self._bs * 4)
 
     def check(self) -> Iterator[RadixNode]:
         """Assert the tree's shape (links, key lengths, depths); yield every node."""
@@ -250,6 +265,7 @@ class RadixForest:
                 for t, lst in node.children.items():
                     for c in lst:
                         assert c.parent is node and c.key[0] == t and c.blocks
+                        assert c.key.typecode == self._code
                         assert len(c.key) == len(c.blocks) * self._bs
                         assert c.start_depth == (0 if node.is_root else node.depth)
                         stack.append(c)

@@ -1,7 +1,10 @@
 """RadixNode, one edge of the radix tree, and the token-key comparisons the tree walks with.
 
-A node's ``key`` is an ``array('I')`` (4 bytes a token); a query is packed once into the same
-type, so comparing a whole key is one C-speed slice comparison. Binary searches over slices
+A node's ``key`` is an ``array('H')`` (2 bytes a token) while every cached token id is below
+2**16, else an ``array('I')`` (4 bytes; the tree widens every key once when the first larger id
+is inserted); a query is packed once into the same type, so comparing a whole key is one
+C-speed slice comparison (a query holding a larger id is ``array('I')`` and compares item by
+item, correctly, against narrow keys). Binary searches over slices
 (:func:`common_blocks`) find where a query leaves a node in about one pass over the common part.
 """
 
@@ -12,31 +15,29 @@ from collections.abc import Sequence
 
 from prefixkv.cache._checks import check_tokens
 from prefixkv.cache.forest import EntryState
-from prefixkv.cache.held_ids import Packed
+from prefixkv.cache.held_ids import BlockIds
 
 
 class RadixNode(EntryState):
     """One edge of the tree: ``key`` tokens stored in ``blocks`` (``len(key) == len(blocks) * bs``).
 
-    ``key`` is an ``array('I')`` (4 bytes a token, compared in C), ``blocks`` a list (matches
-    extend their result from it without creating ints), and ``bids`` the same ids packed as an
-    ``array('I')`` or a ``range`` when the node was created from a bulk claim (so eviction
-    releases them in C), else ``None``.
+    ``key`` is an ``array('H')`` or ``array('I')`` (see the module doc) and ``blocks`` an
+    ``array('I')`` of ids (:data:`~prefixkv.cache.held_ids.BlockIds`: matches and evictions
+    copy runs of it in C, and no Python int is kept per id).
 
     ``children`` maps a child's first token to the children starting with it (one child per
     token at block size 1; several may share a first token above 1, differing later in their
     first block).
     """
 
-    __slots__ = ("__weakref__", "bids", "blocks", "children", "is_root", "key", "parent",
+    __slots__ = ("__weakref__", "blocks", "children", "is_root", "key", "parent",
                  "start_depth")
 
-    def __init__(self, key: array[int], blocks: list[int], parent: RadixNode | None, now: float,
+    def __init__(self, key: array[int], blocks: BlockIds, parent: RadixNode | None, now: float,
                  start_depth: int = 0, is_root: bool = False) -> None:
         super().__init__(now)
         self.key = key
         self.blocks = blocks
-        self.bids: Packed | None = None  # the same ids packed (HeldIds.claim), for long runs
         self.parent = parent
         self.children: dict[int, list[RadixNode]] = {}
         self.start_depth = start_depth
@@ -57,12 +58,13 @@ class RadixNode(EntryState):
 
 
 def seg(tokens: Sequence[int], start: int, stop: int) -> array[int]:
-    """``tokens[start:stop]`` as an ``array('I')`` (a slice if ``tokens`` already is one).
+    """``tokens[start:stop]`` as an array (a slice if ``tokens`` already is one, else packed
+    into ``array('I')``).
 
     Converting also validates: a non-int raises ``ValueError``, and so does a negative or
     too large (>= 2**32) token id.
     """
-    if type(tokens) is array and tokens.typecode == "I":
+    if type(tokens) is array:
         return tokens[start:stop]
     seg = tokens[start:stop]
     try:

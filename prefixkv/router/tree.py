@@ -25,7 +25,7 @@ another worker.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prefixkv.cache import EvictionPolicy, RadixPrefixCache, make_policy
 from prefixkv.router.keys import RouteKey
@@ -64,7 +64,7 @@ class LazyIds:
         self._next += fresh
         return out
 
-    def give(self, ids: list[int]) -> None:
+    def give(self, ids: Iterable[int]) -> None:
         """Return ids taken before."""
         self._free.extend(ids)
 
@@ -143,7 +143,7 @@ class ApproxTree:
                 if short > 0:
                     self._ids.give(self._cache.evict(short))
                 node = self._cache.insert_prefix(
-                    key.chunks[: m.match_length + n], m.matched_kv_blocks + self._ids.take(n),
+                    key.chunks[: m.match_length + n], [*m.matched_kv_blocks, *self._ids.take(n)],
                     namespace=key.namespace, lock=trim,
                 )
                 self._ids.give(node.returned_block_ids)

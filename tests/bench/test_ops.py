@@ -129,3 +129,13 @@ def test_peers_run_on_the_same_workload() -> None:
         assert r.evict_tokens >= ops.EVICT_TOKENS and r.note
     assert got[2].bytes_per_prefix is None  # the Rust core's memory is not visible
     assert "our speedup" in ops.format_table(got)
+
+
+def test_a_small_vocabulary_keeps_two_byte_keys() -> None:
+    """Token ids below 2**16 are stored in 2 bytes: fewer bytes per cached prefix (bs16)."""
+    small, large = (ops.run_ops(("radix-bs16",), prompts=5, iters=5, vocab=v)[0]
+                    for v in (32000, 150_000))
+    assert small.bytes_per_prefix is not None and large.bytes_per_prefix is not None
+    assert large.bytes_per_prefix - small.bytes_per_prefix > 900  # 512 tokens x 2 bytes, less slack
+    with pytest.raises(ValueError, match="vocab"):
+        ops.run_ops(("radix-bs16",), prompts=5, iters=5, vocab=1)

@@ -31,7 +31,7 @@ def test_seed_004_system_prompt_scenario(make):
         assert m.match_length >= len(system)
         assert m.matched_tokens == p[: m.match_length]
         assert m.remaining_tokens == p[m.match_length :]
-        assert m.matched_kv_blocks == ids[: len(system) // bs]
+        assert list(m.matched_kv_blocks) == ids[: len(system) // bs]
     assert cache.get_hit_rate() >= 0.6
     stats = cache.get_stats()
     assert stats.queries == 3 and stats.hits == 2
@@ -44,7 +44,7 @@ def test_match_length_is_block_aligned_and_trailing_partial_not_cached(make):
     cache = make()
     toks = seq(1, 3 * bs + (bs - 1))
     node = cache.insert_prefix(toks, [5, 6, 7])
-    assert node.token_ids == toks[: 3 * bs] and node.kv_block_ids == [5, 6, 7]
+    assert node.token_ids == toks[: 3 * bs] and list(node.kv_block_ids) == [5, 6, 7]
     m = cache.match_prefix(toks + [999])
     assert m.match_length == 3 * bs and m.match_length % bs == 0
 
@@ -113,7 +113,7 @@ def test_duplicate_blocks_are_returned_to_the_caller(make):
     toks = seq(0, 4 * bs)
     cache.insert_prefix(toks[: 2 * bs], [1, 2])
     node = cache.insert_prefix(toks, [7, 8, 9, 10])
-    assert node.kv_block_ids == [1, 2, 9, 10]
+    assert list(node.kv_block_ids) == [1, 2, 9, 10]
     assert node.returned_block_ids == [7, 8]
     assert not cache.is_cached(7) and not cache.is_cached(8)
     assert cache.is_cached(9) and cache.num_cached_blocks == 4
@@ -131,7 +131,7 @@ def test_lru_evicts_least_recent_leaf_and_match_counts_as_use(make, clock):
     cache.insert_prefix(b, [3, 4])
     clock.advance()
     cache.match_prefix(a)  # a is now the most recent
-    assert cache.evict(2) == [4, 3]  # b's blocks, deepest first
+    assert list(cache.evict(2)) == [4, 3]  # b's blocks, deepest first
     assert cache.match_prefix(a).match_length == 2 * bs
     assert cache.match_prefix(b).match_length == 0
 
@@ -142,9 +142,9 @@ def test_eviction_is_leaves_first_and_tail_first(make, clock):
     shared = seq(0, 2 * bs)
     cache.insert_prefix(shared + seq(100, bs), [1, 2, 3])
     cache.insert_prefix(shared + seq(200, bs), [1, 2, 4])
-    freed = cache.evict(1)
+    freed = list(cache.evict(1))
     assert freed in ([3], [4])
-    freed += cache.evict(3)
+    freed += list(cache.evict(3))
     # the shared blocks go only after both tails, and the deeper shared block first
     assert freed[:2] in ([3, 4], [4, 3]) and freed[2:] == [2, 1]
     assert cache.num_cached_blocks == 0
@@ -156,9 +156,9 @@ def test_locked_blocks_are_never_evicted(make):
     toks = seq(0, 3 * bs)
     cache.insert_prefix(toks, [1, 2, 3])
     m = cache.match_prefix(toks[: 2 * bs], lock=True)
-    assert m.matched_kv_blocks == [1, 2]
+    assert list(m.matched_kv_blocks) == [1, 2]
     assert cache.num_evictable_blocks == 1
-    assert cache.evict(10) == [3]
+    assert list(cache.evict(10)) == [3]
     assert cache.get_stats().locked_blocks == 2
     cache.unlock(m)
     with pytest.raises(ValueError, match="already released"):
@@ -171,7 +171,7 @@ def test_insert_with_lock_protects_the_new_blocks(make):
     cache = make()
     node = cache.insert_prefix(seq(0, 2 * bs), [1, 2], lock=True)
     assert node.ref_count == 1
-    assert cache.evict(5) == []
+    assert list(cache.evict(5)) == []
     cache.unlock(node)
     assert sorted(cache.evict(5)) == [1, 2]
 
@@ -191,7 +191,7 @@ def test_pinning_survives_eviction_and_budget(make):
     assert cache.pin_prefix(system, description="system prompt") is True
     assert [p.description for p in cache.list_pinned()] == ["system prompt"]
     assert cache.get_stats().pinned_blocks == 2
-    assert cache.evict(10) == [3]
+    assert list(cache.evict(10)) == [3]
     assert cache.match_prefix(system).match_length == 2 * bs
     # beyond budget: False with a reason
     cache.insert_prefix(seq(500, 2 * bs), [5, 6])
@@ -212,7 +212,7 @@ def test_insert_with_pin(make):
     cache = make(20)
     node = cache.insert_prefix(seq(0, 2 * bs), [1, 2], pin=True)
     assert node.is_pinned
-    assert cache.evict(5) == []
+    assert list(cache.evict(5)) == []
 
 
 def test_namespaces_never_match_each_other(make):
@@ -251,9 +251,9 @@ def test_partial_source_is_locked_with_the_match(make):
     cache.insert_prefix(toks, [1, 2])
     m = cache.match_prefix(toks[: bs + 1] + [7777], lock=True)
     assert m.partial_block_id == 2
-    assert cache.evict(5) == []
+    assert list(cache.evict(5)) == []
     cache.unlock(m)
-    assert cache.evict(5) == [2, 1]
+    assert list(cache.evict(5)) == [2, 1]
 
 
 def test_reset_drops_everything_unlocked(make):
@@ -265,7 +265,7 @@ def test_reset_drops_everything_unlocked(make):
     assert sorted(freed) == [1, 2]
     assert cache.list_pinned() == [] and cache.num_cached_blocks == 1
     cache.unlock(node)
-    assert cache.evict(1) == [3]
+    assert list(cache.evict(1)) == [3]
 
 
 def test_stats_fields(make):
@@ -295,7 +295,7 @@ def test_lfu_policy_keeps_frequent_prefix(make, clock):
         cache.match_prefix(a)
     clock.advance()
     cache.insert_prefix(b, [2])  # more recent but used once
-    assert cache.evict(1) == [2]
+    assert list(cache.evict(1)) == [2]
 
 
 def test_block_pool_with_eviction_owns_every_id_once(make):
@@ -325,7 +325,7 @@ def test_array_and_tuple_inputs_behave_like_lists(make):
     cache.insert_prefix(array("I", toks), [1, 2, 3])
     for query in (toks, tuple(toks), array("I", toks), array("q", toks)):
         m = cache.match_prefix(query)
-        assert m.match_length == 3 * bs and m.matched_kv_blocks == [1, 2, 3]
+        assert m.match_length == 3 * bs and list(m.matched_kv_blocks) == [1, 2, 3]
         assert m.matched_tokens == toks
 
 
@@ -346,9 +346,9 @@ def test_lock_with_partial_mid_node_locks_exactly_matched_plus_source(make):
     toks = seq(0, 4 * bs)
     cache.insert_prefix(toks, [1, 2, 3, 4])
     m = cache.match_prefix(toks[: bs + 1] + [9999] * bs, lock=True)
-    assert m.matched_kv_blocks == [1] and m.partial_block_id == 2
+    assert list(m.matched_kv_blocks) == [1] and m.partial_block_id == 2
     assert cache.get_stats().locked_blocks == 2
-    assert cache.evict(10) == [4, 3]  # the blocks past the partial source are not locked
+    assert list(cache.evict(10)) == [4, 3]  # the blocks past the partial source are not locked
     cache.unlock(m)
     cache.check_invariants()
 
@@ -361,5 +361,5 @@ def test_match_refreshes_recency_of_the_matched_part_only(make, clock):
     cache.insert_prefix(seq(1000, bs), [5])
     clock.advance()
     cache.match_prefix(seq(0, 2 * bs))  # uses blocks 1, 2: blocks 3, 4 keep their old time
-    assert cache.evict(2) == [4, 3]
-    assert cache.evict(1) == [5]
+    assert list(cache.evict(2)) == [4, 3]
+    assert list(cache.evict(1)) == [5]

@@ -26,7 +26,7 @@ def test_a_long_leaf_goes_in_one_step_deepest_first(clock):
     clock.advance()
     cache.insert_prefix(list(range(5000, 6024)), list(range(2000, 3024)))
     policy.calls = 0
-    freed = cache.evict(1500)
+    freed = list(cache.evict(1500))
     assert freed[:1024] == list(range(1023, -1, -1))  # the older leaf, deepest token first
     assert freed[1024:] == list(range(3023, 3023 - 476, -1))  # then the newer one's tail
     assert policy.calls < 40
@@ -39,7 +39,7 @@ def test_equal_times_interleave_runs_by_depth(clock):
     cache = RadixPrefixCache(100, 1, clock=clock)
     cache.insert_prefix([1] * 10, list(range(10)))
     cache.insert_prefix([2] * 6, list(range(20, 26)))  # same clock value: a tie on time
-    freed = cache.evict(8)
+    freed = list(cache.evict(8))
     # depths 10..7 of the first leaf go before anything of the 6-deep one; at equal depth the
     # older access (tick) goes first, so from depth 6 on the two leaves alternate
     assert freed == [9, 8, 7, 6, 5, 25, 4, 24]

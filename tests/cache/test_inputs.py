@@ -33,6 +33,21 @@ def test_every_form_converts_to_the_same_array(name):
     assert list(as_token_list(value)) == TOKS
 
 
+@pytest.mark.parametrize("name", [n for n, _ in _forms(TOKS)])
+def test_narrow_packs_two_bytes_only_when_every_id_fits(name):
+    small = [t % 65536 for t in TOKS]
+    got = as_token_array(dict(_forms(small))[name], narrow=True)
+    assert got.typecode == "H" and got.tolist() == small
+    wide = as_token_array(dict(_forms(TOKS))[name], narrow=True)  # 149,999 needs 4 bytes
+    assert wide.typecode == "I" and wide.tolist() == TOKS
+    h = array("H", small)
+    assert as_token_array(h, narrow=True) is h and as_token_array(h).typecode == "I"
+    with pytest.raises(ValueError, match="non-negative"):
+        as_token_array(np.array([1, -1]), narrow=True)
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        as_token_array([1, 2**32], narrow=True)
+
+
 def test_array_I_is_returned_as_is():
     a = array("I", TOKS)
     assert as_token_array(a) is a
@@ -82,7 +97,7 @@ def test_cpu_torch_tensors_by_duck_typing(make):
     for t in (torch.tensor(toks), torch.tensor(toks, dtype=torch.int32),
               torch.tensor(toks + [0, 0])[: len(toks)]):
         m = cache.match_prefix(t)
-        assert m.matched_kv_blocks == [1, 2, 3] and m.matched_tokens == toks
+        assert list(m.matched_kv_blocks) == [1, 2, 3] and m.matched_tokens == toks
     with pytest.raises(ValueError, match="non-negative"):
         cache.match_prefix(torch.tensor([-1] * make.bs))
     with pytest.raises(ValueError, match="ints"):
@@ -99,6 +114,29 @@ def test_numpy_and_array_q_queries_match_like_lists(make):
     cache.insert_prefix(np.array(toks, dtype=np.int64), [4, 5, 6])
     for q in (np.array(toks, dtype=np.uint32), array("q", toks), np.array(toks + [9])):
         m = cache.match_prefix(q)
-        assert m.matched_kv_blocks == [4, 5, 6] and m.matched_tokens == toks
+        assert list(m.matched_kv_blocks) == [4, 5, 6] and m.matched_tokens == toks
         assert all(type(t) is int for t in m.matched_tokens)
     assert cache.pin_prefix(np.array(toks)) and cache.unpin_prefix(array("q", toks))
+
+
+def test_radix_keys_widen_once_on_the_first_large_id():
+    """A radix tree keeps 2-byte keys until an id >= 2**16 is inserted, then widens every key;
+    matches before and after (and queries holding large ids against narrow keys) agree."""
+    from prefixkv.cache import RadixPrefixCache
+
+    for bs in (1, 4):
+        cache = RadixPrefixCache(64, bs)
+        a = list(range(100, 100 + 4 * bs))
+        big = a[: 2 * bs] + [70_000 + i for i in range(2 * bs)]
+        cache.insert_prefix(a, list(range(4)))
+        assert cache._forest.key_typecode == "H"
+        m = cache.match_prefix(big)  # an array('I') query against 2-byte keys
+        assert m.match_length == 2 * bs and list(m.matched_kv_blocks) == [0, 1]
+        node = cache.insert_prefix(big + [80_000] * (bs - 1), [0, 1, 10, 11])
+        assert list(node.kv_block_ids) == [0, 1, 10, 11]
+        assert cache._forest.key_typecode == "I"
+        cache.check_invariants()
+        for q in (a, array("q", a), np.array(big), big):
+            assert cache.match_prefix(q).match_length == 4 * bs
+        assert cache.get_stats().memory_bytes > 0
+        assert sorted(cache.evict(8)) == [0, 1, 2, 3, 10, 11]

@@ -19,7 +19,7 @@ def test_pins_with_different_extra_keys_are_different_pins() -> None:
     assert first.extra_keys == ["a", "a"] and second.extra_keys == ["b", "b"]
     assert cache.pin(toks, extra_keys=["a", "a"]) is first  # pinning again: the same record
     assert cache.get_stats().pinned_blocks == 4 and len(cache.list_pinned()) == 2
-    assert cache.evict(4) == []
+    assert list(cache.evict(4)) == []
     assert not cache.unpin_prefix(toks)  # not pinned without extra keys
     assert cache.unpin_prefix(toks, extra_keys=["a", "a"])
     assert sorted(cache.evict(4)) == [0, 1]  # only the unpinned prefix goes

@@ -32,7 +32,7 @@ def _serve(cache, pool: BlockPool, tokens: list[int]) -> int:
     k = len(m.matched_kv_blocks)
     ids = pool.allocate(len(tokens) - k, evict_from=cache)
     assert ids is not None
-    node = cache.insert_prefix(tokens, m.matched_kv_blocks + ids)
+    node = cache.insert_prefix(tokens, [*m.matched_kv_blocks, *ids])
     pool.free(node.returned_block_ids)
     cache.unlock(m)
     return k

@@ -84,7 +84,7 @@ def run(cache, bs, ops, num_blocks=NUM_BLOCKS):
                 if not cache.is_cached(bid):
                     assert not oracle.covered(key, oracle.locks) and not oracle.covered(key, oracle.pins)
                     del oracle.cached[key]
-            node = cache.insert_prefix(toks, reuse + new, namespace=ns)
+            node = cache.insert_prefix(toks, [*reuse, *new], namespace=ns)
             cache.unlock(m)
             pool.free(node.returned_block_ids)
             for key, bid in zip(oracle.keys(ns, toks), node.kv_block_ids):
@@ -95,7 +95,7 @@ def run(cache, bs, ops, num_blocks=NUM_BLOCKS):
             m = cache.match_prefix(toks, lock=lock)
             k = oracle.longest(ns, toks)
             assert m.match_length == k * bs
-            assert m.matched_kv_blocks == [oracle.cached[key] for key in oracle.keys(ns, toks)[:k]]
+            assert list(m.matched_kv_blocks) == [oracle.cached[key] for key in oracle.keys(ns, toks)[:k]]
             if lock:
                 covered = toks[: k * bs + (bs if m.partial_tokens else 0)]
                 if m.partial_tokens:
@@ -159,6 +159,19 @@ SETTINGS = settings(max_examples=int(os.environ.get("PREFIXKV_HYPOTHESIS_EXAMPLE
 @given(st.lists(op, max_size=40), st.sampled_from([1, 2, 3]))
 def test_radix_against_oracle(ops, bs):
     run(RadixPrefixCache(NUM_BLOCKS, bs, max_pinned_blocks=6), bs, ops)
+
+
+def _scaled(ops, factor):
+    """The same operations with every token id multiplied (2 * 35,000 > 2**16: the radix tree
+    widens its keys mid-run, the first time such an id is inserted)."""
+    return [(o[0], [t * factor for t in o[1]], *o[2:]) if o[0] in ("insert", "match", "pin")
+            else o for o in ops]
+
+
+@SETTINGS
+@given(st.lists(op, max_size=40), st.sampled_from([1, 2, 3]))
+def test_radix_with_large_token_ids_against_oracle(ops, bs):
+    run(RadixPrefixCache(NUM_BLOCKS, bs, max_pinned_blocks=6), bs, _scaled(ops, 35_000))
 
 
 @SETTINGS
@@ -243,7 +256,7 @@ def test_run_eviction_frees_exactly_the_per_block_order(ops, policy, bs, index):
                 got.append(cache.evict(max(0, cache.num_cached_blocks + need - BIG_POOL)))
                 new = [b for b in range(BIG_POOL) if not cache.is_cached(b)][:need]
                 if len(new) == need:
-                    got.append(cache.insert_prefix(toks, m.matched_kv_blocks + new,
+                    got.append(cache.insert_prefix(toks, [*m.matched_kv_blocks, *new],
                                                    namespace=ns).kv_block_ids)
             assert got[: len(got) // 2] == got[len(got) // 2 :]
         elif o[0] == "match":

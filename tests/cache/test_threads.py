@@ -26,7 +26,7 @@ def test_concurrent_clients(cls, bs):
                 with pool_lock:
                     new = pool.allocate(len(toks) // bs - len(m.matched_kv_blocks), evict_from=cache)
                 if new is not None:
-                    node = cache.insert_prefix(toks, m.matched_kv_blocks + new)
+                    node = cache.insert_prefix(toks, [*m.matched_kv_blocks, *new])
                     with pool_lock:
                         pool.free(node.returned_block_ids)
                 cache.unlock(m)
