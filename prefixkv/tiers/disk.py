@@ -11,8 +11,8 @@ skipping pinned keys (:class:`~prefixkv.tiers.pins.PinnedKeys`): when only pinne
 make room, the new block is the one not kept. Recency is per prefix chain, with the pool's
 tie-break: :meth:`DiskTier.touch` makes a chain the most recent with its *first* block the most
 recent of all, so a full tier drops a prompt's tail before its head (a head block lost makes
-every block after it unreachable). A read touches the file's mtime, so the order survives
-restarts approximately.
+every block after it unreachable). The writer thread stamps the same order into the files'
+mtimes, so it survives a restart.
 
 Threads: the engine thread calls :meth:`contains` / :meth:`read` / :meth:`submit`; the writer
 thread writes and evicts. The index is guarded by one lock.
@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,8 @@ from prefixkv.tiers.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".kvb"
+KEY_BYTES = 32
+"""Length of a block key (sha256)."""
 
 
 class DiskTier:
@@ -62,8 +65,8 @@ class DiskTier:
         self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first; pending keys too
         self._pending: set[bytes] = set()  # submitted, not written yet (never evicted)
         self._scan()
-        self._writer: BackgroundWriter[tuple[bytes, bytes]] = BackgroundWriter(
-            "prefixkv-disk-writer", self._write, self._write_failed)
+        self._writer: BackgroundWriter[tuple[bytes, bytes | None]] = BackgroundWriter(
+            "prefixkv-disk-writer", self._job, self._write_failed)
 
     def _scan(self) -> None:
         files = []
@@ -116,6 +119,8 @@ class DiskTier:
             for k in reversed(chain):
                 if k in index:
                     index.move_to_end(k)
+        # the same order in the files' mtimes (what a restart indexes by), off the request path
+        self._writer.submit((b"".join(chain), None))
 
     def read(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or ``None`` (absent, unreadable or corrupt)."""
@@ -172,8 +177,27 @@ class DiskTier:
         with self._lock:
             self._index.pop(key, None)
 
-    def _write(self, item: tuple[bytes, bytes]) -> None:
+    def _job(self, item: tuple[bytes, bytes | None]) -> None:
         key, payload = item
+        if payload is None:
+            self._stamp([key[i : i + KEY_BYTES] for i in range(0, len(key), KEY_BYTES)])
+        else:
+            self._write(key, payload)
+
+    def _stamp(self, chain: list[bytes]) -> None:
+        """Set the stored files of ``chain`` to strictly increasing mtimes from its tail to its
+        head (now), so a restart indexes them in the order :meth:`touch` gave."""
+        now = time.time_ns()
+        with self._lock:
+            stored = [k for k in chain if k in self._index and k not in self._pending]
+        for i, k in enumerate(stored):  # head first: newest
+            t = now - i * 1000
+            try:
+                os.utime(self.path(k), ns=(t, t))
+            except OSError:  # evicted meanwhile
+                continue
+
+    def _write(self, key: bytes, payload: bytes) -> None:
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{id(self):x}.tmp")  # unique per writer
         try:
