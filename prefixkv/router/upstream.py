@@ -234,7 +234,7 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections to the workers, per worker base URL (``http://host:port``)."""
 
-    def __init__(self, *, timeout: float, connect_timeout: float = 5.0, max_idle: int = 64):
+    def __init__(self, *, timeout: float, connect_timeout: float = 5.0, max_idle: int = 256):
         self.timeout, self.connect_timeout, self.max_idle = timeout, connect_timeout, max_idle
         self._idle: dict[str, list[_Conn]] = {}
         self._busy: dict[str, set[_Conn]] = {}
