@@ -147,7 +147,11 @@ def test_kv_events_settings_are_checked() -> None:
     assert parse_sources(urls, ["auto"]) == {}
     assert parse_sources(urls, ["none", "tcp://h:1|tcp://h:2"], "t") == {
         A: None, B: EventSource("tcp://h:1", "tcp://h:2", "t")}
-    for bad in (["auto", "auto", "auto"], ["http://h:1", "none"], ["tcp://h:1"]):
+    assert parse_sources(urls, ["bind:tcp://*:7|tcp://h:2", "bind:ipc:///tmp/e"]) == {
+        A: EventSource("tcp://*:7", "tcp://h:2", "", bind=True),
+        B: EventSource("ipc:///tmp/e", None, "", bind=True)}
+    for bad in (["auto", "auto", "auto"], ["http://h:1", "none"], ["tcp://h:1"],
+                ["bind:h:1", "none"]):
         with pytest.raises(ValueError, match="kv_events"):
             parse_sources(urls, bad)
     with pytest.raises(ValueError, match="kv_events"):
