@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +45,8 @@ from prefixkv.router.proxy import WORKER_HEADER, Router
 
 __all__ = ["WORKER_HEADER", "Router", "RouterApp", "RouterConfig", "RouterServer", "create_app",
            "error_response"]
+
+log = logging.getLogger("prefixkv.router")
 
 
 def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monotonic) -> RouterApp:
@@ -136,8 +139,15 @@ class RouterApp:
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
             router = self.router
-            key = await router.refine_key(path, body, key_of(body, self._chunk_bytes), headers)
-            answer = await router.dispatch(path, raw, key, body.get("stream") is True, headers)
+            try:
+                key = await router.refine_key(path, body, key_of(body, self._chunk_bytes),
+                                              headers)
+                answer = await router.dispatch(path, raw, key, body.get("stream") is True,
+                                               headers)
+            except Exception as exc:  # a bug: this request fails alone, with an OpenAI body
+                log.exception("routing %s failed", path)
+                answer = error_answer(500, f"router error: {type(exc).__name__}: {exc}",
+                                      type_="internal_error", code="router_error")
             await send_answer(send, answer)
         except asyncio.CancelledError:
             if not state["left"]:
