@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from prefixkv.router.bench_meters import process_threads_cpu
 from prefixkv.router.health import wait_until_healthy
 from prefixkv.router.local import free_port
 from prefixkv.router.upstream import UpstreamPool
@@ -79,15 +80,8 @@ async def _serve_stub(port: int) -> None:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of ``pid`` (ns-precise, from each thread's schedstat)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # the thread just ended
-            pass
-    return total / 1e9
+    """CPU time of every thread of ``pid`` (ns-precise)."""
+    return process_threads_cpu(pid) or 0.0
 
 
 def _rss_mb(pid: int) -> float:
