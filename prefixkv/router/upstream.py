@@ -147,7 +147,9 @@ class UpstreamResponse:
         try:
             self._length = None if self._chunked or length is None else int(length)
         except ValueError:
-            raise UpstreamError(f"{conn.base} sent a bad content-length {length!r}") from None
+            self._length = -1
+        if self._length is not None and self._length < 0:
+            raise UpstreamError(f"{conn.base} sent a bad content-length {length!r}")
         self._reuse = (headers.get("connection", "").lower() != "close"
                        and (self._chunked or self._length is not None))
 

@@ -159,6 +159,8 @@ def test_failures_raise_upstream_error() -> None:
                 await asyncio.sleep(10)
             elif n == 2:
                 writer.write(b"SPDY/9 nonsense\r\n\r\n")
+            elif n == 3:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: -3\r\n\r\n")
             else:
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort")
 
@@ -167,6 +169,8 @@ def test_failures_raise_upstream_error() -> None:
             with pytest.raises(UpstreamError, match="sent nothing for 0.3 s"):
                 await pool.post(srv.base, "/", b"", {})
             with pytest.raises(UpstreamError, match="bad status line"):
+                await pool.post(srv.base, "/", b"", {})
+            with pytest.raises(UpstreamError, match="bad content-length"):
                 await pool.post(srv.base, "/", b"", {})
             resp = await pool.post(srv.base, "/", b"", {})
             with pytest.raises(UpstreamError, match="closed the connection mid-answer"):
