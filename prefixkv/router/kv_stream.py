@@ -108,20 +108,37 @@ class EventStream:
         """Subscribe and apply batches until cancelled (a bad frame never ends it)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        mon: zmq.asyncio.Socket | None = None
         try:
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
             if self.source.bind:
                 await _bind(sub, self.source.endpoint)
+                # the worker dials in when it can: each time it connects, catch up from its
+                # replay buffer if nothing came yet (what it sent before was dropped)
+                mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                poller.register(mon, zmq.POLLIN)
             else:
                 sub.connect(self.source.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode("utf-8"))
             await asyncio.sleep(_JOIN_DELAY)
             await self.catch_up()
             while True:
+                ready = dict(await poller.poll())
+                if mon is not None and mon in ready:
+                    await mon.recv_multipart()
+                    if self.last_seq is None:
+                        await asyncio.sleep(_JOIN_DELAY)
+                        await self.catch_up()
+                if sub not in ready:
+                    continue
                 frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 await self.receive(int.from_bytes(frames[1], "big"), frames[2])
         finally:
+            if mon is not None:
+                mon.close(linger=0)
             sub.close(linger=0)
 
     async def receive(self, seq: int, payload: bytes) -> None:
