@@ -1,18 +1,19 @@
 """The router's HTTP front: an OpenAI-compatible app over a :class:`~prefixkv.router.proxy.Router`.
 
-Contract. :func:`create_app` builds the FastAPI app: its lifespan starts and stops the router,
-its routes parse nothing but what routing needs and leave the rest to the workers.
-``POST /v1/completions`` and ``POST /v1/chat/completions`` must carry a JSON object (else a 400
-with an OpenAI-style error body); its route key and ``stream`` flag go to ``Router.dispatch``,
-which forwards the body unchanged (retries, streaming and failures: see
-:mod:`prefixkv.router.proxy`). Also ``GET /v1/models`` (from a healthy worker), ``GET /health``,
-``GET /workers`` (the router's view), ``GET /metrics``, and the workers' cache admin routes
-fanned out to every worker (:mod:`prefixkv.router.admin`). :class:`RouterServer` serves the app
+Contract. :func:`create_app` builds the router's ASGI app (:class:`RouterApp`). The proxied
+routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``, are served over raw ASGI
+(the request path the router adds latency on: one body read, one JSON parse, the route key, the
+dispatch): the body must be a JSON object (else a 400 with an OpenAI-style error body); its route
+key and ``stream`` flag go to ``Router.dispatch``, which forwards the body unchanged (retries,
+streaming and failures: see :mod:`prefixkv.router.proxy`). Every other route, and the lifespan
+that starts and stops the router, is a FastAPI app's: ``GET /v1/models`` (from a healthy
+worker), ``GET /health``, ``GET /workers`` (the router's view), ``GET /metrics``, and the
+workers' cache admin routes fanned out to every worker (:mod:`prefixkv.router.admin`). :class:`RouterServer` serves the app
 with uvicorn in a background thread.
 
-Client disconnects. While the router waits for a worker's answer, the request's ASGI ``receive``
-channel is watched: when the client goes away, the dispatch is cancelled, which closes the
-upstream connection so the worker aborts the request (streams: Starlette cancels the relay).
+Client disconnects. From its body's arrival to the answer's end (streams included), a proxied
+request's ASGI ``receive`` channel is watched: when the client goes away, the request's task is
+cancelled, which aborts the upstream connection so the worker aborts the request.
 
 ``WORKER_HEADER``, ``Router`` and ``RouterConfig`` are re-exported here for existing importers.
 """
@@ -21,17 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
+import orjson
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from prefixkv.router.admin import add_admin_routes
+from prefixkv.router.answer import error_answer, send_answer
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.errors import error_response
 from prefixkv.router.keys import RouteKey, chat_key, completion_key
@@ -39,12 +43,14 @@ from prefixkv.router.local import free_port
 from prefixkv.router.metrics import CONTENT_TYPE
 from prefixkv.router.proxy import WORKER_HEADER, Router
 
-__all__ = ["WORKER_HEADER", "Router", "RouterConfig", "RouterServer", "create_app",
+__all__ = ["WORKER_HEADER", "Router", "RouterApp", "RouterConfig", "RouterServer", "create_app",
            "error_response"]
 
+log = logging.getLogger("prefixkv.router")
 
-def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monotonic) -> FastAPI:
-    """The router's FastAPI app; ``app.state.router`` is its :class:`Router`."""
+
+def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monotonic) -> RouterApp:
+    """The router's ASGI app; ``app.state.router`` is its :class:`Router`."""
     router = Router(config, clock=clock)
 
     @contextlib.asynccontextmanager
@@ -57,30 +63,6 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
 
     app = FastAPI(title="prefixkv router", lifespan=lifespan)
     app.state.router = router
-
-    async def proxy(request: Request, path: str,
-                    key_of: Callable[[Any, int], RouteKey]) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return error_response(400, f"request body is not valid JSON: {exc}",
-                                  type_="invalid_request_error", code="invalid_json")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object",
-                                  type_="invalid_request_error", code="invalid_json")
-        key = await router.refine_key(path, body, key_of(body, config.chunk_bytes),
-                                      request.headers)
-        return await _unless_disconnected(request, router.dispatch(
-            path, raw, key, body.get("stream") is True, request.headers))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy(request, "/v1/completions", completion_key)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy(request, "/v1/chat/completions", chat_key)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -103,31 +85,94 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
 
     add_admin_routes(app, config.worker_urls, lambda: router.client, config.admin_api_key,
                      config.request_timeout)
-    return app
+    return RouterApp(app, router)
 
 
-async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
-    """Await ``answer``; if the client disconnects first, cancel it (closing the upstream
-    request) and return a bare 499 that nobody will read."""
-    task = asyncio.ensure_future(answer)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return Response(status_code=499)
-    return task.result()
+class RouterApp:
+    """The router's ASGI app: the proxied POST routes handled here over raw ASGI (one body
+    read, one JSON parse, no framework layers), everything else (lifespan included) by the
+    FastAPI app ``api``."""
+
+    def __init__(self, api: FastAPI, router: Router) -> None:
+        self.api, self.router, self.state = api, router, api.state
+        self._chunk_bytes = router.config.chunk_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            key_of = _PROXIED.get(scope["path"])
+            if key_of is not None:
+                await self._proxy(scope, receive, send, key_of)
+                return
+        await self.api(scope, receive, send)
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send,
+                     key_of: Callable[[Any, int], RouteKey]) -> None:
+        raw = await _read_body(receive)
+        if raw is None:
+            return  # the client left before sending its body
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            await send_answer(send, error_answer(400, f"request body is not valid JSON: {exc}",
+                                                 type_="invalid_request_error",
+                                                 code="invalid_json"))
+            return
+        if not isinstance(body, dict):
+            await send_answer(send, error_answer(400, "request body must be a JSON object",
+                                                 type_="invalid_request_error",
+                                                 code="invalid_json"))
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        path: str = scope["path"]
+        # the client leaving cancels this task: the dispatch or the relay unwinds and aborts
+        # its upstream connection, so the worker aborts the request too
+        me = asyncio.current_task()
+        state = {"finished": False, "left": False}
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["finished"] and me is not None:
+                state["left"] = True
+                me.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            router = self.router
+            try:
+                key = await router.refine_key(path, body, key_of(body, self._chunk_bytes),
+                                              headers)
+                answer = await router.dispatch(path, raw, key, body.get("stream") is True,
+                                               headers)
+            except Exception as exc:  # a bug: this request fails alone, with an OpenAI body
+                log.exception("routing %s failed", path)
+                answer = error_answer(500, f"router error: {type(exc).__name__}: {exc}",
+                                      type_="internal_error", code="router_error")
+            await send_answer(send, answer)
+        except asyncio.CancelledError:
+            if not state["left"]:
+                raise
+            if me is not None and hasattr(me, "uncancel"):
+                me.uncancel()
+        finally:
+            state["finished"] = True
+            watcher.cancel()
 
 
-async def _disconnected(request: Request) -> None:
-    """Return once the ASGI server reports ``http.disconnect`` (the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+_PROXIED: dict[str, Callable[[Any, int], RouteKey]] = {
+    "/v1/completions": completion_key, "/v1/chat/completions": chat_key}
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request body, or ``None`` when the client disconnects first."""
+    pieces = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        pieces.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(pieces)
 
 
 class RouterServer:

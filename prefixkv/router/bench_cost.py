@@ -11,7 +11,11 @@ sends unique ``--prompt-bytes`` prompts:
   latency is the router's median minus the direct median of the same round (reported as the
   median over rounds), plus the router process's CPU seconds per request;
 * at ``--concurrency`` (default 8), throughput through each router and straight to one stub
-  (requests/s; the median of ``--throughput-rounds`` interleaved rounds).
+  (requests/s; the median of ``--throughput-rounds`` interleaved rounds), sent with httpx or,
+  with ``--load-client raw``, the router's own lighter keep-alive client.
+
+With ``--peers``, each router's figures are also given against the first peer's from the same
+rounds: ``req_per_s_vs_<peer>`` (median of per-round ratios) and ``added_ms_c1_minus_<peer>``.
 
 Also reports each router's RSS before any traffic and at the end. Run on a quiet machine; only
 same-run comparisons mean anything::
@@ -33,8 +37,10 @@ from collections.abc import Sequence
 
 import httpx
 
+from prefixkv.router.bench_meters import process_threads_cpu
 from prefixkv.router.health import wait_until_healthy
 from prefixkv.router.local import free_port
+from prefixkv.router.upstream import UpstreamPool
 
 _ANSWER = json.dumps({
     "id": "cmpl-stub", "object": "text_completion", "model": "stub",
@@ -74,9 +80,8 @@ async def _serve_stub(port: int) -> None:
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of every thread of ``pid`` (ns-precise)."""
+    return process_threads_cpu(pid) or 0.0
 
 
 def _rss_mb(pid: int) -> float:
@@ -123,7 +128,10 @@ def _post(client: httpx.Client, url: str, prompt: str) -> float:
     return time.perf_counter() - t0
 
 
-async def _throughput(url: str, n: int, concurrency: int, prompt_bytes: int) -> float:
+async def _throughput(url: str, n: int, concurrency: int, prompt_bytes: int,
+                      load_client: str = "httpx") -> float:
+    if load_client == "raw":
+        return await _throughput_raw(url, n, concurrency, prompt_bytes)
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as c:
         todo = iter(range(n))
 
@@ -135,6 +143,30 @@ async def _throughput(url: str, n: int, concurrency: int, prompt_bytes: int) -> 
         t0 = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(concurrency)))
         return n / (time.perf_counter() - t0)
+
+
+async def _throughput_raw(url: str, n: int, concurrency: int, prompt_bytes: int) -> float:
+    """As :func:`_throughput` with the router's own keep-alive client (a lighter load
+    generator than httpx: on a small machine the client's CPU caps what it can measure)."""
+    pool = UpstreamPool(timeout=120)
+    todo = iter(range(n))
+    headers = {"content-type": "application/json"}
+
+    async def one() -> None:
+        for i in todo:
+            body = json.dumps({"model": "stub", "prompt": _prompt(i, prompt_bytes),
+                               "max_tokens": 1}).encode()
+            resp = await pool.post(url, "/v1/completions", body, headers)
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{url} answered {resp.status}")
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+    finally:
+        pool.close()
+    return n / (time.perf_counter() - t0)
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -163,10 +195,13 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             for url in [urls[0], *(u for _, u in routers.values())]:  # warm up connections
                 for i in range(5):
                     _post(client, url, _prompt(i, args.prompt_bytes))
+            order = list(routers)
             for rnd in range(args.rounds):
                 direct = [_post(client, urls[0], _prompt(i, args.prompt_bytes))
                           for i in range(args.per_round)]
-                for name, (proc, url) in routers.items():
+                k = rnd % len(order)  # the order rotates
+                for name in order[k:] + order[:k]:
+                    proc, url = routers[name]
                     c0 = _cpu_seconds(proc.pid)
                     lat = [_post(client, url, _prompt(rnd * 1000 + i, args.prompt_bytes))
                            for i in range(args.per_round)]
@@ -185,12 +220,19 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             for name in names[k:] + names[:k]:
                 rates[name].append(asyncio.run(_throughput(
                     targets[name], args.throughput_requests, args.concurrency,
-                    args.throughput_prompt_bytes)))
+                    args.throughput_prompt_bytes, args.load_client)))
         out["direct"] = {}
         for name in names:
             out[name]["req_per_s"] = statistics.median(rates[name])
         for name, (proc, url) in routers.items():
             out[name]["rss_end_mb"] = _rss_mb(proc.pid)
+        if args.peers:  # same-round comparisons with the first peer (medians over rounds)
+            ref = args.peers[0]
+            for name in routers:
+                out[name][f"req_per_s_vs_{ref}"] = statistics.median(
+                    a / b for a, b in zip(rates[name], rates[ref]))
+                out[name][f"added_ms_c1_minus_{ref}"] = 1000 * statistics.median(
+                    a - b for a, b in zip(added[name], added[ref]))
         return out
     finally:
         for proc, _ in routers.values():
@@ -215,6 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--throughput-prompt-bytes", type=int, default=65536)
     p.add_argument("--throughput-rounds", type=int, default=3,
                    help="interleaved throughput rounds of --throughput-requests (median)")
+    p.add_argument("--load-client", choices=("httpx", "raw"), default="httpx",
+                   help="the throughput rounds' client: httpx, or the router's own keep-alive "
+                   "client (lighter: measures faster routers better on a small machine)")
     p.add_argument("--baseline-pythonpath", default=None,
                    help="also run a router from this checkout (PYTHONPATH) beside ours")
     p.add_argument("--peers", nargs="*", default=[], choices=("sglang", "vllm"),

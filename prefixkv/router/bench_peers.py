@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixkv.router.bench import PolicyResult, Workload, add_arguments, replay, summarize
+from prefixkv.router.bench_meters import process_threads_cpu
 from prefixkv.router.bench_report import format_table
 
 __all__ = ["PEERS_VENV", "ROUTERS", "process_cpu", "process_rss_mb", "router_command",
@@ -67,17 +68,14 @@ def _descendants(pid: int) -> list[int]:
 
 
 def process_cpu(pid: int) -> float | None:
-    """CPU seconds (user + system, all threads) of ``pid`` and its child processes; ``None``
+    """CPU seconds (all live threads, ns-precise) of ``pid`` and its child processes; ``None``
     when ``pid`` is gone or ``/proc`` is missing."""
     total, found = 0.0, False
     for p in _descendants(pid) if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        found = True
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        cpu = process_threads_cpu(p)
+        if cpu is not None:
+            found = True
+            total += cpu
     return total if found else None
 
 

@@ -75,8 +75,9 @@ def register(subparsers: Any) -> None:
                    help="consistent_hash: virtual nodes per worker on the ring")
     p.add_argument("--kv-events", nargs="+", default=[], metavar="ENDPOINT",
                    help="precise: each worker's KV event stream, in --worker-urls order: auto "
-                   "(ask the worker's GET /kv_events; the default), none, or "
-                   "tcp://HOST:PORT[|tcp://HOST:REPLAY_PORT]")
+                   "(ask the worker's GET /kv_events; the default), none, "
+                   "tcp://HOST:PORT[|tcp://HOST:REPLAY_PORT] (the worker binds), or "
+                   "bind:tcp://ADDR:PORT[|...] (the router binds; the worker connects to it)")
     p.add_argument("--kv-events-topic", default="",
                    help="precise: the topic of the given --kv-events endpoints (default '')")
     p.add_argument("--kv-events-rehash", action="store_true",

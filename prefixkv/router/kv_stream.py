@@ -49,11 +49,17 @@ _JOIN_DELAY = 0.1
 
 @dataclass(frozen=True, slots=True)
 class EventSource:
-    """Where a worker publishes: PUB ``endpoint``, optional ROUTER ``replay_endpoint``, topic."""
+    """Where a worker publishes: PUB ``endpoint``, optional ROUTER ``replay_endpoint``, topic.
+
+    With ``bind``, the worker's PUB socket connects out (vLLM's "connect" form) and the router's
+    SUB socket binds ``endpoint`` for it (one bound address per worker: the socket names the
+    worker); otherwise the router connects to the worker's bound PUB socket.
+    """
 
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    bind: bool = False
 
 
 async def discover_source(client: httpx.AsyncClient, url: str,
@@ -102,17 +108,37 @@ class EventStream:
         """Subscribe and apply batches until cancelled (a bad frame never ends it)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        mon: zmq.asyncio.Socket | None = None
         try:
-            sub.connect(self.source.endpoint)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            if self.source.bind:
+                await _bind(sub, self.source.endpoint)
+                # the worker dials in when it can: each time it connects, catch up from its
+                # replay buffer if nothing came yet (what it sent before was dropped)
+                mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                poller.register(mon, zmq.POLLIN)
+            else:
+                sub.connect(self.source.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode("utf-8"))
             await asyncio.sleep(_JOIN_DELAY)
             await self.catch_up()
             while True:
+                ready = dict(await poller.poll())
+                if mon is not None and mon in ready:
+                    await mon.recv_multipart()
+                    if self.last_seq is None:
+                        await asyncio.sleep(_JOIN_DELAY)
+                        await self.catch_up()
+                if sub not in ready:
+                    continue
                 frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 await self.receive(int.from_bytes(frames[1], "big"), frames[2])
         finally:
+            if mon is not None:
+                mon.close(linger=0)
             sub.close(linger=0)
 
     async def receive(self, seq: int, payload: bytes) -> None:
@@ -200,10 +226,25 @@ class EventStream:
         return got
 
 
+async def _bind(sock: zmq.asyncio.Socket, endpoint: str, tries: int = 40) -> None:
+    """Bind ``endpoint``, waiting a little while the address is still in use (a previous
+    stream for the same worker closed its socket, and ZMQ releases the port asynchronously)."""
+    for attempt in range(tries):
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or attempt == tries - 1:
+                raise
+            await asyncio.sleep(0.05)
+
+
 def parse_sources(urls: Sequence[str], specs: Sequence[str],
                   topic: str = "") -> dict[str, EventSource | None]:
     """``--kv-events`` values, one per worker (or one for all): ``auto`` (discover: left out of
-    the result), ``none`` (publishes nothing), or ``ENDPOINT`` / ``ENDPOINT|REPLAY_ENDPOINT``."""
+    the result), ``none`` (publishes nothing), or ``ENDPOINT`` / ``ENDPOINT|REPLAY_ENDPOINT``,
+    where ``ENDPOINT`` is the worker's bound PUB address or ``bind:ADDRESS``, an address the
+    router binds for a worker whose PUB connects to it (vLLM's "connect" form)."""
     if not specs:
         return {}
     if len(specs) not in (1, len(urls)):
@@ -217,11 +258,13 @@ def parse_sources(urls: Sequence[str], specs: Sequence[str],
             out[url] = None
             continue
         endpoint, _, replay = spec.partition("|")
+        bind = endpoint.startswith("bind:")
+        endpoint = endpoint.removeprefix("bind:")
         for ep in (endpoint, replay):
             if ep and not ep.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"kv_events entries are auto, none or tcp://|ipc:// endpoints "
-                                 f"('ENDPOINT|REPLAY'), got {spec!r}")
+                                 f"('[bind:]ENDPOINT|REPLAY'), got {spec!r}")
         if len(specs) == 1 and len(urls) > 1:
             raise ValueError("one kv_events endpoint cannot serve several workers")
-        out[url] = EventSource(endpoint, replay or None, topic)
+        out[url] = EventSource(endpoint, replay or None, topic, bind)
     return out

@@ -16,8 +16,9 @@ exact for any model and template. When no candidate publishes events, nothing is
 **Choosing** (over the candidates; thresholds as ``cache_aware``'s):
 
 1. **balance**: loads imbalanced (SGLang's test) -> the least loaded.
-2. **cache_hit**: the best match ratio over ``cache_threshold`` -> the worker with the longest
-   match (ties: fewer in flight, fewer recent dispatches), unless the share rule moves it to a
+2. **cache_hit**: the best match ratio over ``cache_threshold`` -> among the workers whose match
+   is within ``tie_blocks`` (1) blocks of the longest, the one with fewer in flight (then fewer
+   recent dispatches, then the longer match), unless the share rule moves it to a
    starved worker (as ``cache_aware``'s). A publishing worker's ratio is its exact number of
    leading cached blocks times the block size over the prompt's tokens, or, if longer, the
    blocks it shares with a prompt sent to it in the last ``pending_ttl`` seconds and since its
@@ -25,7 +26,12 @@ exact for any model and template. When no candidate publishes events, nothing is
    sessions sharing a new prefix were spread over every worker before the first one's events
    came). For a worker whose stream lost batches (incomplete index): the larger of that and its
    approximate tree's estimate; for a worker that publishes nothing (or before its first
-   batch): the approximate tree's estimate, as ``cache_aware`` computes it.
+   batch): the approximate tree's estimate, as ``cache_aware`` computes it. Why the near-tie:
+   new sessions under a short shared system prompt match every holder of it, and one holder
+   often has one more block (the template tokens after it, shared with an earlier session's
+   first words); ranking on that block put every new session on that worker whatever its load
+   (10-word turns over 64-block pools: [63, 16, 17, 0] requests per worker, 1.11x
+   ``cache_aware``'s computed tokens), where ``cache_aware``'s chunks round it to a tie.
 3. otherwise (no worker really holds much of the prompt) the embedded ``cache_aware`` decides
    on its approximate trees: a session whose cache a worker lost (evicted, reset) stays where
    its tree says, usually ``least_load`` for a new prefix. Measured: choosing the least loaded
@@ -94,7 +100,7 @@ class PrecisePolicy:
                  sources: Mapping[str, EventSource | None] | None = None,
                  cache_threshold: float = 0.5, balance_window: int = 128,
                  tokenize_timeout: float = 5.0, rehash: bool = False, pending_ttl: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 tie_blocks: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.urls = list(urls)
         self.fallback = fallback
         self.index = ExactIndex(self.urls, rehash=rehash)
@@ -109,6 +115,7 @@ class PrecisePolicy:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._prompt_tokens: dict[str, int] = {}
         self.pending_ttl = pending_ttl
+        self.tie_blocks = tie_blocks
         self._clock = clock
         # prompts sent to each worker lately: (expiry, index epoch, block hashes), oldest first;
         # an entry from before the worker's cache was last cleared no longer counts
@@ -263,8 +270,11 @@ class PrecisePolicy:
         if fb.is_imbalanced(list(load.values())):
             url, reason = min(urls, key=lambda u: (load[u], recent[u])), "balance"
             fb.record(url, key)  # keeps the fallback's trees and recent window current
-        elif max(ratio.values()) > self.cache_threshold:
-            url = min(urls, key=lambda u: (-ratio[u], load[u], recent[u]))
+        elif (best := max(ratio.values())) > self.cache_threshold:
+            # matches within a block of the best are ties (the load decides among them)
+            margin = self.tie_blocks * self._block_size(exact) / n
+            url = min((u for u in urls if ratio[u] >= best - margin),
+                      key=lambda u: (load[u], recent[u], -ratio[u]))
             reason = "exact_hit" if url in exact else "cache_hit"
             low = min(urls, key=lambda u: (recent[u], load[u]))
             if (self._dispatches - self._last_move >= self._fair_share
@@ -278,6 +288,10 @@ class PrecisePolicy:
         self._pend(url)
         self._dispatches += 1
         return Decision(url, reason, ratio[url])
+
+    def _block_size(self, exact: Mapping[str, int]) -> int:
+        """The largest block size among the publishing candidates (a near-tie's unit)."""
+        return max((self.index.workers[u].block_size or 0 for u in exact), default=0)
 
     def _pend(self, url: str) -> None:
         """Remember the prompt just sent to ``url`` as pending there."""

@@ -1,8 +1,9 @@
 """The router's proxy core: :class:`Router` sends each request to the worker its policy picks.
 
 Contract. :class:`Router` owns the worker registry (load, circuit breakers), the policy (which
-owns its own state, e.g. the cache-aware trees), the router metrics and the HTTP client to the
-workers. It forwards a request body unchanged to one worker and returns the worker's answer (SSE
+owns its own state, e.g. the cache-aware trees), the router metrics, the keep-alive connection
+pool that carries the proxied requests (:mod:`prefixkv.router.upstream`) and an httpx client for
+probes, stats, tokenizing and admin routes. It forwards a request body unchanged to one worker and returns the worker's answer (SSE
 streams passed through as they arrive) with an ``x-prefixkv-worker`` header naming the worker. It
 parses no request bodies: the HTTP front (:mod:`prefixkv.router.app`) validates them and builds
 the route keys.
@@ -19,9 +20,9 @@ rotation (it stopped answering its probes) are abandoned there and sent elsewher
 breaks midway (or whose worker leaves the rotation) ends with an SSE error event. Only when every
 healthy worker failed does the client see the error (503 if none was left).
 
-Cancellation. When the client goes away, the HTTP front cancels :meth:`Router.dispatch` (or
-Starlette closes the relayed stream); either way the upstream response is closed at once, so
-the worker sees its client leave and aborts the request.
+Cancellation. When the client goes away, the HTTP front cancels :meth:`Router.dispatch` or the
+relay of its streamed :class:`~prefixkv.router.answer.Answer`; either way the upstream
+connection is aborted at once, so the worker sees its client leave and aborts the request.
 
 Load. A worker's in-flight count rises when a request is sent to it and falls when that attempt
 is over: answer read, attempt failed or cancelled, or stream ended (a stream's relay owns it).
@@ -35,32 +36,28 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any
 
-import anyio
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from prefixkv.router.admin import admin_headers
+from prefixkv.router.answer import Answer, error_answer
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.errors import error_body, error_response
 from prefixkv.router.health import WorkerCacheStats, fetch_cache_stats, health_loop, probe
 from prefixkv.router.keys import RouteKey
 from prefixkv.router.metrics import RouterMetrics
 from prefixkv.router.policies import Policy, make_policy
+from prefixkv.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse, WorkerGone
 from prefixkv.router.workers import WorkerRegistry
 
 log = logging.getLogger("prefixkv.router")
 
-T = TypeVar("T")
 WORKER_HEADER = "x-prefixkv-worker"
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
 ERROR_CAUSE_HEADER = "x-prefixkv-error-cause"
-
-
-class WorkerGone(Exception):
-    """A request's worker left the rotation before answering (raised by ``Router._send``)."""
 
 
 class Router:
@@ -90,8 +87,8 @@ class Router:
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._probing: dict[str, asyncio.Task[None]] = {}
-        # set when a worker leaves the rotation: requests waiting on it are sent elsewhere
-        self._gone = {url: asyncio.Event() for url in self.workers.urls}
+        # requests waiting on a worker that leaves the rotation are sent elsewhere (abandon)
+        self.pool = UpstreamPool(timeout=config.request_timeout)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -138,6 +135,7 @@ class Router:
             await stop_policy()
         if self._client is not None:
             await self._client.aclose()
+        self.pool.close()
 
     async def _stats_loop(self) -> None:
         """Every health interval, hand each healthy prefixkv worker's cache figures to the
@@ -163,9 +161,9 @@ class Router:
 
     def _on_health_change(self, url: str, healthy: bool) -> None:
         if healthy:
-            self._gone[url] = asyncio.Event()
+            self.pool.readmit(url)
         else:
-            self._gone[url].set()
+            self.pool.abandon(url)
             self.metrics.observe_failure(url, "probe")
         self.policy.on_worker_health(url, healthy)
         log.warning("worker %s is %s", url, "back in rotation" if healthy else "out of rotation")
@@ -187,26 +185,6 @@ class Router:
         finally:
             self._probing.pop(url, None)
 
-    async def _until_gone(self, url: str, step: Awaitable[T]) -> T:
-        """Await ``step`` (a send, a chunk read) on ``url``'s connection, abandoning it with
-        :class:`WorkerGone` if ``url`` leaves the rotation first (so a hung worker holds no
-        request until the request timeout)."""
-        task = asyncio.ensure_future(step)
-        gone = asyncio.ensure_future(self._gone[url].wait())
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not task.done():  # the worker left, or this request was cancelled
-                task.cancel()
-                # let the step unwind (its connection closes) before anything else touches it,
-                # even when an anyio scope (Starlette's disconnect) keeps cancelling this task
-                with anyio.CancelScope(shield=True):
-                    await asyncio.wait({task})
-        if task.cancelled():
-            raise WorkerGone(url)
-        return task.result()
-
     async def refine_key(self, path: str, body: Mapping[str, Any], key: RouteKey,
                          headers: Mapping[str, str]) -> RouteKey:
         """``key`` as the policy wants it before choosing (``precise``: with token ids)."""
@@ -218,12 +196,12 @@ class Router:
         return refined
 
     async def dispatch(self, path: str, raw: bytes, key: RouteKey, stream: bool,
-                       headers: Mapping[str, str]) -> Response:
+                       headers: Mapping[str, str]) -> Answer:
         """Send one request to a worker, retrying on others as the module docstring says."""
         fwd = {h: headers[h] for h in _FORWARDED_HEADERS if h in headers}
         fwd["content-type"] = "application/json"
         tried: list[str] = []
-        last_5xx: Response | None = None
+        last_5xx: Answer | None = None
         while urls := self.workers.healthy(exclude=tried):
             decision = self.policy.select(urls, self.workers.loads(), key)
             url = decision.url
@@ -232,27 +210,16 @@ class Router:
             tried.append(url)
             self.metrics.observe_dispatch(url, decision.reason, decision.match_ratio)
             self.workers.begin(url)
-            request = self.client.build_request("POST", url + path, content=raw, headers=fwd)
-            relayed = False  # once True, _relay owns resp and the in-flight count
+            relayed = False  # once True, the answer's stream owns resp and the in-flight count
             try:
-                # a plain request is sent and read in one step (the body read included)
-                resp = await self._until_gone(url, self.client.send(request, stream=stream))
+                resp = await self.pool.post(url, path, raw, fwd)
                 retry = _worker_caused(resp)
                 if stream and not retry:
                     relayed = True
                     self.workers.record_success(url)
-                    return StreamingResponse(
-                        self._relay(resp, url), status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type"),
-                        headers=_answer_headers(resp, url),
-                    )
-                if stream:
-                    try:
-                        await self._until_gone(url, resp.aread())
-                    finally:
-                        await resp.aclose()
-                content = resp.content
-            except httpx.TransportError as exc:
+                    return self._relay(resp, url)
+                content = await resp.read()
+            except UpstreamError as exc:
                 self._dispatch_failed(url, "connect", f"{type(exc).__name__}: {exc}")
                 continue
             except WorkerGone:
@@ -261,46 +228,48 @@ class Router:
             finally:
                 if not relayed:
                     self.workers.end(url)
-            answer = Response(content, status_code=resp.status_code,
-                              media_type=resp.headers.get("content-type"),
-                              headers=_answer_headers(resp, url))
+            answer = Answer(resp.status, _answer_headers(resp, url), content)
             if not retry:
                 self.workers.record_success(url)
                 return answer
-            self._dispatch_failed(url, "status_5xx", f"answered {resp.status_code}")
+            self._dispatch_failed(url, "status_5xx", f"answered {resp.status}")
             last_5xx = answer
         if last_5xx is not None:
             return last_5xx
         self.metrics.unroutable.inc()
-        return error_response(503, "no healthy worker is available", type_="service_unavailable",
-                              code="no_healthy_worker")
+        return error_answer(503, "no healthy worker is available", type_="service_unavailable",
+                            code="no_healthy_worker")
 
-    async def _relay(self, resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
-        """Pass a worker's stream through; owns ``resp`` and the worker's in-flight count.
+    def _relay(self, resp: UpstreamResponse, url: str) -> Answer:
+        """A streamed answer passing the worker's pieces through; it owns ``resp`` and the
+        worker's in-flight count (released once, by the stream's end or the answer's close)."""
+        ended = False
 
-        Closed early (the client left: Starlette cancels the stream), it still closes ``resp``
-        at once, shielded from that cancellation, so the worker sees its client go away.
-        """
-        chunks = resp.aiter_raw()
-        try:
-            while True:
-                try:
-                    chunk = await self._until_gone(url, anext(chunks))
-                except StopAsyncIteration:
-                    break
-                yield chunk
-        except (httpx.TransportError, WorkerGone) as exc:
-            if isinstance(exc, httpx.TransportError):
-                self._dispatch_failed(url, "stream", f"{type(exc).__name__}: {exc}")
-            else:
-                self.metrics.observe_failure(url, "stream")
-            err = error_body(f"worker {url} failed mid-stream: {exc}", type_="worker_error",
-                             code="worker_failed")
-            yield f"data: {json.dumps(err)}\n\n".encode()
-        finally:
-            self.workers.end(url)
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self.workers.end(url)
+                resp.close()
+
+        async def relay() -> AsyncGenerator[bytes, None]:
+            pieces = resp.chunks()
+            try:
+                async for piece in pieces:
+                    yield piece
+            except (UpstreamError, WorkerGone) as exc:
+                if isinstance(exc, UpstreamError):
+                    self._dispatch_failed(url, "stream", f"{type(exc).__name__}: {exc}")
+                else:
+                    self.metrics.observe_failure(url, "stream")
+                err = error_body(f"worker {url} failed mid-stream: {exc}", type_="worker_error",
+                                 code="worker_failed")
+                yield f"data: {json.dumps(err)}\n\n".encode()
+            finally:
+                end()
+                await pieces.aclose()
+
+        return Answer(resp.status, _answer_headers(resp, url), stream=relay(), close=end)
 
     async def models(self) -> Response:
         """``GET /v1/models`` answered by the first healthy worker that answers."""
@@ -324,13 +293,16 @@ class Router:
         ]
 
 
-def _worker_caused(resp: httpx.Response) -> bool:
+def _worker_caused(resp: UpstreamResponse) -> bool:
     """A 5xx the worker did not blame on the request (those are retried elsewhere)."""
-    return resp.status_code >= 500 and resp.headers.get(ERROR_CAUSE_HEADER) != "request"
+    return resp.status >= 500 and resp.headers.get(ERROR_CAUSE_HEADER) != "request"
 
 
-def _answer_headers(resp: httpx.Response, url: str) -> dict[str, str]:
+def _answer_headers(resp: UpstreamResponse, url: str) -> dict[str, str]:
     headers = {WORKER_HEADER: url}
+    content_type = resp.headers.get("content-type")
+    if content_type is not None:
+        headers["content-type"] = content_type
     cause = resp.headers.get(ERROR_CAUSE_HEADER)
     if cause is not None:
         headers[ERROR_CAUSE_HEADER] = cause

@@ -147,7 +147,11 @@ def test_kv_events_settings_are_checked() -> None:
     assert parse_sources(urls, ["auto"]) == {}
     assert parse_sources(urls, ["none", "tcp://h:1|tcp://h:2"], "t") == {
         A: None, B: EventSource("tcp://h:1", "tcp://h:2", "t")}
-    for bad in (["auto", "auto", "auto"], ["http://h:1", "none"], ["tcp://h:1"]):
+    assert parse_sources(urls, ["bind:tcp://*:7|tcp://h:2", "bind:ipc:///tmp/e"]) == {
+        A: EventSource("tcp://*:7", "tcp://h:2", "", bind=True),
+        B: EventSource("ipc:///tmp/e", None, "", bind=True)}
+    for bad in (["auto", "auto", "auto"], ["http://h:1", "none"], ["tcp://h:1"],
+                ["bind:h:1", "none"]):
         with pytest.raises(ValueError, match="kv_events"):
             parse_sources(urls, bad)
     with pytest.raises(ValueError, match="kv_events"):
@@ -203,3 +207,21 @@ def test_pending_prompts_count_until_the_worker_is_cleared() -> None:
     assert p.exact_matches([A, B], key(toks))[first.url] == 0  # cleared: no longer counted
     now[0] = 10.0
     assert p._pending_match(first.url, block_hashes(toks, 4), now[0]) == 0
+
+
+def test_matches_within_a_block_of_the_best_are_ties_the_load_breaks() -> None:
+    p = policy(pending_ttl=0)  # prompts sent are not counted as pending here
+    toks = list(range(40))  # 10 blocks of 4
+    p.index.apply(A, stored(toks[:24]))  # A holds 6 blocks, B 5: one block apart
+    p.index.apply(B, stored(toks[:20]))
+    d = p.select([A, B], {A: 2, B: 0}, key(toks, "x"))
+    assert (d.url, d.reason, d.match_ratio) == (B, "exact_hit", 0.5)
+    assert p.select([A, B], {A: 0, B: 0}, key(toks, "y")).url == A  # equal loads: the longer
+    strict = policy(tie_blocks=0, pending_ttl=0)
+    strict.index.apply(A, stored(toks[:24]))
+    strict.index.apply(B, stored(toks[:20]))
+    assert strict.select([A, B], {A: 2, B: 0}, key(toks, "z")).url == A
+    # two blocks apart is no tie
+    p.index.apply(B, KVEventBatch(0.0, [AllBlocksCleared()]))
+    p.index.apply(B, stored(toks[:16]))
+    assert p.select([A, B], {A: 2, B: 0}, key(toks, "w")).url == A

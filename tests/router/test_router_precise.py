@@ -8,6 +8,7 @@ really holds it, and an admin reset there empties the router's index for that wo
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterator
 
@@ -159,3 +160,39 @@ def test_periodic_resets_follow_the_request_count(workers: LocalWorkers) -> None
     with PeriodicResets(workers.urls, 0) as off:
         pass
     assert off.resets == 0
+
+
+def test_a_worker_that_connects_out_publishes_to_the_address_the_router_binds() -> None:
+    """vLLM's "connect" form: the worker's PUB connects to ``bind:ADDRESS``, the router binds."""
+    from prefixkv.router.local import free_port
+
+    events, replay = free_port(), free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": f"tcp://127.0.0.1:{events}",
+                         "replay_endpoint": f"tcp://127.0.0.1:{replay}"})
+    args = [*WORKER_ARGS[:-2], "--kv-events-config", config]
+    with LocalWorkers(1, None, args) as lw:
+        asyncio.run(_ready(lw.urls))
+        url = lw.urls[0]
+        spec = f"bind:tcp://127.0.0.1:{events}|tcp://127.0.0.1:{replay}"
+        rc = RouterConfig(worker_urls=(url,), policy="precise", kv_events=(spec,))
+        with RouterServer(rc) as server:
+            policy = server.router.policy
+            assert isinstance(policy, PrecisePolicy)
+            prompt = "Events flow from a worker that dials the router. " * 4
+            assert complete(server.url, prompt).status_code == 200
+            ids = httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+            hashes = block_hashes(ids, 8)
+            wait_for(lambda: policy.index.match(hashes, [url])[url] >= len(hashes) - 1,
+                     "the connecting worker's blocks in the index")
+            again = complete(server.url, prompt)
+            assert again.status_code == 200
+            view = httpx.get(f"{server.url}/workers").json()["workers"][0]
+            assert view["events_live"] == 1 and view["event_gaps"] == 0
+    with pytest.raises(ValueError, match="bind:"):
+        RouterConfig(worker_urls=("http://a:1",), policy="precise", kv_events=("bind:a:1",))
+
+
+async def _ready(urls: list[str]) -> None:
+    async with httpx.AsyncClient() as client:
+        await wait_until_healthy(client, urls, timeout=120)
