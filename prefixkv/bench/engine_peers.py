@@ -83,7 +83,7 @@ class Worker:
 
     def __init__(self, engine: str, python: str, model: Path, threads: int) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_OMP_THREADS_BIND="all")
+                   VLLM_CPU_OMP_THREADS_BIND="nobind")
         self.engine = engine
         self.proc = subprocess.Popen([python, str(WORKER), engine, str(model), str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
