@@ -1,27 +1,36 @@
-"""Runner step A/B: A = the decode attention of commit 91c60d2 with F.linear weights, B = this
-tree (packed weights); interleaved rounds, medians. Usage (from the repo root):
-    git show 91c60d2:prefixkv/runner/attention.py > /tmp/old_attention.py
-    PYTHONPATH=. python scripts/runner_ab.py fp32:bf16 1 [nopack] [packboth]
+"""Runner step A/B in one process: two ModelRunners on the same SmolLM2-135M weights, stepped in
+alternating rounds (same tokens, same block tables), medians. A side is ``DTYPE[@HINT]``:
+the model dtype and the oneDNN pack batch hint (models/cpu_pack.PACK_BATCH_HINT; 0 = no
+packing, F.linear). Usage (from the repo root):
+    PYTHONPATH=. python scripts/runner_ab.py fp32@8:fp32@64 1      # A:B, threads
+    PYTHONPATH=. python scripts/runner_ab.py fp32@0:fp32 2         # F.linear vs packed
+Prints the median step time of each side and B's speedup over A for decode batch 1 (context
+100 and 2,000), decode batch 8 and a 300-token prefill.
 """
-import sys, time, statistics, torch, importlib.util
+import statistics, sys, time
+import torch
+import prefixkv.models.cpu_pack as cpu_pack
+import prefixkv.models.llama as llama
 from prefixkv.models.catalog import ensure_model
-import prefixkv.runner.model_runner as mr
 from prefixkv.runner.model_runner import ModelRunner, RunItem
-spec = importlib.util.spec_from_file_location("old_attention", "/tmp/old_attention.py")
-old = importlib.util.module_from_spec(spec); sys.modules["old_attention"] = old; spec.loader.exec_module(old)
+
 threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-torch.set_num_threads(threads)
-dtA, dtB = sys.argv[1].split(":")  # e.g. fp32:bf16
 path = ensure_model("smollm2-135m-instruct")
-A = ModelRunner(path, threads=threads, dtype=dtA, num_kv_blocks=1200)
-B = ModelRunner(path, threads=threads, dtype=dtB, num_kv_blocks=1200)
-new_attn = mr.PagedAttention
-if "nopack" not in sys.argv: print("packed", B.model.pack_weights())
-if "packboth" in sys.argv: A.model.pack_weights()
+def build(spec: str) -> ModelRunner:
+    dtype, _, hint = spec.partition("@")
+    cpu_pack.PACK_BATCH_HINT = int(hint or 8)
+    saved = llama.pack_weight
+    if hint == "0":
+        llama.pack_weight = lambda *a, **k: None
+    try:
+        return ModelRunner(path, threads=threads, dtype=dtype, num_kv_blocks=1200)
+    finally:
+        llama.pack_weight = saved
+specs = sys.argv[1].split(":")
+A, B = build(specs[0]), build(specs[1])
+print("packed weights: A", A.packed_weights, "B", B.packed_weights)
 CLOCK = time.thread_time if threads == 1 else time.perf_counter
-def use(r): mr.PagedAttention = old.PagedAttention if r is A else new_attn
 def steps(r, batch, ctx, n=6):
-    use(r)
     if batch > 8:
         items = [RunItem([(7 * i) % 1000 + 3 for i in range(batch)], 0, list(range(0, 300)))]
         t0 = CLOCK(); r.execute(items); return [CLOCK() - t0]
@@ -32,7 +41,7 @@ def steps(r, batch, ctx, n=6):
         it = [RunItem([5], ctx + s, x.block_table) for x in items]
         t0 = CLOCK(); r.execute(it); ts.append(CLOCK() - t0)
     return ts
-for batch, ctx in [(1, 100), (1, 2000), (8, 100), (512, 0)]:
+for batch, ctx in [(1, 100), (1, 2000), (8, 100), (300, 0)]:
     a, b = [], []
     for rnd in range(3):
         a += steps(A, batch, ctx); b += steps(B, batch, ctx)

@@ -83,7 +83,7 @@ class Worker:
 
     def __init__(self, engine: str, python: str, model: Path, threads: int) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_OMP_THREADS_BIND="all")
+                   VLLM_CPU_OMP_THREADS_BIND="nobind")
         self.engine = engine
         self.proc = subprocess.Popen([python, str(WORKER), engine, str(model), str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -159,18 +159,20 @@ def main(argv: list[str] | None = None) -> int:
             failed[engine] = str(exc)
     rng = random.Random(0)
     rows: dict[str, list[dict[str, float]]] = {e: [] for e in workers}
+    med: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
         seed = rng.randrange(1 << 30)
         for engine, w in workers.items():  # same prompts for every engine in a round
             rows[engine].append(one_round(w, random.Random(seed), engine != "transformers"))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        med = {e: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+               for e, runs in rows.items() if runs}
+        if args.json:  # after every round: a long run on a loaded machine keeps what it has
+            args.json.write_text(json.dumps({"rounds_done": r + 1, "medians": med,
+                                             "failed": failed, "runs": rows}, indent=2))
     for w in workers.values():
         w.close()
-    med = {e: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
-           for e, runs in rows.items() if runs}
     print_table(med, failed, args.threads, args.rounds)
-    if args.json:
-        args.json.write_text(json.dumps({"medians": med, "failed": failed, "runs": rows}, indent=2))
     return 0
 
 

@@ -354,10 +354,10 @@ def make_tier_store(spec: TierSpec, runner: ModelRunner) -> TieredStore | None:
     """The lower tiers ``spec`` asks for over ``runner``'s KV pool (``None`` if none)."""
     if not spec.enabled:
         return None
-    from prefixkv.runner.kv_transfer import KVTransfer, model_fingerprint
+    from prefixkv.runner.kv_transfer import KVTransfer
 
     probe = KVTransfer(runner.kv_pool, 0)
     host_blocks = parse_size(spec.offload_size, probe.block_nbytes, "kv_offload_size")
     transfer = KVTransfer(runner.kv_pool, host_blocks)
-    return TieredStore.create(spec, transfer, model_fingerprint(runner.model), runner.block_size,
+    return TieredStore.create(spec, transfer, runner.fingerprint, runner.block_size,
                               host_blocks)

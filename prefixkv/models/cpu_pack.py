@@ -7,11 +7,12 @@ into its blocked layout (what inductor's CPU ``freezing`` and vLLM's CPU build d
 which ``torch.ops.mkldnn._linear_pointwise`` runs near bandwidth at batch 1 and
 compute-bound for prefill; with bfloat16 weights it uses the CPU's avx512_bf16 / AMX units.
 
-Ownership: a :class:`~prefixkv.models.llama.Linear` keeps its ``weight`` parameter (the
-state dict, fingerprints and loaders see the same tensors as before) and gains a packed copy
-in its plain ``packed`` attribute; the model's forward uses the packed copy when it is set.
-Packing is CPU-only and checked once per weight against ``F.linear``; when oneDNN is missing
-or disagrees, that weight stays on ``F.linear``.
+Ownership: a packed :class:`~prefixkv.models.llama.Linear` holds its weight once, as the
+packed copy in its plain ``packed`` attribute; its ``weight`` parameter becomes a ``meta``
+tensor (name, shape and dtype stay in the state dict; no data), so packing does not double
+the weight memory. Whatever reads weight values (the runner's model fingerprint) runs before
+packing. Packing is CPU-only and checked once per weight against ``F.linear``; when oneDNN is
+missing or disagrees, that weight keeps its plain tensor and stays on ``F.linear``.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class Linear(nn.Module):
     """``y = x W^T (+ b)``; parameters are allocated uninitialised (the loader fills them).
 
     Unlike ``nn.Linear`` there is no random init, so building a model costs nothing before
-    its weights are loaded. :meth:`pack` adds a oneDNN-packed copy of the weight (CPU) that
+    its weights are loaded. :meth:`pack` replaces the weight by a oneDNN-packed copy (CPU) that
     the forward then uses (see :mod:`prefixkv.models.cpu_pack`).
     """
 
@@ -125,9 +125,20 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # a plain attribute: never in the state dict
 
     def pack(self) -> bool:
-        """Pack the loaded weight for the CPU matmul; ``False`` when it stays on ``F.linear``."""
+        """Pack the loaded weight for the CPU matmul; ``False`` when it stays on ``F.linear``.
+
+        Once packed, the packed copy is the only resident one: ``weight`` becomes a ``meta``
+        parameter (same name, shape and dtype in the state dict, no data), so the matmul
+        weights are held once. Take anything that reads the values (the model fingerprint)
+        before packing; a packed layer cannot be loaded again.
+        """
+        if self.packed is not None:
+            return True
         self.packed = pack_weight(self.weight, self.bias)
-        return self.packed is not None
+        if self.packed is None:
+            return False
+        self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -245,17 +256,19 @@ class LlamaForCausalLM(nn.Module):
         )
         # A plain attribute, not a buffer: it is derived from the config, never loaded.
         self._inv_freq = rope_inv_freq(config)
-        self._logits_packed: torch.Tensor | None = None  # see pack_weights
+        self._logits_packed: torch.Tensor | None = None  # tied embeddings: see pack_weights
 
     def pack_weights(self) -> int:
         """Pack every matmul weight for the CPU (:mod:`prefixkv.models.cpu_pack`), the output
-        layer included (a packed copy of the tied embedding: lookups keep the plain table).
-        Call once after loading; returns how many weights were packed (0 off CPU)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
-        count = sum(m.pack() for m in linears)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._logits_packed = pack_weight(weight)
-        return count + (self._logits_packed is not None)
+        layer included, dropping the plain copies (:meth:`Linear.pack`). A tied embedding is
+        the exception: lookups need the plain table, so the output layer gets a packed copy
+        beside it (``vocab x hidden`` extra). Call once after loading, after anything that
+        reads weight values; returns how many weights were packed (0 off CPU)."""
+        count = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        if self.lm_head is None:
+            self._logits_packed = pack_weight(self.model.embed_tokens.weight)
+            count += self._logits_packed is not None
+        return count
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -280,7 +293,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` (model dtype) for hidden states ``[N, hidden]``."""
+        if self.lm_head is not None:
+            logits: torch.Tensor = self.lm_head(hidden)
+            return logits
         if self._logits_packed is not None:
             return packed_linear(hidden, self._logits_packed, None)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.model.embed_tokens.weight)

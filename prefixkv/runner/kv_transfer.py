@@ -120,10 +120,14 @@ class KVTransfer:
 def model_fingerprint(model: CausalLM | torch.nn.Module) -> str:
     """A process-independent digest of the model's weights (names, shapes, dtypes and a fixed
     sample of up to 4096 values of each tensor): equal weights give equal fingerprints on any
-    machine; another checkpoint of the same architecture almost surely differs."""
+    machine; another checkpoint of the same architecture almost surely differs. It reads the
+    values, so take it before ``pack_weights()`` (the runner keeps it as ``fingerprint``);
+    ``ValueError`` for a model whose plain weights were already dropped."""
     h = hashlib.sha256()
     with torch.inference_mode():
         for name, t in sorted(model.state_dict().items()):
+            if t.is_meta:
+                raise ValueError(f"model_fingerprint: {name} has no data (weights packed)")
             flat = t.detach().reshape(-1)
             step = max(1, flat.numel() // _SAMPLE)
             sample = flat[::step][:_SAMPLE].to("cpu", torch.float32)

@@ -19,6 +19,7 @@ from prefixkv.models.llama import CausalLM
 from prefixkv.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
 from prefixkv.runner.attention import PagedAttention
 from prefixkv.runner.kv_pool import KVPool
+from prefixkv.runner.kv_transfer import model_fingerprint
 
 DEFAULT_MAX_SEQS_IN_POOL = 4
 """Without an explicit size the pool holds this many full-length (``max_model_len``) sequences..."""
@@ -86,7 +87,8 @@ class ModelRunner:
     in bytes; with neither, the pool holds ``DEFAULT_MAX_SEQS_IN_POOL`` sequences of
     ``max_model_len`` tokens, capped by ``DEFAULT_KV_CACHE_BYTES`` for the device type but
     never below one ``max_model_len`` sequence. ``model_path``: an HF directory or a ``.gguf``
-    file. ``threads``: torch CPU threads (see :func:`configure_threads`).
+    file. ``threads``: torch CPU threads (see :func:`configure_threads`). ``fingerprint`` is
+    :func:`~prefixkv.runner.kv_transfer.model_fingerprint` of the weights as loaded.
     ``max_model_len`` (default: the model's ``max_position_embeddings``) may only shrink the
     context; ``tokenizer`` is a directory to load the tokenizer from instead of the model's.
     """
@@ -112,6 +114,8 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model: CausalLM = load_model(model_path, device=self.device, dtype=self.dtype)
+        # The fingerprint reads weight values: take it before packing drops the plain copies.
+        self.fingerprint = model_fingerprint(self.model)
         self.packed_weights = self.model.pack_weights()  # CPU: oneDNN layout (models/cpu_pack)
         self.config: ModelConfig = self.model.config
         self.tokenizer = load_tokenizer(model_path if tokenizer is None else tokenizer)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from prefixkv.models import llama
 from prefixkv.models.cpu_pack import pack_weight, packed_linear, packing_available
 from prefixkv.models.demo import ensure_demo_model
+from prefixkv.models.loader import load_model
+from prefixkv.runner.kv_transfer import model_fingerprint
 from prefixkv.runner.model_runner import ModelRunner, RunItem
 
 needs_pack = pytest.mark.skipif(
@@ -47,17 +54,80 @@ def test_runner_packs_every_matmul_and_logits_match_unpacked() -> None:
     cfg = runner.config
     linears = 4 * cfg.num_hidden_layers + 1  # qkv, o, gate_up, down per layer + output layer
     assert runner.packed_weights == linears
-    plain = ModelRunner(path, num_kv_blocks=32, device="cpu")
-    for m in plain.model.modules():  # back to F.linear everywhere
-        if hasattr(m, "packed"):
-            m.packed = None
-    plain.model._logits_packed = None  # type: ignore[attr-defined]
+    plain = _unpacked_runner(path)
     toks = [random.Random(0).randrange(32, 127) for _ in range(21)]
     for r in (runner, plain):
         r.execute([RunItem(toks[:20], 0, [0, 1])])
     got = runner.execute([RunItem(toks[20:], 20, [0, 1])])
     want = plain.execute([RunItem(toks[20:], 20, [0, 1])])
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+
+
+def _unpacked_runner(path: object) -> ModelRunner:
+    """A runner whose weights all stay plain on ``F.linear`` (packing refused)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama, "pack_weight", lambda *a, **k: None)
+        runner = ModelRunner(path, num_kv_blocks=32, device="cpu")  # type: ignore[arg-type]
+    assert runner.packed_weights == 0
+    return runner
+
+
+@needs_pack
+def test_packing_drops_the_plain_copies_and_keeps_greedy_tokens() -> None:
+    """Packed layers hold their weight once (meta placeholder); the fingerprint is the one of
+    the weights as loaded; fp32 greedy decoding is token-identical to the F.linear model."""
+    path = ensure_demo_model()
+    runner, plain = ModelRunner(path, num_kv_blocks=32, device="cpu"), _unpacked_runner(path)
+    linears = [m for m in runner.model.modules() if isinstance(m, llama.Linear)]
+    assert linears and all(m.packed is not None and m.weight.is_meta for m in linears)
+    assert runner.model.pack_weights() == runner.packed_weights  # idempotent
+    shapes = {k: (v.shape, v.dtype) for k, v in runner.model.state_dict().items()}
+    assert shapes == {k: (v.shape, v.dtype) for k, v in plain.model.state_dict().items()}
+    assert runner.fingerprint == plain.fingerprint == model_fingerprint(load_model(path))
+    with pytest.raises(ValueError, match="weights packed"):
+        model_fingerprint(runner.model)
+    tokens: dict[int, list[int]] = {}
+    for r in (runner, plain):
+        toks = [random.Random(1).randrange(32, 127) for _ in range(9)]
+        logits = r.execute([RunItem(toks, 0, [0, 1, 2])])
+        for _ in range(24):
+            toks.append(int(logits[0].argmax()))
+            logits = r.execute([RunItem(toks[-1:], len(toks) - 1, [0, 1, 2])])
+        tokens[id(r)] = toks
+    assert tokens[id(runner)] == tokens[id(plain)]
+
+
+_RSS_PROBE = """
+import gc, json, os, torch
+from prefixkv.models.config import ModelConfig
+from prefixkv.models.llama import Linear, LlamaForCausalLM
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+cfg = ModelConfig("LlamaForCausalLM", 512, 1024, 4096, 2, 8, 2, 128, 1e-6, 1e4, 256, False,
+                  False, False, False)
+model = LlamaForCausalLM(cfg)
+Linear(64, 64).pack()  # oneDNN's one-off start-up memory is not the weights'
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_()
+mat = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, Linear))
+gc.collect(); before = rss()
+packed = model.pack_weights(); gc.collect()
+print(json.dumps({"packed": packed, "matmul_bytes": mat, "growth": rss() - before}))
+"""
+
+
+@needs_pack
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_packing_does_not_double_resident_weight_bytes() -> None:
+    """Process RSS after packing grows by far less than the matmul weights (it grew by all of
+    them while the plain copies stayed). A fixed malloc mmap threshold makes freed weights
+    go back to the OS at once, so RSS sees the drop."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["packed"] == 4 * 2 + 1 and got["matmul_bytes"] > 100 << 20
+    assert got["growth"] < 0.25 * got["matmul_bytes"], got
 
 
 @needs_pack
