@@ -56,11 +56,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from prefixkv.cache.block_identity import fold_identities
+from prefixkv.cache.block_identity import fold_identities, identity_root
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
 EXPERTS = ("lru", "tail", "ghost", "lru2", "s2", "rate", "hit")
-_ROOT = hash("prefixkv.policy_experts.root")
+_ROOT = identity_root("prefixkv.policy_experts.root")
 _GAP_MIN_WEIGHT = 1e-4  # running mean of revisit gaps for the first 10,000, then EMA
 # fields of a ghost-table record (_HIT: the block was cached when last visited)
 _V, _T, _TP, _INTERIOR, _DEPTH, _T0, _HIT = range(7)
