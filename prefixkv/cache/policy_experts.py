@@ -330,6 +330,7 @@ class ExpertsPolicy(EvictionPolicy):
             self._lru_chosen = self.experts[best] == "lru"
             self._offset_of = _OFFSETS[self.experts[best]]
             self.history.append((now, self.experts[best]))
+            self.key_epoch += 1  # the index re-keys its evictable leaves under the new expert
 
     def _count_resident(self) -> None:
         self._since_count = 0
