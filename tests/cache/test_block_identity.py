@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-
 from typing import Any
 
 from prefixkv.cache import RadixPrefixCache
