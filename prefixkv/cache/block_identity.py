@@ -4,12 +4,25 @@ A block's identity is a chained hash of its tokens (``hash((parent identity, blo
 from a policy's own root value), so the same prefix has the same identities wherever it is
 cached, and after it was evicted. Policies memoize them per node; :func:`fold_identities`
 folds from the deepest memoized ancestor, iteratively (paths can be long).
+
+Identities are the same in every process: the root comes from :func:`identity_root` (not
+``hash()`` of a string, which changes with ``PYTHONHASHSEED``) and the hash of a tuple of
+ints is fixed, so a replay samples the same blocks and gives the same figures every run.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
+
+
+def identity_root(label: str) -> int:
+    """A policy's root identity: a fixed 63-bit int derived from ``label``, equal in every
+    process (block identities, and so the blocks a sampling policy simulates, are then
+    reproducible)."""
+    digest = hashlib.blake2b(label.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def fold_identities(

@@ -3,8 +3,13 @@
 Entries are pushed when they become evictable leaves (or, unless the policy's keys only grow,
 when they are touched while they are one) and invalidated lazily: each entry carries a version,
 bumped on every push/discard, and stale heap items are skipped on pop; an out-of-date key is
-refreshed when its item reaches the top. Each operation is O(log n); the heap is compacted when stale items
-outnumber live ones, so memory stays O(live entries).
+refreshed when its item reaches the top. Each operation is O(log n); the heap is compacted
+when stale items outnumber live ones, so memory stays O(live entries).
+
+A key is re-asked only when it can be out of date: each item records its entry's ``tick``
+when keyed, and the top's key is re-checked only if the entry was touched since (its
+``tick`` moved). A policy whose keys move without a touch (``experts`` switching experts)
+bumps its ``key_epoch``; the heap then re-keys every live entry once.
 """
 
 from __future__ import annotations
@@ -16,22 +21,28 @@ from prefixkv.cache.policies import EvictionPolicy
 
 
 class HeapEntry(Protocol):
-    """What the heap needs from an entry: a version slot and a membership flag."""
+    """What the heap needs from an entry: a version slot, a membership flag, its last touch."""
 
     heap_ver: int
     in_heap: bool
+    tick: int
+
+
+# an item: (key, push sequence number, entry's heap_ver, entry's tick when keyed, entry)
+_Item = tuple[Any, int, int, int, Any]
 
 
 class EvictableHeap:
     """A lazy-deletion min-heap keyed by ``policy.key(entry)``."""
 
-    __slots__ = ("_heap", "_live", "_seq", "policy")
+    __slots__ = ("_epoch", "_heap", "_live", "_seq", "policy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
-        self._heap: list[tuple[Any, int, int, Any]] = []
+        self._heap: list[_Item] = []
         self._seq = 0
         self._live = 0
+        self._epoch = policy.key_epoch
 
     def __len__(self) -> int:
         return self._live
@@ -44,7 +55,8 @@ class EvictableHeap:
         entry.in_heap = True
         self._live += 1
         self._seq += 1
-        heapq.heappush(self._heap, (self.policy.key(entry), self._seq, entry.heap_ver, entry))
+        heapq.heappush(self._heap, (self.policy.key(entry), self._seq, entry.heap_ver,
+                                    entry.tick, entry))
         if len(self._heap) > 2 * self._live + 64:
             self._compact()
 
@@ -60,30 +72,37 @@ class EvictableHeap:
 
         Stale items (discarded or re-pushed) are dropped. With a policy whose keys only grow
         (``monotone_keys``), a touched entry is not re-pushed when touched: its stored key is a
-        lower bound, so an item whose stored key is out of date is re-pushed here, when it
-        reaches the top. The top is then the true minimum: every other entry's key is at least
-        its stored key, which is at least the top's.
+        lower bound, so an item whose entry was touched since it was keyed is re-keyed here,
+        when it reaches the top, and re-pushed if its key moved. The top is then the true
+        minimum: every other entry's key is at least its stored key, which is at least the
+        top's. (A key that reads policy state other than the entry's own record, such as a
+        running mean gap, is as of the entry's last touch.)
         """
+        if self.policy.key_epoch != self._epoch:
+            self._rekey()
         heap = self._heap
         key = self.policy.key
         while heap:
-            stored, _, ver, entry = heap[0]
+            stored, _, ver, tick, entry = heap[0]
             if not (entry.in_heap and ver == entry.heap_ver):
                 heapq.heappop(heap)
                 continue
-            current = key(entry)
-            if current == stored:
+            if tick == entry.tick:
                 return True
+            current = key(entry)
             entry.heap_ver += 1
             self._seq += 1
-            heapq.heapreplace(heap, (current, self._seq, entry.heap_ver, entry))
+            if current == stored:  # still the top: record the touch, keep its place
+                heap[0] = (stored, heap[0][1], entry.heap_ver, entry.tick, entry)
+                return True
+            heapq.heapreplace(heap, (current, self._seq, entry.heap_ver, entry.tick, entry))
         return False
 
     def pop(self) -> Any | None:
         """Remove and return the entry with the smallest key, or ``None`` if empty."""
         if not self._settle_top():
             return None
-        entry = heapq.heappop(self._heap)[3]
+        entry = heapq.heappop(self._heap)[4]
         entry.in_heap = False
         entry.heap_ver += 1
         self._live -= 1
@@ -93,6 +112,20 @@ class EvictableHeap:
         """The smallest live key, or ``None`` if empty."""
         return self._heap[0][0] if self._settle_top() else None
 
+    def _rekey(self) -> None:
+        """Re-key every live entry (the policy's keys moved: ``key_epoch``); O(n)."""
+        self._epoch = self.policy.key_epoch
+        key = self.policy.key
+        items = []
+        for it in self._heap:
+            entry = it[4]
+            if entry.in_heap and it[2] == entry.heap_ver:
+                entry.heap_ver += 1
+                self._seq += 1
+                items.append((key(entry), self._seq, entry.heap_ver, entry.tick, entry))
+        heapq.heapify(items)
+        self._heap = items
+
     def _compact(self) -> None:
-        self._heap = [it for it in self._heap if it[3].in_heap and it[2] == it[3].heap_ver]
+        self._heap = [it for it in self._heap if it[4].in_heap and it[2] == it[4].heap_ver]
         heapq.heapify(self._heap)

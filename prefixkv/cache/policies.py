@@ -74,6 +74,10 @@ class EvictionPolicy:
     entry's last block whatever ``depth`` says leaves it ``False`` and gets the per-block
     order, re-checked after every block."""
 
+    key_epoch = 0
+    """Bumped by a policy whose keys can change without a touch of the entry (``experts``
+    switching experts); the evictable heap then re-checks its top's key."""
+
     def key(self, entry: CacheEntry) -> Any:
         """Sort key; the entry with the smallest key is evicted first."""
         raise TypeError(f"{type(self).__name__} must define key()")

@@ -22,6 +22,9 @@ ghost table (as :mod:`prefixkv.cache.policy_ghost`):
   queue);
 * ``rate``: ``-(mean gap between the block's visits)`` (LRU-K's rate); ``-G`` for one visit;
 * ``hit``: ``-G`` unless the block was cached when last visited (ARC's T1 / T2 split).
+* ``lru3``: the visit before the previous (LRU-K with K = 3), a missing visit counting ``G``
+  before the oldest one seen: ``-(t - t_-2)``, ``-(last gap) - G`` for two visits, ``-2G``
+  for one. It tells a session with a steady cadence from one with a single short gap.
 
 Shadows. A block is *sampled* when its identity hash is ``0 mod sample_every``; each expert
 keeps the sampled blocks of a simulated cache of ``resident / sample_every`` blocks (SHARDS-
@@ -56,14 +59,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from prefixkv.cache.block_identity import fold_identities
+from prefixkv.cache.block_identity import fold_identities, identity_root
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
-EXPERTS = ("lru", "tail", "ghost", "lru2", "s2", "rate", "hit")
-_ROOT = hash("prefixkv.policy_experts.root")
+EXPERTS = ("lru", "tail", "ghost", "lru2", "s2", "rate", "hit", "lru3")
+_ROOT = identity_root("prefixkv.policy_experts.root")
 _GAP_MIN_WEIGHT = 1e-4  # running mean of revisit gaps for the first 10,000, then EMA
-# fields of a ghost-table record (_HIT: the block was cached when last visited)
-_V, _T, _TP, _INTERIOR, _DEPTH, _T0, _HIT = range(7)
+# fields of a ghost-table record (_HIT: the block was cached when last visited; _TPP: the
+# counted visit before the previous one)
+_V, _T, _TP, _INTERIOR, _DEPTH, _T0, _HIT, _TPP = range(8)
 
 
 class _Shadow:
@@ -116,8 +120,9 @@ class ExpertsPolicy(EvictionPolicy):
     and grows toward the root: a block's visits include its descendants' (a visit of a block
     is a visit of its prefix), so shallower blocks have at least the visits, the last and
     previous visit times and the interior mark of deeper ones. Exceptions are rare and only
-    reorder eviction slightly: ``lru2``/``rate``/``hit`` give a once-seen block ``-G``, which
-    may exceed its parent's offset after a long gap, and a ghost-table drop loses a record."""
+    reorder eviction slightly: ``lru2``/``lru3``/``rate``/``hit`` count a missing visit as
+    ``-G``, which may exceed a parent's offset after a long gap, and a ghost-table drop loses
+    a record."""
 
     def __init__(self, experts: tuple[str, ...] = EXPERTS, *, sample_every: int = 8,
                  window: float = 8.0, margin: float = 0.02, ghost_capacity: int = 65536,
@@ -143,7 +148,8 @@ class ExpertsPolicy(EvictionPolicy):
         self._offset_of = _OFFSETS[self.experts[0]]
         self.gap = 0.0  # G: mean revisit gap (clock units)
         self._gaps_seen = 0
-        # identity -> [visits, last counted visit, previous counted visit, interior, depth]
+        # identity -> [visits, last counted visit, previous counted visit, interior, depth,
+        #              first visit, cached when last visited, the visit before the previous]
         self._table: OrderedDict[Hashable, list[Any]] = OrderedDict()
         # (tick, identity, record) of the deepest block of the touch in progress
         self._pending: tuple[int, Hashable, list[Any] | None] = (-1, None, None)
@@ -212,7 +218,7 @@ class ExpertsPolicy(EvictionPolicy):
         for j, ident in enumerate(idents):
             rec = table.get(ident)
             if rec is None:
-                rec = [1, now, now, j < last, depth0 + j + 1, now, was_cached]
+                rec = [1, now, now, j < last, depth0 + j + 1, now, was_cached, now]
                 table[ident] = rec
             else:
                 gap = now - rec[_T]
@@ -222,6 +228,7 @@ class ExpertsPolicy(EvictionPolicy):
                     continue
                 rec[_V] += 1
                 rec[_HIT] = was_cached
+                rec[_TPP] = rec[_TP]
                 rec[_TP] = rec[_T]
                 rec[_T] = now
                 if j < last:
@@ -330,6 +337,7 @@ class ExpertsPolicy(EvictionPolicy):
             self._lru_chosen = self.experts[best] == "lru"
             self._offset_of = _OFFSETS[self.experts[best]]
             self.history.append((now, self.experts[best]))
+            self.key_epoch += 1  # the index re-keys its evictable leaves under the new expert
 
     def _count_resident(self) -> None:
         self._since_count = 0
@@ -375,6 +383,9 @@ _OFFSETS: dict[str, _Offset] = {  # expert -> offset(record, last access time, G
     "ghost": _ghost,
     # the previous visit's time (a single visit: G before the last)
     "lru2": lambda rec, t, g: rec[_TP] - t if rec[_V] > 1 else -g,
+    # the visit before the previous (LRU-3); each missing visit G before the oldest seen
+    "lru3": lambda rec, t, g: (rec[_TPP] - t if rec[_V] > 2 else
+                               rec[_TP] - t - g if rec[_V] == 2 else -2 * g),
     "s2": lambda rec, t, g: -g if rec[_V] == 1 else 0.0,  # second-touch admission
     # the mean gap between the block's visits (LRU-K's rate)
     "rate": lambda rec, t, g: (rec[_T0] - t) / (rec[_V] - 1) if rec[_V] > 1 else -g,

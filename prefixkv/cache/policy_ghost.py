@@ -52,10 +52,10 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
-from prefixkv.cache.block_identity import fold_identities
+from prefixkv.cache.block_identity import fold_identities, identity_root
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
-_ROOT_IDENTITY = hash("prefixkv.policy_ghost.root")
+_ROOT_IDENTITY = identity_root("prefixkv.policy_ghost.root")
 _GAP_AVERAGE_MIN_WEIGHT = 1e-4  # running mean for the first 10,000 revisit gaps, then EMA
 _AGE_AVERAGE_MIN_WEIGHT = 1e-3  # running mean for the first 1,000 eviction ages, then EMA
 
