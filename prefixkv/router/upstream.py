@@ -179,12 +179,7 @@ class UpstreamResponse:
                 async for piece in self._dechunk(conn):
                     yield piece
             elif self._length is not None:
-                left = self._length
-                while left:
-                    if not conn.buf:
-                        await conn.fill(self._timeout)
-                    piece = conn.take(min(left, len(conn.buf)))
-                    left -= len(piece)
+                async for piece in self._exactly(conn, self._length):
                     yield piece
             else:  # until the worker closes
                 while True:
@@ -200,6 +195,16 @@ class UpstreamResponse:
             else:
                 self.close()
 
+    async def _exactly(self, conn: _Conn, n: int) -> AsyncGenerator[bytes, None]:
+        """The next ``n`` body bytes, in the pieces they arrive in."""
+        left = n
+        while left:
+            if not conn.buf:
+                await conn.fill(self._timeout)
+            piece = conn.take(min(left, len(conn.buf)))
+            left -= len(piece)
+            yield piece
+
     async def _dechunk(self, conn: _Conn) -> AsyncGenerator[bytes, None]:
         while True:
             size_line = await conn.line(self._timeout)
@@ -211,12 +216,7 @@ class UpstreamResponse:
                 while await conn.line(self._timeout):  # trailers, then the empty line
                     pass
                 return
-            left = size
-            while left:
-                if not conn.buf:
-                    await conn.fill(self._timeout)
-                piece = conn.take(min(left, len(conn.buf)))
-                left -= len(piece)
+            async for piece in self._exactly(conn, size):
                 yield piece
             if await conn.line(self._timeout):
                 raise UpstreamError(f"{conn.base} sent a chunk without its CRLF")
