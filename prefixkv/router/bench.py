@@ -29,18 +29,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import sys
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prefixkv.cache import POLICIES as CACHE_POLICIES
 from prefixkv.router.bench_meters import CpuMeter, quantile, thread_cpu
-from prefixkv.router.bench_report import format_table, plot_results
+from prefixkv.router.bench_report import format_table, plot_results, progress, report
 from prefixkv.router.bench_workloads import (
     WORKLOADS,
     Workload,
@@ -282,14 +281,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write computed tokens vs max/min load per policy and workload")
 
 
-async def ready(urls: Sequence[str]) -> None:
-    """Wait until every URL answers ``/health`` (5 minutes at most)."""
+async def ready(urls: Sequence[str], timeout: float = 300.0) -> None:
+    """Wait until every URL answers ``/health`` (``timeout`` seconds at most, then
+    ``RuntimeError``)."""
     import httpx
 
     from prefixkv.router.health import wait_until_healthy
 
     async with httpx.AsyncClient() as client:
-        await wait_until_healthy(client, urls, timeout=300.0)
+        await wait_until_healthy(client, urls, timeout=timeout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,14 +322,11 @@ def run(args: argparse.Namespace) -> int:
             asyncio.run(ready(urls))
             for policy in args.policies:
                 results.append(run_policy(policy, urls, workload, args, name))
-                print(format_table(results[-1:]).splitlines()[1], file=sys.stderr, flush=True)
+                progress(results[-1])
         finally:
             if launched is not None:
                 launched.stop()
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+    report(results, args.json)
     if args.plot:
         plot_results(results, args.plot)
     return 0

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from prefixkv.router.bench import PolicyResult, Workload, add_arguments, replay, summarize
 from prefixkv.router.bench_meters import process_threads_cpu
-from prefixkv.router.bench_report import format_table
+from prefixkv.router.bench_report import progress, report
 
 __all__ = ["PEERS_VENV", "ROUTERS", "process_cpu", "process_rss_mb", "router_command",
            "run_external"]
@@ -207,9 +207,7 @@ def _one(name: str, urls: Sequence[str], workload: Workload, args: argparse.Name
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m prefixkv.router.bench_peers``: the side by side (module docstring)."""
-    import json
     import shlex
-    from dataclasses import asdict
 
     from prefixkv.router.bench import ready
     from prefixkv.router.bench_workloads import resolve, workload_of
@@ -243,15 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 k = rnd % len(args.routers)
                 for name in args.routers[k:] + args.routers[:k]:
                     results.append(_one(name, urls, workload, args, wname))
-                    print(format_table(results[-1:]).splitlines()[1], file=sys.stderr,
-                          flush=True)
+                    progress(results[-1])
         finally:
             if launched is not None:
                 launched.stop()
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+    report(results, args.json)
     return 0
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 __all__ = ["format_table", "plot_results"]
@@ -62,6 +63,19 @@ def format_table(results: Sequence[Any]) -> str:
             + " ".join(f"{k}={v}" for k, v in sorted(_get(r, "reasons").items()))
         )
     return "\n".join(lines)
+
+
+def progress(result: Any) -> None:
+    """Print ``result``'s table row to stderr as soon as it is measured."""
+    print(format_table([result]).splitlines()[1], file=sys.stderr, flush=True)
+
+
+def report(results: Sequence[Any], json_path: str | None) -> None:
+    """Print the table of ``results`` (dataclasses) and write them to ``json_path`` as JSON."""
+    print(format_table(results))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
 
 
 def plot_results(results: Sequence[Any], path: str) -> None:

@@ -20,6 +20,7 @@ pytest.importorskip("msgspec")
 
 from prefixkv.kv_events import block_hashes
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
+from prefixkv.router.bench import ready
 from prefixkv.router.cli import LAUNCHED_KV_EVENTS
 from prefixkv.router.health import wait_until_healthy
 from prefixkv.router.local import LocalWorkers
@@ -31,12 +32,8 @@ WORKER_ARGS = ["--num-kv-blocks", "128", "--block-size", "8", "--log-level", "wa
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[LocalWorkers]:
-    async def ready(urls: list[str]) -> None:
-        async with httpx.AsyncClient() as client:
-            await wait_until_healthy(client, urls, timeout=120)
-
     with LocalWorkers(2, None, WORKER_ARGS) as lw:
-        asyncio.run(ready(lw.urls))
+        asyncio.run(ready(lw.urls, timeout=120))
         yield lw
 
 
@@ -172,7 +169,7 @@ def test_a_worker_that_connects_out_publishes_to_the_address_the_router_binds() 
                          "replay_endpoint": f"tcp://127.0.0.1:{replay}"})
     args = [*WORKER_ARGS[:-2], "--kv-events-config", config]
     with LocalWorkers(1, None, args) as lw:
-        asyncio.run(_ready(lw.urls))
+        asyncio.run(ready(lw.urls, timeout=120))
         url = lw.urls[0]
         spec = f"bind:tcp://127.0.0.1:{events}|tcp://127.0.0.1:{replay}"
         rc = RouterConfig(worker_urls=(url,), policy="precise", kv_events=(spec,))
@@ -191,8 +188,3 @@ def test_a_worker_that_connects_out_publishes_to_the_address_the_router_binds() 
             assert view["events_live"] == 1 and view["event_gaps"] == 0
     with pytest.raises(ValueError, match="bind:"):
         RouterConfig(worker_urls=("http://a:1",), policy="precise", kv_events=("bind:a:1",))
-
-
-async def _ready(urls: list[str]) -> None:
-    async with httpx.AsyncClient() as client:
-        await wait_until_healthy(client, urls, timeout=120)

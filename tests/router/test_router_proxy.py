@@ -24,7 +24,7 @@ import pytest
 
 from prefixkv.router import bench
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
-from prefixkv.router.health import wait_until_healthy
+from prefixkv.router.bench import ready
 from prefixkv.router.local import LocalWorkers, free_port
 
 WORKER_ARGS = ["--num-kv-blocks", "256", "--block-size", "16", "--log-level", "warning"]
@@ -32,12 +32,8 @@ WORKER_ARGS = ["--num-kv-blocks", "256", "--block-size", "16", "--log-level", "w
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[LocalWorkers]:
-    async def ready(urls: list[str]) -> None:
-        async with httpx.AsyncClient() as client:
-            await wait_until_healthy(client, urls, timeout=120)
-
     with LocalWorkers(3, None, WORKER_ARGS) as lw:
-        asyncio.run(ready(lw.urls))
+        asyncio.run(ready(lw.urls, timeout=120))
         yield lw
 
 
