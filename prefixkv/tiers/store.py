@@ -198,11 +198,8 @@ class TieredStore:
             if hit is None:
                 break
             hits.append(hit)
-        if hits:  # recency per chain, head first, in the tiers that evict by it
-            run = [h.key for h in hits]
-            for tier in (self.host, self.disk):
-                if tier is not None:
-                    tier.touch(run)
+        if hits and self.host is not None:  # recency per chain, head first (the disk's is
+            self.host.touch([h.key for h in hits])  # set when the loaded chain is published)
         return hits
 
     def _find(
