@@ -35,7 +35,7 @@ _Item = tuple[Any, int, int, int, Any]
 class EvictableHeap:
     """A lazy-deletion min-heap keyed by ``policy.key(entry)``."""
 
-    __slots__ = ("_epoch", "_heap", "_live", "_seq", "policy")
+    __slots__ = ("_epoch", "_heap", "_keeps", "_live", "_seq", "policy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
@@ -43,13 +43,23 @@ class EvictableHeap:
         self._seq = 0
         self._live = 0
         self._epoch = policy.key_epoch
+        self._keeps = policy.monotone_keys and policy.depth_monotone_keys
 
     def __len__(self) -> int:
         return self._live
 
     def push(self, entry: Any) -> None:
-        """Insert ``entry`` or refresh its key."""
+        """Insert ``entry`` or refresh its key.
+
+        Under a policy declaring both ``monotone_keys`` and ``depth_monotone_keys``, an entry
+        already in the heap keeps its item: its key moves only with a touch (its ``tick``,
+        re-checked at the top) or the policy's ``key_epoch``, and reads its blocks only through
+        ``depth``, which a split leaves unchanged for the lower part (the re-files an index
+        makes of an entry in the heap are those splits). No stale item is left behind.
+        """
         if entry.in_heap:
+            if self._keeps:
+                return
             self._live -= 1
         entry.heap_ver += 1
         entry.in_heap = True

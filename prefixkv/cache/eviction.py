@@ -96,48 +96,49 @@ class Evictor(Generic[E]):
         return out
 
     def _evict(self, num_blocks: int, out: list[BlockIds]) -> None:
-        heap, key = self._heap, self._policy.key
+        heap = self._heap
+        pop, peek_key, push = heap.pop, heap.peek_key, heap.push
+        key, drop_tail, gone = self._policy.key, self._drop_tail, self._gone
         runs = self._policy.depth_monotone_keys
         e: E | None = None
         got = 0
         while got < num_blocks:
             if e is None:
-                e = heap.pop()
+                e = pop()
                 if e is None:
                     break
             if runs:
-                ids = self._drop_tail(e, self._run_length(e, min(num_blocks - got,
-                                                                 e.num_blocks)))
-                out.append(ids)
-                got += len(ids)
+                k = min(num_blocks - got, e.num_blocks)
+                if k > 1:
+                    k = self._run_length(e, k, peek_key())
+                out.append(drop_tail(e, k))
+                got += k
             else:
                 got = self._trim_per_block(e, num_blocks, out, got)
             if e.num_blocks:
-                heap.push(e)
+                push(e)
                 e = None
                 continue
-            self._gone(e)
+            gone(e)
             parent, e = e.parent, None
             if parent is None or parent.is_root:
                 continue
             if (runs and got < num_blocks and parent.num_blocks
                     and is_evictable_leaf(parent)):
-                top = heap.peek_key()
+                top = peek_key()
                 if top is None or key(parent) < top:  # it would be popped next: take it
                     e = parent
                     continue
             self._refresh(parent)
 
-    def _run_length(self, e: E, k: int) -> int:
-        """How many of ``e``'s last ``k`` blocks go before any other leaf's (at least one).
+    def _run_length(self, e: E, k: int, top: Any) -> int:
+        """How many of ``e``'s last ``k`` blocks (``k >= 2``) go before any other leaf's (at
+        least one), ``top`` being the heap's smallest key (``None``: the heap is empty).
 
         Dropping ``j`` tail blocks leaves ``e`` at depth ``depth - j``; the per-block order
         takes block ``j + 1`` while ``e``'s key at that depth is <= the heap's smallest key.
         Keys only grow as the depth shrinks, so the answer is found by binary search.
         """
-        if k <= 1:
-            return k
-        top = self._heap.peek_key()
         if top is None:
             return k
         key_at, depth = self._key_at, e.depth

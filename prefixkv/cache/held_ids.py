@@ -84,8 +84,8 @@ class HeldIds:
 
     def release(self, ids: BlockIds) -> None:
         """Stop holding ``ids`` (they were held)."""
-        if len(ids) >= BULK:
-            self._view[np.frombuffer(ids, dtype=np.uint32)] = 0
+        if len(ids) >= BULK:  # intp indices: numpy scatters uint32 ones 2-3x slower
+            self._view[np.frombuffer(ids, dtype=np.uint32).astype(np.intp)] = 0
         else:
             flags = self._flags
             for b in ids:
@@ -143,6 +143,7 @@ class HeldIds:
         view = self._view
         if not _is_run(idx):
             srt = np.sort(idx)
+            idx = idx.astype(np.intp)  # gathers and scatters by intp are 2-3x faster
             hi = int(srt[-1])
             if hi >= self.max_blocks:
                 raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
