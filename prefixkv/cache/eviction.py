@@ -28,7 +28,6 @@ import numpy as np
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.held_ids import BULK, BlockIds, new_ids
 from prefixkv.cache.policies import EvictionPolicy
-from prefixkv.cache.protection import is_evictable_leaf
 
 if TYPE_CHECKING:
     from prefixkv.cache.forest import Entry
@@ -66,16 +65,21 @@ class Evictor(Generic[E]):
         release: ``release(ids)``, the index stops holding dropped ids (called once a call).
         key_at: ``key_at(entry, depth)``, the policy's key at a smaller depth (a probe).
         refresh: re-files an entry in the heap after it changed (its children, its blocks).
-        gone: called for each entry whose last block was evicted, before anything else moves.
+        gone: called for each entry whose last block was evicted, before anything else moves
+            (the policy's ``on_evict``), or ``None``.
+
+    ``entries_freed`` counts the entries the last call removed whole (it stays correct when a
+    ``gone`` hook raises: what was removed before is counted).
     """
 
-    __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh", "_release")
+    __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh", "_release",
+                 "entries_freed")
 
     def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
                  drop_tail: Callable[[E, int], BlockIds],
                  release: Callable[[BlockIds], None],
                  key_at: Callable[[E, int], Any], refresh: Callable[[Entry | None], None],
-                 gone: Callable[[E], None]) -> None:
+                 gone: Callable[[E], None] | None) -> None:
         self._heap = heap
         self._policy = policy
         self._drop_tail = drop_tail
@@ -83,11 +87,13 @@ class Evictor(Generic[E]):
         self._key_at = key_at
         self._refresh = refresh
         self._gone = gone
+        self.entries_freed = 0
 
     def evict(self, num_blocks: int) -> BlockIds:
         """Free up to ``num_blocks`` blocks; returns their ids (fewer if fewer are evictable):
         the dropped runs in eviction order, each deepest block first."""
         runs: list[BlockIds] = []
+        self.entries_freed = 0
         try:
             self._evict(num_blocks, runs)
         finally:  # every id dropped from the forest is released, even if a hook raised
@@ -119,12 +125,15 @@ class Evictor(Generic[E]):
                 push(e)
                 e = None
                 continue
-            gone(e)
+            self.entries_freed += 1
+            if gone is not None:
+                gone(e)
             parent, e = e.parent, None
-            if parent is None or parent.is_root:
+            # a parent left with children is unchanged (not a leaf, so not in the heap)
+            if parent is None or parent.num_children or parent.is_root:
                 continue
             if (runs and got < num_blocks and parent.num_blocks
-                    and is_evictable_leaf(parent)):
+                    and parent.lock_ref == 0 and parent.pin_ref == 0):
                 top = peek_key()
                 if top is None or key(parent) < top:  # it would be popped next: take it
                     e = parent
