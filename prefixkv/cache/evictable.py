@@ -91,7 +91,6 @@ class EvictableHeap:
         if self.policy.key_epoch != self._epoch:
             self._rekey()
         heap = self._heap
-        key = self.policy.key
         while heap:
             stored, _, ver, tick, entry = heap[0]
             if not (entry.in_heap and ver == entry.heap_ver):
@@ -99,7 +98,7 @@ class EvictableHeap:
                 continue
             if tick == entry.tick:
                 return True
-            current = key(entry)
+            current = self.policy.key(entry)
             entry.heap_ver += 1
             self._seq += 1
             if current == stored:  # still the top: record the touch, keep its place

@@ -114,14 +114,19 @@ class Evictor(Generic[E]):
                 if e is None:
                     break
             if runs:
-                k = min(num_blocks - got, e.num_blocks)
+                n = e.num_blocks
+                k = num_blocks - got
+                if k > n:
+                    k = n
                 if k > 1:
                     k = self._run_length(e, k, peek_key())
                 out.append(drop_tail(e, k))
                 got += k
+                left = k < n
             else:
                 got = self._trim_per_block(e, num_blocks, out, got)
-            if e.num_blocks:
+                left = e.num_blocks > 0
+            if left:
                 push(e)
                 e = None
                 continue

@@ -80,6 +80,10 @@ class RadixForest:
         bs = self._bs
         ids = walk.ids
         path = walk.path
+        # a query packed in the key type is compared as raw bytes, without slicing it: a
+        # node's key matches at i when raw[i * width:] starts with the key's bytes
+        raw = tokens.tobytes() if type(tokens) is array and tokens.typecode == self._code else None
+        width = 2 if self._code == "H" else 4
         i = 0
         while i < n:
             lst = node.children.get(tokens[i])
@@ -99,7 +103,8 @@ class RadixForest:
                 child = found
             key = child.key
             klen = len(key)
-            if i + klen <= n and seg(tokens, i, i + klen) == key:
+            if i + klen <= n and (raw.startswith(key, i * width) if raw is not None
+                                  else seg(tokens, i, i + klen) == key):
                 path.append(child)
                 ids += child.blocks
                 walk.last_used = len(child.blocks)
