@@ -117,6 +117,17 @@ class EvictableHeap:
         self._live -= 1
         return entry
 
+    def pop_and_peek(self) -> tuple[Any | None, Any | None]:
+        """:meth:`pop`, then :meth:`peek_key` (one call: the eviction loop's step)."""
+        if not self._settle_top():
+            return None, None
+        heap = self._heap
+        entry = heapq.heappop(heap)[4]
+        entry.in_heap = False
+        entry.heap_ver += 1
+        self._live -= 1
+        return entry, heap[0][0] if self._settle_top() else None
+
     def peek_key(self) -> Any | None:
         """The smallest live key, or ``None`` if empty."""
         return self._heap[0][0] if self._settle_top() else None

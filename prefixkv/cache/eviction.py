@@ -103,14 +103,16 @@ class Evictor(Generic[E]):
 
     def _evict(self, num_blocks: int, out: list[BlockIds]) -> None:
         heap = self._heap
-        pop, peek_key, push = heap.pop, heap.peek_key, heap.push
-        key, drop_tail, gone = self._policy.key, self._drop_tail, self._gone
+        pop_and_peek, peek_key, push = heap.pop_and_peek, heap.peek_key, heap.push
+        key, drop_tail, gone, key_at = (self._policy.key, self._drop_tail, self._gone,
+                                        self._key_at)
         runs = self._policy.depth_monotone_keys
         e: E | None = None
+        top: Any = None  # the heap's smallest key while e is out of it
         got = 0
         while got < num_blocks:
             if e is None:
-                e = pop()
+                e, top = pop_and_peek()
                 if e is None:
                     break
             if runs:
@@ -118,8 +120,10 @@ class Evictor(Generic[E]):
                 k = num_blocks - got
                 if k > n:
                     k = n
-                if k > 1:
-                    k = self._run_length(e, k, peek_key())
+                # the whole run unless e's key at its shallowest kept depth is above the next
+                # leaf's (then: a binary search)
+                if k > 1 and top is not None and key_at(e, e.depth - (k - 1)) > top:
+                    k = self._run_length(e, k, top)
                 out.append(drop_tail(e, k))
                 got += k
                 left = k < n
@@ -146,18 +150,15 @@ class Evictor(Generic[E]):
             self._refresh(parent)
 
     def _run_length(self, e: E, k: int, top: Any) -> int:
-        """How many of ``e``'s last ``k`` blocks (``k >= 2``) go before any other leaf's (at
-        least one), ``top`` being the heap's smallest key (``None``: the heap is empty).
+        """How many of ``e``'s last ``k`` blocks go before any other leaf's (at least one, fewer
+        than ``k``: ``e``'s key with ``k - 1`` blocks dropped is above ``top``, the heap's
+        smallest key).
 
         Dropping ``j`` tail blocks leaves ``e`` at depth ``depth - j``; the per-block order
         takes block ``j + 1`` while ``e``'s key at that depth is <= the heap's smallest key.
         Keys only grow as the depth shrinks, so the answer is found by binary search.
         """
-        if top is None:
-            return k
         key_at, depth = self._key_at, e.depth
-        if key_at(e, depth - (k - 1)) <= top:
-            return k
         lo, hi = 0, k - 1  # the key after dropping lo blocks is <= top, after hi it is not
         while hi - lo > 1:
             mid = (lo + hi) // 2
