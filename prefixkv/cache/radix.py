@@ -30,7 +30,7 @@ from typing import Any
 
 from prefixkv.cache._checks import as_token_array, check_tokens
 from prefixkv.cache.forest import Added, Claim, ExtraKeys, Walk
-from prefixkv.cache.held_ids import BlockIds, new_ids
+from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds, new_ids
 from prefixkv.cache.index import PrefixIndex
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protocol import Namespace
@@ -226,14 +226,12 @@ class RadixForest:
             del entry.key[(n - k) * self._bs :]
             return ids
         # the whole entry goes: no copies (its id array is handed over, its key left as is)
-        entry.blocks = new_ids()
+        entry.blocks = array(ID_TYPECODE)
         parent = entry.parent
         assert parent is not None
         first_token = entry.key[0]
-        found = parent.children[first_token]
-        if found is entry:
-            del parent.children[first_token]
-        else:
+        found = parent.children.pop(first_token)
+        if found is not entry:
             rest = tuple(c for c in kids(found) if c is not entry)
             parent.children[first_token] = rest[0] if len(rest) == 1 else rest
         parent.num_children -= 1
