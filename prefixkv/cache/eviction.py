@@ -12,10 +12,12 @@ property test against the block-by-block loop:
 * a *parent next*: a parent left childless would be filed and popped next exactly when its key
   is below the heap's smallest (a tie goes to the older heap item), so it is taken directly.
 
-Policies without the declaration (``ghost``: per-block state) keep the block-by-block loop. So
-a call costs O(leaves touched x log n) Python steps plus the C-speed copies of the freed ids:
-each entry's id array is appended to the result (``array('I')``) and the held flags are cleared
-once, for all of them, at the end.
+Policies without the declaration keep the block-by-block loop. So a call costs O(leaves touched
+x log n) Python steps (one heap call, one key probe and one detach per whole leaf) plus the
+C-speed work on the freed ids: each entry's id array is appended to the result (``array('I')``,
+joined and reversed in numpy) and the held flags are cleared once, for all of them, at the end
+(one numpy scatter). At block size 1 that per-id work is about a third of a call that frees ten
+1,024-token leaves; the rest is the per-leaf steps.
 """
 
 from __future__ import annotations
