@@ -126,6 +126,11 @@ class EvictableHeap:
         entry.in_heap = False
         entry.heap_ver += 1
         self._live -= 1
+        if heap:  # the common case, settled here: the next item is live and untouched (no
+            top = heap[0]  # key was asked since the settle above, so the epoch stands)
+            nxt = top[4]
+            if nxt.in_heap and top[2] == nxt.heap_ver and top[3] == nxt.tick:
+                return entry, top[0]
         return entry, heap[0][0] if self._settle_top() else None
 
     def peek_key(self) -> Any | None:
