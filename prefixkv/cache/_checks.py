@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -58,7 +57,7 @@ def as_token_array(token_ids: Any, name: str = "token_ids", narrow: bool = False
             return _narrowed(token_ids)
         if code not in _INT_TYPECODES:
             raise ValueError(f"{name} must contain ints, got array({code!r})")
-        if token_ids.itemsize == 8 and _LITTLE and token_ids:  # array('q'), SGLang's key type
+        if token_ids.itemsize == 8 and token_ids:  # array('q'), SGLang's key type
             packed = _from_words(token_ids, narrow)
             if packed is not None:
                 return packed
@@ -98,15 +97,19 @@ def _reject_non_sequence(token_ids: Any, name: str) -> None:
 def _from_numpy(x: np.ndarray[Any, Any], name: str, narrow: bool = False) -> array[int]:
     """A 1-D numpy int array as a checked ``array('I')``: one check pass, one cast, one copy.
 
-    64-bit ints (``array('q')``, numpy/torch int64) are checked by counting their set high
-    words, which catches negatives and values >= 2**32 in one C pass. ``narrow``: an
-    ``array('H')`` when every value is below 2**16 (checked by min and max).
+    Contiguous 64-bit ints (numpy/torch int64) take :func:`_from_words` (one maximum, one
+    cast). ``narrow``: an ``array('H')`` when every value is below 2**16.
     """
     if x.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
     kind = x.dtype.kind
     if kind not in "iu":
         raise ValueError(f"{name} must contain ints, got dtype {x.dtype}")
+    if x.dtype.itemsize == 8 and x.dtype.isnative and x.flags.c_contiguous and x.size:
+        packed = _from_words(x, narrow)  # int64 / uint64: numpy's and torch's default
+        if packed is not None:
+            return packed
+        _check_range(x, name)  # raises: a value is out of range
     if narrow and x.size:
         lo = int(x.min()) if kind == "i" else 0
         hi = int(x.max())
@@ -120,10 +123,7 @@ def _from_numpy(x: np.ndarray[Any, Any], name: str, narrow: bool = False) -> arr
             raise ValueError(f"{name} must be < 2**32, found {hi}")
         x = x.astype(np.uint32)
     if x.dtype != np.uint32 and x.size:
-        if x.dtype.itemsize == 8 and x.dtype.isnative and _LITTLE and x.flags.c_contiguous:
-            if np.count_nonzero(x.view(np.uint32)[1::2]):  # a high word set: out of range
-                _check_range(x, name)
-        elif kind == "i" or x.dtype.itemsize > 4:
+        if kind == "i" or x.dtype.itemsize > 4:
             _check_range(x, name)
         x = x.astype(np.uint32)
     out = array("I")
@@ -134,31 +134,31 @@ def _from_numpy(x: np.ndarray[Any, Any], name: str, narrow: bool = False) -> arr
 def _narrowed(packed: array[int]) -> array[int]:
     """A non-empty ``array('I')`` as ``array('H')`` if every value fits, else itself."""
     words = np.frombuffer(packed, dtype=_U32)
-    if int(words.max()) > 0xFFFF:
+    if words[words.argmax()] > 0xFFFF:
         return packed
     out = array("H")
     out.frombytes(words.astype(np.uint16).tobytes())
     return out
 
 
-def _from_words(ints64: array[int], narrow: bool) -> array[int] | None:
-    """A little-endian 64-bit int array read as 32-bit words: every high word zero means every
-    value is in ``[0, 2**32)`` (negatives set it too), and the low words are the values. Four
-    numpy calls, no cast; ``None`` when a high word is set (the caller reports the bad value)."""
-    words = np.frombuffer(ints64, dtype=_U32)
-    if np.count_nonzero(words[1::2]):
+def _from_words(ints64: Any, narrow: bool) -> array[int] | None:
+    """A native, contiguous 64-bit int buffer (an ``array('q')``, a numpy int64 array) read
+    as uint64: a negative value reads as >= 2**63, so one
+    maximum checks every value against ``[0, 2**32)`` (and against 2**16 for ``narrow``), and
+    one truncating cast packs them. ``None`` when a value is out of range (the caller reports
+    it). About 2 us for 2,048 ids, half of it numpy's per-call overhead."""
+    x = np.frombuffer(ints64, dtype=_U64)
+    hi = x[x.argmax()]  # argmax is a C method: 3x cheaper than max() for a query's length
+    if hi > MAX_TOKEN_ID:
         return None
-    low = words[::2]
-    if narrow and int(low.max()) <= 0xFFFF:
-        out = array("H")
-        out.frombytes(low.astype(np.uint16).tobytes())
-        return out
-    out = array("I")
-    out.frombytes(low.tobytes())
-    return out
+    if narrow and hi <= 0xFFFF:
+        return array("H", x.astype(_U16).tobytes())
+    return array("I", x.astype(_U32).tobytes())
 
 
 _U32 = np.dtype(np.uint32)
+_U64 = np.dtype(np.uint64)
+_U16 = np.dtype(np.uint16)
 
 
 def _check_range(x: np.ndarray[Any, Any], name: str) -> None:
@@ -172,8 +172,6 @@ def _check_range(x: np.ndarray[Any, Any], name: str) -> None:
         if hi > MAX_TOKEN_ID:
             raise ValueError(f"{name} must be < 2**32, found {hi}")
 
-
-_LITTLE = sys.byteorder == "little"
 
 
 MAX_TOKEN_ID = 2**32 - 1

@@ -35,7 +35,7 @@ _Item = tuple[Any, int, int, int, Any]
 class EvictableHeap:
     """A lazy-deletion min-heap keyed by ``policy.key(entry)``."""
 
-    __slots__ = ("_epoch", "_heap", "_live", "_seq", "policy")
+    __slots__ = ("_epoch", "_heap", "_keeps", "_live", "_seq", "policy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
@@ -43,13 +43,23 @@ class EvictableHeap:
         self._seq = 0
         self._live = 0
         self._epoch = policy.key_epoch
+        self._keeps = policy.monotone_keys and policy.depth_monotone_keys
 
     def __len__(self) -> int:
         return self._live
 
     def push(self, entry: Any) -> None:
-        """Insert ``entry`` or refresh its key."""
+        """Insert ``entry`` or refresh its key.
+
+        Under a policy declaring both ``monotone_keys`` and ``depth_monotone_keys``, an entry
+        already in the heap keeps its item: its key moves only with a touch (its ``tick``,
+        re-checked at the top) or the policy's ``key_epoch``, and reads its blocks only through
+        ``depth``, which a split leaves unchanged for the lower part (the re-files an index
+        makes of an entry in the heap are those splits). No stale item is left behind.
+        """
         if entry.in_heap:
+            if self._keeps:
+                return
             self._live -= 1
         entry.heap_ver += 1
         entry.in_heap = True
@@ -81,7 +91,6 @@ class EvictableHeap:
         if self.policy.key_epoch != self._epoch:
             self._rekey()
         heap = self._heap
-        key = self.policy.key
         while heap:
             stored, _, ver, tick, entry = heap[0]
             if not (entry.in_heap and ver == entry.heap_ver):
@@ -89,7 +98,7 @@ class EvictableHeap:
                 continue
             if tick == entry.tick:
                 return True
-            current = key(entry)
+            current = self.policy.key(entry)
             entry.heap_ver += 1
             self._seq += 1
             if current == stored:  # still the top: record the touch, keep its place
@@ -107,6 +116,22 @@ class EvictableHeap:
         entry.heap_ver += 1
         self._live -= 1
         return entry
+
+    def pop_and_peek(self) -> tuple[Any | None, Any | None]:
+        """:meth:`pop`, then :meth:`peek_key` (one call: the eviction loop's step)."""
+        if not self._settle_top():
+            return None, None
+        heap = self._heap
+        entry = heapq.heappop(heap)[4]
+        entry.in_heap = False
+        entry.heap_ver += 1
+        self._live -= 1
+        if heap:  # the common case, settled here: the next item is live and untouched (no
+            top = heap[0]  # key was asked since the settle above, so the epoch stands)
+            nxt = top[4]
+            if nxt.in_heap and top[2] == nxt.heap_ver and top[3] == nxt.tick:
+                return entry, top[0]
+        return entry, heap[0][0] if self._settle_top() else None
 
     def peek_key(self) -> Any | None:
         """The smallest live key, or ``None`` if empty."""

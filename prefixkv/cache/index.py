@@ -78,7 +78,8 @@ class PrefixIndex(Generic[E]):
         self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=forest.drop_tail,
                                 release=self._ids.release,
                                 key_at=partial(forest.key_at, self._policy),
-                                refresh=self._prot.refresh, gone=self._gone)
+                                refresh=self._prot.refresh,
+                                gone=self._policy.on_evict if self._has_evict_hook else None)
         self._counters = Counters()
         self._pins: PinRegistry[E] = PinRegistry(self._prot, budget)
         self.last_pin_error: str | None = None
@@ -130,12 +131,6 @@ class PrefixIndex(Generic[E]):
         if target is not None:
             self._prot.add_lock(target, +1)
         return LockHandle(target=target, num_blocks=num_blocks)
-
-    def _gone(self, entry: E) -> None:
-        """``entry`` left the index (all its blocks evicted)."""
-        self._counters.evictions += 1
-        if self._has_evict_hook:
-            self._policy.on_evict(entry)
 
     # ------------------------------------------------------------------ protocol
     def match_prefix(
@@ -263,7 +258,10 @@ class PrefixIndex(Generic[E]):
         """
         check_count(num_blocks, "num_blocks")
         with self._lock:
-            out = self._evictor.evict(num_blocks)
+            try:
+                out = self._evictor.evict(num_blocks)
+            finally:
+                self._counters.evictions += self._evictor.entries_freed
             self._counters.evicted_blocks += len(out)
             return out
 

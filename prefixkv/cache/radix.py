@@ -30,15 +30,16 @@ from typing import Any
 
 from prefixkv.cache._checks import as_token_array, check_tokens
 from prefixkv.cache.forest import Added, Claim, ExtraKeys, Walk
-from prefixkv.cache.held_ids import BlockIds, new_ids
+from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds, new_ids
 from prefixkv.cache.index import PrefixIndex
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protocol import Namespace
-from prefixkv.cache.radix_node import RadixNode, common_blocks, lcp, seg
+from prefixkv.cache.radix_node import NO_CHILDREN, RadixNode, common_blocks, kids, lcp, seg
 
-_NODE_BYTES = sys.getsizeof(RadixNode(array("I"), new_ids(), None, 0.0)) + 64 + 64 + 64 + 232
-"""Estimated bytes of a node beyond its tokens and ids: the object, its key and id-array
-headers, its children dict and its parent's sibling list."""
+_NODE_BYTES = sys.getsizeof(RadixNode(array("I"), new_ids(), None, 0.0)) + 80 + 80 + 64 + 232
+"""Estimated bytes of a node beyond its tokens and ids (tracemalloc: about 680 at block size
+16): the object, its key and id arrays' headers, its slot and first token in its parent's dict,
+its heap item with the policy's key, and its access time and tick."""
 
 
 class RadixForest:
@@ -80,26 +81,31 @@ class RadixForest:
         bs = self._bs
         ids = walk.ids
         path = walk.path
+        # a query packed in the key type is compared as raw bytes, without slicing it: a
+        # node's key matches at i when raw[i * width:] starts with the key's bytes
+        raw = tokens.tobytes() if type(tokens) is array and tokens.typecode == self._code else None
+        width = 2 if self._code == "H" else 4
         i = 0
         while i < n:
-            lst = node.children.get(tokens[i])
-            if lst is None:
+            found = node.children.get(tokens[i])
+            if found is None:
                 break
             if n - i < bs:  # a partial block left: only partial rows can match
-                self._partial_at_boundary(lst, tokens, i, n, walk)
+                self._partial_at_boundary(kids(found), tokens, i, n, walk)
                 break
-            if len(lst) == 1:  # the common case: compare the whole key at once
-                child = lst[0]
+            if isinstance(found, RadixNode):  # the common case: compare the whole key at once
+                child = found
             else:
                 head = seg(tokens, i, i + bs)
-                found = next((c for c in lst if c.key[:bs] == head), None)
-                if found is None:
-                    self._partial_at_boundary(lst, tokens, i, n, walk)
+                same = next((c for c in found if c.key[:bs] == head), None)
+                if same is None:
+                    self._partial_at_boundary(found, tokens, i, n, walk)
                     break
-                child = found
+                child = same
             key = child.key
             klen = len(key)
-            if i + klen <= n and seg(tokens, i, i + klen) == key:
+            if i + klen <= n and (raw.startswith(key, i * width) if raw is not None
+                                  else seg(tokens, i, i + klen) == key):
                 path.append(child)
                 ids += child.blocks
                 walk.last_used = len(child.blocks)
@@ -108,7 +114,7 @@ class RadixForest:
                 continue
             k = common_blocks(key, tokens, i, n, bs)
             if k == 0:  # not even the first block (bs > 1): partial rows at best
-                self._partial_at_boundary(lst, tokens, i, n, walk)
+                self._partial_at_boundary(kids(found), tokens, i, n, walk)
                 break
             path.append(child)
             ids += child.blocks[:k]
@@ -121,7 +127,7 @@ class RadixForest:
             break
         return walk
 
-    def _partial_at_boundary(self, lst: list[RadixNode], tokens: Sequence[int], i: int, n: int,
+    def _partial_at_boundary(self, lst: tuple[RadixNode, ...], tokens: Sequence[int], i: int, n: int,
                              walk: Walk[RadixNode]) -> None:
         """No child's first block matches at ``i``: record the child sharing most leading rows."""
         if self._bs == 1:
@@ -153,13 +159,15 @@ class RadixForest:
         upper.access_count = node.access_count
         upper.created_time = node.created_time
         upper.tick = node.tick
-        siblings = parent.children[node.key[0]]
-        siblings[siblings.index(node)] = upper
+        first = node.key[0]
+        found = parent.children[first]
+        parent.children[first] = upper if found is node else tuple(
+            upper if c is node else c for c in kids(found))
         node.key = node.key[k * bs :]
         node.blocks = node.blocks[k:]
         node.start_depth += k
         node.parent = upper
-        upper.children[node.key[0]] = [node]
+        upper.children = {node.key[0]: node}
         upper.num_children = 1
         self._num_entries += 1
         # pinned prefixes that ended at `node`'s old end still end there: the registry names
@@ -194,7 +202,11 @@ class RadixForest:
             attach = root
         if m < nb:
             node = RadixNode(new_key, taken, attach, now, start_depth=m)
-            attach.children.setdefault(node.key[0], []).append(node)
+            if attach.children is NO_CHILDREN:
+                attach.children = {}
+            first = node.key[0]
+            found = attach.children.get(first)
+            attach.children[first] = node if found is None else (*kids(found), node)
             attach.num_children += 1
             self._num_entries += 1
             self._cached_tokens += len(node.key)
@@ -214,15 +226,14 @@ class RadixForest:
             del entry.key[(n - k) * self._bs :]
             return ids
         # the whole entry goes: no copies (its id array is handed over, its key left as is)
-        entry.blocks = new_ids()
+        entry.blocks = array(ID_TYPECODE)
         parent = entry.parent
         assert parent is not None
         first_token = entry.key[0]
-        siblings = parent.children[first_token]
-        if len(siblings) == 1:
-            del parent.children[first_token]
-        else:
-            siblings.remove(entry)
+        found = parent.children.pop(first_token)
+        if found is not entry:
+            rest = tuple(c for c in kids(found) if c is not entry)
+            parent.children[first_token] = rest[0] if len(rest) == 1 else rest
         parent.num_children -= 1
         self._num_entries -= 1
         return blocks  # no longer the node's
@@ -235,14 +246,14 @@ class RadixForest:
             while stack:
                 node = stack.pop()
                 node.key = array("I", node.key)
-                for lst in node.children.values():
-                    stack.extend(lst)
+                for found in node.children.values():
+                    stack.extend(kids(found))
 
     def key_at(self, policy: EvictionPolicy, entry: RadixNode, depth: int) -> Any:
         """The policy's key for ``entry`` cut to ``depth`` (its start depth moved, then put
         back: no probe object, and a key that reads ``start_depth`` sees the cut too)."""
         saved = entry.start_depth
-        entry.start_depth = saved - (saved + len(entry.blocks) - depth)
+        entry.start_depth = depth - len(entry.blocks)
         try:
             return policy.key(entry)
         finally:
@@ -261,9 +272,10 @@ class RadixForest:
             stack = [root]
             while stack:
                 node = stack.pop()
-                assert sum(len(v) for v in node.children.values()) == node.num_children
-                for t, lst in node.children.items():
-                    for c in lst:
+                assert sum(len(kids(v)) for v in node.children.values()) == node.num_children
+                for t, found in node.children.items():
+                    assert isinstance(found, RadixNode) or len(found) > 1
+                    for c in kids(found):
                         assert c.parent is node and c.key[0] == t and c.blocks
                         assert c.key.typecode == self._code
                         assert len(c.key) == len(c.blocks) * self._bs

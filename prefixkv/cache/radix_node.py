@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from types import MappingProxyType
+from typing import TypeAlias, cast
 
 from prefixkv.cache._checks import check_tokens
 from prefixkv.cache.forest import EntryState
@@ -25,9 +27,10 @@ class RadixNode(EntryState):
     ``array('I')`` of ids (:data:`~prefixkv.cache.held_ids.BlockIds`: matches and evictions
     copy runs of it in C, and no Python int is kept per id).
 
-    ``children`` maps a child's first token to the children starting with it (one child per
-    token at block size 1; several may share a first token above 1, differing later in their
-    first block).
+    ``children`` maps a child's first token to that child, or, when several children start
+    with it (block size above 1 only: they differ later in their first block), to a tuple of
+    them (:func:`kids` reads either). A node without children shares one read-only empty
+    mapping (:data:`NO_CHILDREN`), replaced by a dict of its own when its first child is added.
     """
 
     __slots__ = ("__weakref__", "blocks", "children", "is_root", "key", "parent",
@@ -39,7 +42,7 @@ class RadixNode(EntryState):
         self.key = key
         self.blocks = blocks
         self.parent = parent
-        self.children: dict[int, list[RadixNode]] = {}
+        self.children: dict[int, Child] = NO_CHILDREN
         self.start_depth = start_depth
         self.is_root = is_root
 
@@ -55,6 +58,19 @@ class RadixNode(EntryState):
 
     def __repr__(self) -> str:
         return f"RadixNode(depth={self.depth}, blocks={len(self.blocks)}, lock={self.lock_ref})"
+
+
+Child: TypeAlias = "RadixNode | tuple[RadixNode, ...]"
+"""A value of :attr:`RadixNode.children`: the one child starting with a token, or several."""
+
+NO_CHILDREN: dict[int, Child] = cast("dict[int, Child]", MappingProxyType({}))
+"""The children of every childless node: read-only, so an add that forgot to give the node a
+dict of its own fails loudly instead of sharing one (saves 64 bytes a leaf)."""
+
+
+def kids(value: Child) -> tuple[RadixNode, ...]:
+    """A :data:`Child` value as a tuple of nodes."""
+    return (value,) if type(value) is RadixNode else value  # type: ignore[return-value]
 
 
 def seg(tokens: Sequence[int], start: int, stop: int) -> array[int]:

@@ -74,3 +74,24 @@ def test_key_epoch_rekeys_every_live_entry() -> None:
     assert heap.peek_key() == -6.0 and pol.calls == 5 + 4
     assert [heap.pop() for _ in range(4)] == [items[4], items[1], items[3], items[0]]
     assert heap.pop() is None
+
+
+class DepthOnlyPolicy(CountingPolicy):
+    """Declares both: a re-file of an entry already in the heap keeps its item."""
+
+    monotone_keys = True
+    depth_monotone_keys = True
+
+
+def test_refiling_a_filed_entry_leaves_no_stale_item_under_depth_only_keys() -> None:
+    """An index re-files the lower part of a split; under a policy whose key reads the blocks
+    only through ``depth`` (unchanged by a split) the item stays, so pops meet no stale item."""
+    for policy, items_after in ((DepthOnlyPolicy(), 2), (CountingPolicy(), 3)):
+        heap = EvictableHeap(policy)
+        a, b = Item(1.0), Item(2.0)
+        heap.push(a)
+        heap.push(b)
+        heap.push(a)  # a split of a: same key
+        assert len(heap._heap) == items_after and len(heap) == 2
+        assert heap.pop_and_peek() == (a, 2.0)
+        assert heap.pop_and_peek() == (b, None) and heap.pop_and_peek() == (None, None)

@@ -49,7 +49,7 @@ def test_equal_times_interleave_runs_by_depth(clock):
 def test_generic_key_probe_matches_the_radix_probe(clock):
     cache = RadixPrefixCache(100, 2, clock=clock)
     cache.insert_prefix(list(range(20)), list(range(10)))
-    node = next(iter(next(iter(cache._forest._roots.values())).children.values()))[0]
+    node = next(iter(next(iter(cache._forest._roots.values())).children.values()))
     for depth in (1, 5, 10):
         assert key_at_depth(cache.policy, node, depth) == cache._forest.key_at(cache.policy, node, depth)
     assert node.depth == 10 and node.start_depth == 0  # the probe put it back

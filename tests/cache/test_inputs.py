@@ -140,3 +140,15 @@ def test_radix_keys_widen_once_on_the_first_large_id():
             assert cache.match_prefix(q).match_length == 4 * bs
         assert cache.get_stats().memory_bytes > 0
         assert sorted(cache.evict(8)) == [0, 1, 2, 3, 10, 11]
+
+
+@pytest.mark.parametrize("value", [
+    array("q", [2**32]), array("q", [-1, 5]), np.array([7, -3], dtype=np.int64),
+    np.array([2**63 + 1, 1], dtype=np.uint64), array("Q", [2**40]),
+])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_int64_inputs_out_of_range_fail_in_both_key_widths(value, narrow):
+    """64-bit inputs are checked by one maximum over their uint64 view: a negative reads as
+    >= 2**63, so it fails like an id >= 2**32, for 2- and 4-byte keys alike."""
+    with pytest.raises(ValueError, match="token_ids must be (non-negative|< 2)"):
+        as_token_array(value, "token_ids", narrow=narrow)
