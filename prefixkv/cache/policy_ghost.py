@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from array import array
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from prefixkv.cache.block_identity import fold_identities, identity_root
@@ -101,7 +102,7 @@ class GhostPolicy(EvictionPolicy):
         # identity -> [visits, time of the last counted visit]; oldest counted first
         self._visits: OrderedDict[Hashable, list[float]] = OrderedDict()
         # radix node -> (start depth when memoized, identities of its blocks then)
-        self._memo: weakref.WeakKeyDictionary[Any, tuple[int, list[int]]] = (
+        self._memo: weakref.WeakKeyDictionary[Any, tuple[int, array[int]]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -178,17 +179,19 @@ class GhostPolicy(EvictionPolicy):
         return len(self._visits)
 
     # ---------------------------------------------------------------- identity
-    def _identities(self, entry: Any) -> list[int]:
+    def _identities(self, entry: Any) -> Sequence[int]:
         """Identities of ``entry``'s blocks, shallowest first."""
         h = getattr(entry, "hash", None)
         if h is not None:  # a hashed block: its chained hash is the identity
             return [h]
         return fold_identities(entry, _ROOT_IDENTITY, self._memoized, self._remember)
 
-    def _remember(self, node: Any, identities: list[int]) -> None:
-        self._memo[node] = (node.start_depth, identities)
+    def _remember(self, node: Any, identities: Sequence[int]) -> None:
+        # an array: a node's memo dies with it (an eviction), freeing one buffer rather than
+        # a Python int per block
+        self._memo[node] = (node.start_depth, array("q", identities))
 
-    def _memoized(self, node: Any) -> list[int] | None:
+    def _memoized(self, node: Any) -> Sequence[int] | None:
         rec = self._memo.get(node)
         if rec is None:
             return None
