@@ -13,7 +13,7 @@ ints is fixed, so a replay samples the same blocks and gives the same figures ev
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -28,12 +28,13 @@ def identity_root(label: str) -> int:
 def fold_identities(
     entry: Any,
     root: int,
-    memoized: Callable[[Any], list[int] | None],
+    memoized: Callable[[Any], Sequence[int] | None],
     remember: Callable[[Any, list[int]], None],
-) -> list[int]:
+) -> Sequence[int]:
     """Identities of ``entry``'s blocks, shallowest first.
 
-    ``memoized(node)`` returns a node's identities if the policy has them; ``remember(node,
+    ``memoized(node)`` returns a node's identities if the policy has them (any sequence: a
+    policy may keep them in an ``array('q')``, as hashes fit 64 signed bits); ``remember(node,
     identities)`` is called for every node folded here (each ancestor up to the memoized one).
     """
     if not entry.num_blocks:
@@ -51,13 +52,14 @@ def fold_identities(
         chain.append(node)
         node = node.parent
     h = root if base is None else base
-    out: list[int] = []
+    out: Sequence[int] = []
     for node in reversed(chain):
         key, n = node.key, node.num_blocks
         bs = len(key) // n
-        out = []
+        fresh: list[int] = []
         for j in range(n):
             h = hash((h, tuple(key[j * bs:(j + 1) * bs])))
-            out.append(h)
-        remember(node, out)
+            fresh.append(h)
+        remember(node, fresh)
+        out = fresh
     return out

@@ -55,8 +55,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from prefixkv.cache.block_identity import fold_identities, identity_root
@@ -205,12 +206,12 @@ class ExpertsPolicy(EvictionPolicy):
             self._mark_interior(p_ident, pending)  # a deeper block came in the same touch
         tail = table.get(idents[-1])
         if tail is not None and now - tail[_T] < self.min_gap:
-            for ident in idents[:-1]:
-                seen = table.get(ident)
-                if seen is not None and not seen[_INTERIOR]:
-                    self._mark_interior(ident, seen)
+            # This touch belongs to a visit already counted. The entry's other blocks are
+            # interior already: any touch that reached its last block passed through them,
+            # marking each (a node's inner block in its loop below, an ancestor's last block
+            # through ``_pending``), and a record is only ever created by that loop.
             self._pending = (entry.tick, idents[-1], tail)
-            return  # this touch belongs to a visit already counted
+            return
         depth0 = entry.depth - len(idents)
         last = len(idents) - 1
         was_cached = entry.access_count > 1  # a new entry's first touch is its insert
@@ -344,21 +345,23 @@ class ExpertsPolicy(EvictionPolicy):
         resident = sum(r[0].num_blocks for r in self._entries.values())
         self.resident_max = max(self.resident_max, resident)
 
-    def _identities(self, entry: Any) -> list[Any]:
+    def _identities(self, entry: Any) -> Sequence[Any]:
         """Identities of ``entry``'s blocks, shallowest first (see policy_ghost)."""
         if self._hashed(entry):
             return [entry.hash]
         return fold_identities(entry, _ROOT, self._memoized, self._remember)
 
-    def _remember(self, node: Any, identities: list[int]) -> None:
-        self._entries[id(node)] = [node, node.start_depth, identities]
+    def _remember(self, node: Any, identities: Sequence[int]) -> None:
+        # an array, not a list: dropping a memo (an eviction) frees one buffer instead of
+        # decrementing a Python int per block (a cache miss each, on the eviction path)
+        self._entries[id(node)] = [node, node.start_depth, array("q", identities)]
 
-    def _memoized(self, node: Any) -> list[int] | None:
+    def _memoized(self, node: Any) -> Sequence[int] | None:
         rec = self._entries.get(id(node))
         if rec is None or rec[2] is None:
             return None
         start: int = rec[1]
-        idents: list[int] = rec[2]
+        idents: array[int] = rec[2]
         lo = node.start_depth - start
         hi = lo + node.num_blocks
         if lo < 0 or hi > len(idents) or hi <= lo:
@@ -366,20 +369,17 @@ class ExpertsPolicy(EvictionPolicy):
         return idents if (lo == 0 and hi == len(idents)) else idents[lo:hi]
 
 
-def _dead_tail(rec: list[Any]) -> bool:
-    return rec[_V] == 1 and not rec[_INTERIOR]
-
-
 def _ghost(rec: list[Any], t: float, g: float) -> float:
-    if _dead_tail(rec):
-        return -g
-    return g * math.log2(rec[_V]) if rec[_V] > 1 else 0.0
+    v = rec[_V]
+    if v > 1:
+        return g * math.log2(v)
+    return 0.0 if rec[_INTERIOR] else -g  # a dead tail: seen once, never interior
 
 
 _Offset = Callable[[list[Any], float, float], float]
 _OFFSETS: dict[str, _Offset] = {  # expert -> offset(record, last access time, G)
     "lru": lambda rec, t, g: 0.0,
-    "tail": lambda rec, t, g: -g if _dead_tail(rec) else 0.0,
+    "tail": lambda rec, t, g: -g if rec[_V] == 1 and not rec[_INTERIOR] else 0.0,  # dead
     "ghost": _ghost,
     # the previous visit's time (a single visit: G before the last)
     "lru2": lambda rec, t, g: rec[_TP] - t if rec[_V] > 1 else -g,

@@ -47,9 +47,9 @@ A policy instance keeps per-index state: give each index its own instance.
 from __future__ import annotations
 
 import math
-import weakref
+from array import array
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from prefixkv.cache.block_identity import fold_identities, identity_root
@@ -100,16 +100,23 @@ class GhostPolicy(EvictionPolicy):
         self.min_gap = float(min_gap)
         # identity -> [visits, time of the last counted visit]; oldest counted first
         self._visits: OrderedDict[Hashable, list[float]] = OrderedDict()
-        # radix node -> (start depth when memoized, identities of its blocks then)
-        self._memo: weakref.WeakKeyDictionary[Any, tuple[int, list[int]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # id(radix node) -> (node, start depth when memoized, identities of its blocks then),
+        # dropped when the node leaves the index (only through eviction: ``on_evict``)
+        self._memo: dict[int, tuple[Any, int, array[int]]] = {}
+        self._types: dict[type, bool] = {}  # entry type -> is it a hashed block
 
     # ------------------------------------------------------------------ policy
     def key(self, entry: CacheEntry) -> Any:
-        visits = self.visits(entry)
+        depth = entry.depth
+        memo = self._memo.get(id(entry))
+        if memo is not None:  # a memoized node: :meth:`visits` inlined (the eviction path)
+            idents, j = memo[2], depth - memo[1] - 1
+            rec = self._visits.get(idents[j]) if 0 <= j < len(idents) else None
+            visits = int(rec[0]) if rec is not None else 1
+        else:
+            visits = self.visits(entry)
         bonus = self.current_bonus * math.log2(visits) if visits > 1 else 0.0
-        return (entry.last_access_time + bonus, -entry.depth, entry.tick)
+        return (entry.last_access_time + bonus, -depth, entry.tick)
 
     def on_access(self, entry: CacheEntry) -> None:
         now = entry.last_access_time
@@ -138,6 +145,7 @@ class GhostPolicy(EvictionPolicy):
             table.popitem(last=False)
 
     def on_evict(self, entry: CacheEntry) -> None:
+        self._memo.pop(id(entry), None)
         age = self._now - entry.last_access_time
         if age < 0:
             return
@@ -154,10 +162,10 @@ class GhostPolicy(EvictionPolicy):
         when first keyed at its real depth (an evictable leaf is filed, so keyed, before any
         probe), and a memo stays valid as the node's blocks shrink to a sub-range."""
         e: Any = entry
-        memo = None if getattr(e, "hash", None) is not None else self._memo.get(e)
+        memo = None if self._hashed(e) else self._memo.get(id(e))
         if memo is not None:
-            j = e.depth - memo[0] - 1
-            ident = memo[1][j] if 0 <= j < len(memo[1]) else None
+            j = e.depth - memo[1] - 1
+            ident = memo[2][j] if 0 <= j < len(memo[2]) else None
         else:
             idents = self._identities(e)
             ident = idents[-1] if idents else None
@@ -178,21 +186,30 @@ class GhostPolicy(EvictionPolicy):
         return len(self._visits)
 
     # ---------------------------------------------------------------- identity
-    def _identities(self, entry: Any) -> list[int]:
+    def _identities(self, entry: Any) -> Sequence[int]:
         """Identities of ``entry``'s blocks, shallowest first."""
-        h = getattr(entry, "hash", None)
-        if h is not None:  # a hashed block: its chained hash is the identity
-            return [h]
+        if self._hashed(entry):  # a hashed block: its chained hash is the identity
+            return [entry.hash]
         return fold_identities(entry, _ROOT_IDENTITY, self._memoized, self._remember)
 
-    def _remember(self, node: Any, identities: list[int]) -> None:
-        self._memo[node] = (node.start_depth, identities)
+    def _hashed(self, entry: Any) -> bool:
+        """Whether ``entry`` is a hashed block (its ``hash`` is its identity), by type."""
+        kind = type(entry)
+        got = self._types.get(kind)
+        if got is None:
+            got = self._types[kind] = hasattr(entry, "hash")
+        return got
 
-    def _memoized(self, node: Any) -> list[int] | None:
-        rec = self._memo.get(node)
+    def _remember(self, node: Any, identities: Sequence[int]) -> None:
+        # an array: a node's memo dies with it (an eviction), freeing one buffer rather than
+        # a Python int per block
+        self._memo[id(node)] = (node, node.start_depth, array("q", identities))
+
+    def _memoized(self, node: Any) -> Sequence[int] | None:
+        rec = self._memo.get(id(node))
         if rec is None:
             return None
-        start, idents = rec
+        _, start, idents = rec
         lo = node.start_depth - start
         hi = lo + node.num_blocks
         if lo < 0 or hi > len(idents) or hi <= lo:

@@ -177,3 +177,19 @@ def test_run_eviction_matches_the_per_block_order() -> None:
     fast, slow = session_hits(GhostPolicy()), session_hits(_PerBlock())
     assert sum(fast) > 0
     assert sum(fast) == pytest.approx(sum(slow), rel=0.01)  # the bonus drifts between touches
+
+
+def test_node_memos_leave_with_their_nodes() -> None:
+    """Identity memos are keyed by node (held until ``on_evict``): evicting every node drops
+    them all, and the remembered visits survive it."""
+    clock = Clock()
+    pol = GhostPolicy()
+    cache = RadixPrefixCache(64, 2, eviction_policy=pol, clock=clock)
+    for i in range(5):
+        clock.t = float(i)
+        cache.insert_prefix([1, 2, 3, 4, 10 + i, 11], [0, 1, 2 + i])
+    assert pol._memo and pol.ghost_size > 0
+    cache.evict(cache.num_evictable_blocks)
+    assert cache.num_evictable_blocks == 0
+    assert pol._memo == {}
+    assert pol.ghost_size > 0
