@@ -172,9 +172,12 @@ def plan_int4(file: GGUFFile, device: torch.device) -> dict[str, tuple[int, int]
             continue
         from gguf.constants import GGMLQuantizationType
 
-        why = int4_unsupported(tensor.tensor_type, tensor.shape, device) if target else None
-        kind = GGMLQuantizationType(tensor.tensor_type).name
-        fallback[f"{kind} ({why or 'not a matmul weight'})"] += 1
+        if target is None:
+            why = "not a matmul weight (the embedding table: lookups read plain rows)"
+        else:
+            why = (int4_unsupported(tensor.tensor_type, tensor.shape, device)
+                   or "fused with a part that cannot stay at 4 bits")
+        fallback[f"{GGMLQuantizationType(tensor.tensor_type).name} ({why})"] += 1
     if fallback:
         listed = "; ".join(f"{n} x {k}" for k, n in sorted(fallback.items()))
         logger.warning("quantization='gguf': dequantized instead of kept quantized: %s", listed)
