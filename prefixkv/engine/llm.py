@@ -59,7 +59,8 @@ def build_engine(
         path = resolve_model(m.model)
     runner = ModelRunner(path, block_size=c.block_size, num_kv_blocks=c.num_kv_blocks,
                          kv_cache_memory_bytes=c.kv_cache_memory, device=m.device, dtype=m.dtype,
-                         max_model_len=m.max_model_len, tokenizer=m.tokenizer, threads=m.threads)
+                         max_model_len=m.max_model_len, tokenizer=m.tokenizer, threads=m.threads,
+                         quantization=m.quantization)
     tokenizer = load_tokenizer(path if m.tokenizer is None else m.tokenizer)
     if m.chat_template is not None:
         tokenizer = _with_template(tokenizer, m.chat_template)

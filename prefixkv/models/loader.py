@@ -114,17 +114,23 @@ def load_model(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build the model at ``model_path`` (HF directory or ``.gguf`` file) on ``device`` in ``dtype``.
 
+    ``quantization="gguf"`` keeps a GGUF file's Q4_0/Q4_1 matmul weights at 4 bits (see
+    :func:`~prefixkv.models.gguf_loader.load_gguf_model`); ``None`` dequantizes everything.
     Raises ``FileNotFoundError`` for a missing directory or file and ``ValueError`` for an
-    unsupported config or weights that do not match it (missing, unexpected or mis-shaped).
+    unsupported config, weights that do not match it (missing, unexpected or mis-shaped) or
+    a ``quantization`` the model cannot use.
     """
     path = Path(model_path)
     if is_gguf(path):
         from prefixkv.models.gguf_loader import load_gguf_model
 
-        return load_gguf_model(path, device=device, dtype=dtype)
+        return load_gguf_model(path, device=device, dtype=dtype, quantization=quantization)
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r} needs a .gguf model, got {path}")
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {path}")
     config = ModelConfig.from_file(path)
@@ -175,7 +181,10 @@ def build_model(
         if target not in expected:
             raise ValueError(f"unexpected weight {name!r} in {source} for {config.architecture}")
         if index is None:
-            state[name] = _check_shape(name, tensor, expected[name]).to(device, dt)
+            checked = _check_shape(name, tensor, expected[name])
+            # A meta tensor is a placeholder for a weight the caller attaches after loading
+            # (GGUF weights kept quantized): it stays meta, holding no data.
+            state[name] = checked if checked.is_meta else checked.to(device, dt)
         else:
             parts.setdefault(target, {})[index] = tensor.to(device, dt)
     for target, got in parts.items():

@@ -91,6 +91,7 @@ class ModelRunner:
     :func:`~prefixkv.runner.kv_transfer.model_fingerprint` of the weights as loaded.
     ``max_model_len`` (default: the model's ``max_position_embeddings``) may only shrink the
     context; ``tokenizer`` is a directory to load the tokenizer from instead of the model's.
+    ``quantization="gguf"`` keeps a GGUF's Q4 matmul weights at 4 bits (models/quant_linear).
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class ModelRunner:
         threads: int | None = None,
         max_model_len: int | None = None,
         tokenizer: str | Path | None = None,
+        quantization: str | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -113,7 +115,9 @@ class ModelRunner:
         self.threads = configure_threads(threads)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model: CausalLM = load_model(model_path, device=self.device, dtype=self.dtype)
+        self.model: CausalLM = load_model(
+            model_path, device=self.device, dtype=self.dtype, quantization=quantization
+        )
         # The fingerprint reads weight values: take it before packing drops the plain copies.
         self.fingerprint = model_fingerprint(self.model)
         self.packed_weights = self.model.pack_weights()  # CPU: oneDNN layout (models/cpu_pack)
