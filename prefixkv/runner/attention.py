@@ -5,8 +5,11 @@ handed to the model's forward as its ``attention`` callable (no global metadata)
 layer it (1) writes the new tokens' K/V into their slots, then (2) computes attention:
 
 * prefill chunks (several new tokens): per sequence, the new queries attend causally to all
-  keys at positions ``[0, start_pos + n)`` gathered through the block table (cached prefix +
-  the chunk itself), with torch SDPA;
+  keys at positions ``[0, start_pos + n)`` (cached prefix + the chunk itself), with torch
+  SDPA. On CPU the two parts run without a mask and are merged by their log-sum-exp: the
+  chunk causally over its own K/V, and the cached prefix read in place when its blocks are one
+  contiguous run (a view, no copy; gathered otherwise). Elsewhere the whole context is
+  gathered and masked;
 * decodes (one new token): batched, keys of the decoding sequences gathered into a padded
   ``[B, L]`` view and masked by each sequence's length; sequences are grouped by context
   length so that padding stays small.
@@ -30,8 +33,9 @@ class _Prefill:
     q_start: int  # first row of this sequence in the flat token batch
     q_len: int
     start_pos: int  # tokens already cached before this chunk
-    blocks: torch.Tensor  # block ids covering [0, start_pos + q_len)
-    mask: torch.Tensor | None  # [q_len, ctx] bool; None when start_pos == 0 (plain causal)
+    blocks: torch.Tensor  # block ids covering [0, start_pos + q_len) (CPU: [0, start_pos))
+    first_block: int | None  # CPU: the prefix's blocks are first_block, first_block + 1, ...
+    mask: torch.Tensor | None  # [q_len, ctx] bool off CPU when start_pos > 0; else None
 
 
 @dataclass(slots=True)
@@ -84,13 +88,7 @@ class PagedAttention:
                 dec_tables.append(needed)
                 dec_lens.append(ctx)
             else:
-                mask = None
-                if start > 0:
-                    keys = torch.arange(ctx, device=device)
-                    queries = torch.arange(start, ctx, device=device)
-                    mask = keys[None, :] <= queries[:, None]
-                blocks = torch.tensor(needed, device=device)
-                self._prefills.append(_Prefill(row, n, start, blocks, mask))
+                self._prefills.append(_prefill(row, n, start, needed, bs, device))
             row += n
         self.num_tokens = row
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
@@ -114,19 +112,64 @@ class PagedAttention:
             rows = slice(p.q_start, p.q_start + p.q_len)
             # SDPA gets 4-D [1, heads, len, D] views: 3-D inputs miss the fused CPU kernel.
             qs = q[rows].transpose(0, 1)[None]
-            if p.mask is None:  # nothing cached: the chunk's own K/V are the whole context
-                ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            if p.start_pos == 0:  # nothing cached: the chunk's own K/V are the whole context
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            elif p.mask is None:  # CPU: prefix and chunk apart, merged (module docstring)
+                kp, vp = _prefix_kv(p, k_cache), _prefix_kv(p, v_cache)
+                o = _merged(_FLASH_CPU(qs, kp, vp, 0.0, False), _FLASH_CPU(qs, ks, vs, 0.0, True))
             else:
                 ctx = p.start_pos + p.q_len
                 ks = _gather(k_cache, p.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
                 vs = _gather(v_cache, p.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
-            )
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
         for d in self._decodes:
             out[d.rows] = _decode_attention(d, q, k_cache, v_cache)
         return out
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""SDPA's CPU flash kernel, called directly for its log-sum-exp (``-> (out, lse)``)."""
+
+
+def _prefill(
+    row: int, n: int, start: int, needed: list[int], bs: int, device: torch.device
+) -> _Prefill:
+    """A prefill chunk's plan: see the module docstring for the two ways."""
+    if start == 0:
+        return _Prefill(row, n, 0, torch.tensor(needed, device=device), None, None)
+    if device.type == "cpu":
+        prefix = needed[: (start + bs - 1) // bs]
+        run = prefix == list(range(prefix[0], prefix[0] + len(prefix)))
+        blocks = torch.tensor([] if run else prefix, dtype=torch.long, device=device)
+        return _Prefill(row, n, start, blocks, prefix[0] if run else None, None)
+    keys = torch.arange(start + n, device=device)
+    mask = keys[None, :] <= torch.arange(start, start + n, device=device)[:, None]
+    return _Prefill(row, n, start, torch.tensor(needed, device=device), None, mask)
+
+
+def _prefix_kv(p: _Prefill, cache: torch.Tensor) -> torch.Tensor:
+    """Keys (or values) of positions ``[0, start_pos)`` as ``[1, Hkv, start_pos, D]``."""
+    if p.first_block is not None:  # one contiguous run of blocks: a view of the pool
+        num = -(-p.start_pos // cache.shape[1])
+        part = cache[p.first_block : p.first_block + num]
+    else:
+        part = _gather(cache, p.blocks)
+    return part.flatten(0, 1)[: p.start_pos].transpose(0, 1)[None]
+
+
+def _merged(
+    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's ``(out, lse)``: the softmax over
+    their union, each part weighted by its share of the total exp-sum (in float32)."""
+    (oa, la), (ob, lb) = a, b
+    top = torch.maximum(la, lb)
+    wa, wb = (la - top).exp_(), (lb - top).exp_()
+    total = wa + wb
+    out = oa.float() * (wa / total)[..., None]
+    return out.add_(ob.float() * (wb / total)[..., None]).to(oa.dtype)
 
 
 _MAX_PADDING = 1.25
