@@ -6,10 +6,11 @@ layer it (1) writes the new tokens' K/V into their slots, then (2) computes atte
 
 * prefill chunks (several new tokens): per sequence, the new queries attend causally to all
   keys at positions ``[0, start_pos + n)`` (cached prefix + the chunk itself), with torch
-  SDPA. On CPU the two parts run without a mask and are merged by their log-sum-exp: the
-  chunk causally over its own K/V, and the cached prefix read in place when its blocks are one
-  contiguous run (a view, no copy; gathered otherwise). Elsewhere the whole context is
-  gathered and masked;
+  SDPA. The context is read in place when its blocks are one contiguous run (a view of the
+  pool, no copy), gathered through the block table otherwise. A short chunk gets one SDPA call
+  with a mask built once per step (additive, in the KV dtype, on CPU); on CPU a long chunk on a
+  cached prefix runs as two unmasked flash calls, the prefix and the chunk causally over its
+  own K/V, merged by their log-sum-exp (no ``[n, ctx]`` mask);
 * decodes (one new token): batched, keys of the decoding sequences gathered into a padded
   ``[B, L]`` view and masked by each sequence's length; sequences are grouped by context
   length so that padding stays small.
@@ -33,9 +34,9 @@ class _Prefill:
     q_start: int  # first row of this sequence in the flat token batch
     q_len: int
     start_pos: int  # tokens already cached before this chunk
-    blocks: torch.Tensor  # block ids covering [0, start_pos + q_len) (CPU: [0, start_pos))
-    first_block: int | None  # CPU: the prefix's blocks are first_block, first_block + 1, ...
-    mask: torch.Tensor | None  # [q_len, ctx] bool off CPU when start_pos > 0; else None
+    first_block: int | None  # context [0, start_pos + q_len) is blocks first_block, +1, ...
+    blocks: torch.Tensor | None  # else the block ids to gather (None when start_pos == 0)
+    mask: torch.Tensor | None  # [q_len, ctx]; None: start_pos == 0, or the two-call split
 
 
 @dataclass(slots=True)
@@ -88,7 +89,7 @@ class PagedAttention:
                 dec_tables.append(needed)
                 dec_lens.append(ctx)
             else:
-                self._prefills.append(_prefill(row, n, start, needed, bs, device))
+                self._prefills.append(_prefill(row, n, start, needed, bs, pool.kv))
             row += n
         self.num_tokens = row
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
@@ -115,14 +116,13 @@ class PagedAttention:
             ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
             if p.start_pos == 0:  # nothing cached: the chunk's own K/V are the whole context
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            elif p.mask is None:  # CPU: prefix and chunk apart, merged (module docstring)
-                kp, vp = _prefix_kv(p, k_cache), _prefix_kv(p, v_cache)
+            elif p.mask is not None:
+                kc, vc = _context(p, k_cache), _context(p, v_cache)
+                o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=p.mask, enable_gqa=True)
+            else:  # CPU, long chunk: prefix and chunk apart, merged (module docstring)
+                start = p.start_pos
+                kp, vp = _context(p, k_cache)[:, :, :start], _context(p, v_cache)[:, :, :start]
                 o = _merged(_FLASH_CPU(qs, kp, vp, 0.0, False), _FLASH_CPU(qs, ks, vs, 0.0, True))
-            else:
-                ctx = p.start_pos + p.q_len
-                ks = _gather(k_cache, p.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
-                vs = _gather(v_cache, p.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
         for d in self._decodes:
             out[d.rows] = _decode_attention(d, q, k_cache, v_cache)
@@ -133,30 +133,37 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 """SDPA's CPU flash kernel, called directly for its log-sum-exp (``-> (out, lse)``)."""
 
 
+_MASK_ELEMENTS = 1 << 18
+"""Chunks with ``q_len * ctx`` up to this get one masked SDPA call; longer ones (CPU) the split."""
+
+
 def _prefill(
-    row: int, n: int, start: int, needed: list[int], bs: int, device: torch.device
+    row: int, n: int, start: int, needed: list[int], bs: int, kv: torch.Tensor
 ) -> _Prefill:
-    """A prefill chunk's plan: see the module docstring for the two ways."""
+    """A prefill chunk's plan (see the module docstring); ``needed`` covers its context."""
     if start == 0:
-        return _Prefill(row, n, 0, torch.tensor(needed, device=device), None, None)
-    if device.type == "cpu":
-        prefix = needed[: (start + bs - 1) // bs]
-        run = prefix == list(range(prefix[0], prefix[0] + len(prefix)))
-        blocks = torch.tensor([] if run else prefix, dtype=torch.long, device=device)
-        return _Prefill(row, n, start, blocks, prefix[0] if run else None, None)
-    keys = torch.arange(start + n, device=device)
-    mask = keys[None, :] <= torch.arange(start, start + n, device=device)[:, None]
-    return _Prefill(row, n, start, torch.tensor(needed, device=device), None, mask)
+        return _Prefill(row, n, 0, None, None, None)
+    ctx, device = start + n, kv.device
+    run = needed == list(range(needed[0], needed[0] + len(needed)))
+    blocks = None if run else torch.tensor(needed, device=device)
+    mask = None
+    if device.type != "cpu" or n * ctx <= _MASK_ELEMENTS:
+        keys = torch.arange(ctx, device=device)
+        mask = keys[None, :] <= torch.arange(start, ctx, device=device)[:, None]
+        if device.type == "cpu":  # the flash kernel takes an additive mask in the query dtype
+            mask = torch.zeros(mask.shape, dtype=kv.dtype).masked_fill_(~mask, float("-inf"))
+    return _Prefill(row, n, start, needed[0] if run else None, blocks, mask)
 
 
-def _prefix_kv(p: _Prefill, cache: torch.Tensor) -> torch.Tensor:
-    """Keys (or values) of positions ``[0, start_pos)`` as ``[1, Hkv, start_pos, D]``."""
+def _context(p: _Prefill, cache: torch.Tensor) -> torch.Tensor:
+    """Keys (or values) of positions ``[0, start_pos + q_len)`` as ``[1, Hkv, ctx, D]``."""
+    ctx = p.start_pos + p.q_len
     if p.first_block is not None:  # one contiguous run of blocks: a view of the pool
-        num = -(-p.start_pos // cache.shape[1])
-        part = cache[p.first_block : p.first_block + num]
+        part = cache[p.first_block : p.first_block - (-ctx // cache.shape[1])]
     else:
+        assert p.blocks is not None
         part = _gather(cache, p.blocks)
-    return part.flatten(0, 1)[: p.start_pos].transpose(0, 1)[None]
+    return part.flatten(0, 1)[:ctx].transpose(0, 1)[None]
 
 
 def _merged(

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixkv.runner import KVPool, PagedAttention
+from prefixkv.runner import KVPool, PagedAttention, attention
 
 HQ, HKV, D, BS = 4, 2, 8, 4
 
@@ -29,8 +29,11 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ([16, 17, 3, 0], [2, 9, 5, 7]),  # chunks on prefixes ending at / inside a block
     ],
 )
-@pytest.mark.parametrize("scrambled", [True, False])  # False: each prefix is one block run (views)
-def test_matches_dense_attention(starts, lens, scrambled):
+@pytest.mark.parametrize("scrambled", [True, False])  # False: each context is one block run (views)
+@pytest.mark.parametrize("split", [False, True])  # True: every chunk on a prefix takes the CPU split
+def test_matches_dense_attention(starts, lens, scrambled, split, monkeypatch):
+    if split:
+        monkeypatch.setattr(attention, "_MASK_ELEMENTS", 0)
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(
         num_layers=2,
