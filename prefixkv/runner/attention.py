@@ -147,11 +147,12 @@ def _prefill(
     run = needed == list(range(needed[0], needed[0] + len(needed)))
     blocks = None if run else torch.tensor(needed, device=device)
     mask = None
-    if device.type != "cpu" or n * ctx <= _MASK_ELEMENTS:
+    if device.type == "cpu" and n * ctx <= _MASK_ELEMENTS:
+        # additive, in the query dtype (what the flash kernel takes): -inf where key > query
+        mask = torch.full((n, ctx), float("-inf"), dtype=kv.dtype).triu_(start + 1)
+    elif device.type != "cpu":
         keys = torch.arange(ctx, device=device)
         mask = keys[None, :] <= torch.arange(start, ctx, device=device)[:, None]
-        if device.type == "cpu":  # the flash kernel takes an additive mask in the query dtype
-            mask = torch.zeros(mask.shape, dtype=kv.dtype).masked_fill_(~mask, float("-inf"))
     return _Prefill(row, n, start, needed[0] if run else None, blocks, mask)
 
 
