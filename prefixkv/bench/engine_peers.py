@@ -13,6 +13,8 @@ Per round and engine: TTFT of a 2,030-token prompt on an empty cache (cold), TTF
 2,030-token prompt whose 2,000-token prefix was just computed (warm), prefill tokens/s
 (2,030 / cold TTFT), decode tokens/s at batch 1 and 8 (``(t(65 tokens) - t(1 token))`` over
 the 64 decoded tokens per sequence). A peer whose package is missing is listed as such.
+``--dtype bfloat16`` casts the same weights to bf16 in prefixkv, transformers and vLLM (llama.cpp
+has no bf16 GGUF here and is left out): a separate table, never mixed with the fp32 one.
 """
 
 from __future__ import annotations
@@ -84,9 +86,10 @@ def hf_dir(src: Path, dst: Path) -> Path:
 class Worker:
     """One engine's worker process; :meth:`generate` is one timed request."""
 
-    def __init__(self, engine: str, python: str, model: Path, threads: int) -> None:
+    def __init__(self, engine: str, python: str, model: Path, threads: int,
+                 dtype: str = "float32") -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_OMP_THREADS_BIND="nobind")
+                   VLLM_CPU_OMP_THREADS_BIND="nobind", PREFIXKV_PEER_DTYPE=dtype)
         self.engine = engine
         self.proc = subprocess.Popen([python, str(WORKER), engine, str(model), str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     p.add_argument("--engines", default="prefixkv,transformers,llama.cpp,vllm")
     p.add_argument("--json", type=Path)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args(argv)
     from prefixkv.models.catalog import ensure_model
 
@@ -154,10 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     workers: dict[str, Worker] = {}
     failed: dict[str, str] = {}
     for engine in args.engines.split(","):
+        if args.dtype != "float32" and engine.startswith("llama.cpp"):
+            failed[engine] = f"no {args.dtype} GGUF of these weights"
+            continue
         python = sys.executable if engine in ("prefixkv", "prefixkv-q4", "transformers") else peer_python
         try:
             model = models.get(engine) or hf_dir(src, src.parent / "hf-f32")
-            workers[engine] = Worker(engine, python, model, args.threads)
+            workers[engine] = Worker(engine, python, model, args.threads, args.dtype)
         except (OSError, RuntimeError) as exc:
             failed[engine] = str(exc)
     rng = random.Random(0)
@@ -175,21 +182,22 @@ def main(argv: list[str] | None = None) -> int:
                                              "failed": failed, "runs": rows}, indent=2))
     for w in workers.values():
         w.close()
-    print_table(med, failed, args.threads, args.rounds)
+    print_table(med, failed, args.threads, args.rounds, args.dtype)
     return 0
 
 
 def print_table(med: dict[str, dict[str, float]], failed: dict[str, str], threads: int,
-                rounds: int) -> None:
+                rounds: int, dtype: str = "float32") -> None:
     """The markdown table (same weights, same dtype on every row)."""
-    print(f"SmolLM2-135M-Instruct, same weights (Q4_1 GGUF dequantized), fp32, {threads} threads,"
-          f" {rounds} interleaved rounds, medians")
+    short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    print(f"SmolLM2-135M-Instruct, same weights (Q4_1 GGUF dequantized), {short}, {threads} "
+          f"threads, {rounds} interleaved rounds, medians")
     metrics = [("TTFT, 2,030-token prompt cold (s)", "ttft_cold_s", "{:.3f}"),
                ("TTFT, 2,000-token prefix cached (s)", "ttft_warm_s", "{:.3f}"),
                ("prefill tokens/s", "prefill_tok_s", "{:.0f}"),
                ("decode tokens/s, batch 1", "decode_b1_tok_s", "{:.1f}"),
                ("decode tokens/s, batch 8", "decode_b8_tok_s", "{:.1f}")]
-    print("| metric | " + " | ".join(LABELS[e] for e in med) + " |")
+    print("| metric | " + " | ".join(LABELS[e].replace("fp32", short) for e in med) + " |")
     print("| --- |" + " ---: |" * len(med))
     for title, key, fmt in metrics:
         cells = [fmt.format(m[key]) if key in m else "no cache" for m in med.values()]

@@ -7,12 +7,14 @@ ENGINE: ``prefixkv`` | ``prefixkv-q4`` (``quantization="gguf"``) | ``transformer
 peers' venv runs it by path without prefixkv installed there. Each request line is
 ``{"prompts": [[ids]], "max_tokens": n, "reset": bool}``; the answer is
 ``{"seconds": wall time of the generate call, "tokens": [[ids]]}``, or ``{"error": text}``.
-Greedy decoding, end-of-sequence ignored, so every engine does the same work.
+Greedy decoding, end-of-sequence ignored, so every engine does the same work. The weights' dtype
+is ``$PREFIXKV_PEER_DTYPE`` (``float32`` by default, or ``bfloat16``; llama.cpp runs its GGUF's).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,12 +22,13 @@ from functools import partial
 from typing import Any
 
 Generate = Callable[[list[list[int]], int, bool], list[list[int]]]
+DTYPE = os.environ.get("PREFIXKV_PEER_DTYPE", "float32")
 
 
 def _prefixkv(model: str, threads: int, **settings: Any) -> Generate:
     from prefixkv.engine import LLM, SamplingParams
 
-    llm = LLM(model, threads=threads, **settings)
+    llm = LLM(model, threads=threads, dtype=DTYPE, **settings)
 
     def run(prompts: list[list[int]], n: int, reset: bool) -> list[list[int]]:
         if reset:
@@ -41,7 +44,7 @@ def _transformers(model: str, threads: int) -> Generate:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, DTYPE))
     hf.eval()
 
     def run(prompts: list[list[int]], n: int, reset: bool) -> list[list[int]]:
@@ -82,7 +85,7 @@ def _vllm(model: str, threads: int) -> Generate:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, dtype="float32", enable_prefix_caching=True, max_model_len=4096)
+    llm = LLM(model=model, dtype=DTYPE, enable_prefix_caching=True, max_model_len=4096)
 
     def run(prompts: list[list[int]], n: int, reset: bool) -> list[list[int]]:
         if reset:

@@ -60,7 +60,7 @@ def resolve_prompt(
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
     # fast path: plain ints in range (no per-item Python branch); else find the culprit
-    if not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) >= vocab_size:
+    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab_size:
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                 raise ValueError(f"prompt token id {t!r} out of range [0, {vocab_size})")

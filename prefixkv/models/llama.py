@@ -79,6 +79,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:  # same products, one pass fewer
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
@@ -105,9 +107,20 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (HF's RoPE) for ``x`` ``[T, H, D]``, as a new tensor.
+
+    The halves of ``cos``/``sin`` are equal (``cat(freqs, freqs)``), so the rotation is two
+    half-width products subtracted / added in place: the same roundings as HF's expression
+    (``a + (-b) * s == a - b * s`` exactly) without its negated and concatenated copies.
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    sin_half = sin[..., :half]
+    out = x * cos
+    out[..., :half].sub_(x2 * sin_half)
+    out[..., half:].add_(x1 * sin_half)
+    return out
 
 
 class Linear(nn.Module):
@@ -177,18 +190,18 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        # q and k side by side [T, Hq + Hkv, D]: one RoPE pass rotates both
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            h = self.num_heads
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
         out = attention(self.layer_idx, q, k, v)
-        result: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        result: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * d))
         return result
 
 
@@ -204,7 +217,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        result: torch.Tensor = self.down_proj(F.silu(gate).mul_(up))
         return result
 
 
@@ -221,8 +234,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        # the sublayers' outputs are fresh tensors: the residual is added into them in place
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attention).add_(x)
+        result: torch.Tensor = self.mlp(self.post_attention_layernorm(x)).add_(x)
         return result
 
 

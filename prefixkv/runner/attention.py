@@ -5,8 +5,12 @@ handed to the model's forward as its ``attention`` callable (no global metadata)
 layer it (1) writes the new tokens' K/V into their slots, then (2) computes attention:
 
 * prefill chunks (several new tokens): per sequence, the new queries attend causally to all
-  keys at positions ``[0, start_pos + n)`` gathered through the block table (cached prefix +
-  the chunk itself), with torch SDPA;
+  keys at positions ``[0, start_pos + n)`` (cached prefix + the chunk itself), with torch
+  SDPA. The context is read in place when its blocks are one contiguous run (a view of the
+  pool, no copy), gathered through the block table otherwise. A short chunk gets one SDPA call
+  with a mask built once per step (additive, in the KV dtype, on CPU); on CPU a long chunk on a
+  cached prefix runs as two unmasked flash calls, the prefix and the chunk causally over its
+  own K/V, merged by their log-sum-exp (no ``[n, ctx]`` mask);
 * decodes (one new token): batched, keys of the decoding sequences gathered into a padded
   ``[B, L]`` view and masked by each sequence's length; sequences are grouped by context
   length so that padding stays small.
@@ -30,8 +34,9 @@ class _Prefill:
     q_start: int  # first row of this sequence in the flat token batch
     q_len: int
     start_pos: int  # tokens already cached before this chunk
-    blocks: torch.Tensor  # block ids covering [0, start_pos + q_len)
-    mask: torch.Tensor | None  # [q_len, ctx] bool; None when start_pos == 0 (plain causal)
+    first_block: int | None  # context [0, start_pos + q_len) is blocks first_block, +1, ...
+    blocks: torch.Tensor | None  # else the block ids to gather (None when start_pos == 0)
+    mask: torch.Tensor | None  # [q_len, ctx]; None: start_pos == 0, or the two-call split
 
 
 @dataclass(slots=True)
@@ -84,13 +89,7 @@ class PagedAttention:
                 dec_tables.append(needed)
                 dec_lens.append(ctx)
             else:
-                mask = None
-                if start > 0:
-                    keys = torch.arange(ctx, device=device)
-                    queries = torch.arange(start, ctx, device=device)
-                    mask = keys[None, :] <= queries[:, None]
-                blocks = torch.tensor(needed, device=device)
-                self._prefills.append(_Prefill(row, n, start, blocks, mask))
+                self._prefills.append(_prefill(row, n, start, needed, bs, pool.kv))
             row += n
         self.num_tokens = row
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
@@ -114,19 +113,71 @@ class PagedAttention:
             rows = slice(p.q_start, p.q_start + p.q_len)
             # SDPA gets 4-D [1, heads, len, D] views: 3-D inputs miss the fused CPU kernel.
             qs = q[rows].transpose(0, 1)[None]
-            if p.mask is None:  # nothing cached: the chunk's own K/V are the whole context
-                ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
-            else:
-                ctx = p.start_pos + p.q_len
-                ks = _gather(k_cache, p.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
-                vs = _gather(v_cache, p.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
-            )
+            ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            if p.start_pos == 0:  # nothing cached: the chunk's own K/V are the whole context
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            elif p.mask is not None:
+                kc, vc = _context(p, k_cache), _context(p, v_cache)
+                o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=p.mask, enable_gqa=True)
+            else:  # CPU, long chunk: prefix and chunk apart, merged (module docstring)
+                start = p.start_pos
+                kp, vp = _context(p, k_cache)[:, :, :start], _context(p, v_cache)[:, :, :start]
+                o = _merged(_FLASH_CPU(qs, kp, vp, 0.0, False), _FLASH_CPU(qs, ks, vs, 0.0, True))
             out[rows] = o[0].transpose(0, 1)
         for d in self._decodes:
             out[d.rows] = _decode_attention(d, q, k_cache, v_cache)
         return out
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""SDPA's CPU flash kernel, called directly for its log-sum-exp (``-> (out, lse)``)."""
+
+
+_MASK_ELEMENTS = 1 << 18
+"""Chunks with ``q_len * ctx`` up to this get one masked SDPA call; longer ones (CPU) the split."""
+
+
+def _prefill(
+    row: int, n: int, start: int, needed: list[int], bs: int, kv: torch.Tensor
+) -> _Prefill:
+    """A prefill chunk's plan (see the module docstring); ``needed`` covers its context."""
+    if start == 0:
+        return _Prefill(row, n, 0, None, None, None)
+    ctx, device = start + n, kv.device
+    run = needed == list(range(needed[0], needed[0] + len(needed)))
+    blocks = None if run else torch.tensor(needed, device=device)
+    mask = None
+    if device.type == "cpu" and n * ctx <= _MASK_ELEMENTS:
+        # additive, in the query dtype (what the flash kernel takes): -inf where key > query
+        mask = torch.full((n, ctx), float("-inf"), dtype=kv.dtype).triu_(start + 1)
+    elif device.type != "cpu":
+        keys = torch.arange(ctx, device=device)
+        mask = keys[None, :] <= torch.arange(start, ctx, device=device)[:, None]
+    return _Prefill(row, n, start, needed[0] if run else None, blocks, mask)
+
+
+def _context(p: _Prefill, cache: torch.Tensor) -> torch.Tensor:
+    """Keys (or values) of positions ``[0, start_pos + q_len)`` as ``[1, Hkv, ctx, D]``."""
+    ctx = p.start_pos + p.q_len
+    if p.first_block is not None:  # one contiguous run of blocks: a view of the pool
+        part = cache[p.first_block : p.first_block - (-ctx // cache.shape[1])]
+    else:
+        assert p.blocks is not None
+        part = _gather(cache, p.blocks)
+    return part.flatten(0, 1)[:ctx].transpose(0, 1)[None]
+
+
+def _merged(
+    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's ``(out, lse)``: the softmax over
+    their union, each part weighted by its share of the total exp-sum (in float32)."""
+    (oa, la), (ob, lb) = a, b
+    top = torch.maximum(la, lb)
+    wa, wb = (la - top).exp_(), (lb - top).exp_()
+    total = wa + wb
+    out = oa.float() * (wa / total)[..., None]
+    return out.add_(ob.float() * (wb / total)[..., None]).to(oa.dtype)
 
 
 _MAX_PADDING = 1.25

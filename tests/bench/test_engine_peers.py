@@ -47,3 +47,15 @@ def test_peer_runs_one_round(engine: str) -> None:
         w.close()
     assert res["ttft_warm_s"] < res["ttft_cold_s"]
     assert res["decode_b1_tok_s"] > 0
+
+
+def test_bfloat16_worker_and_table(capsys: pytest.CaptureFixture[str]) -> None:
+    w = Worker("prefixkv", sys.executable, ensure_demo_model(), threads=1, dtype="bfloat16")
+    try:
+        assert w.generate([[40, 41, 42]], 2, reset=True) > 0
+    finally:
+        w.close()
+    print_table({"prefixkv": {"prefill_tok_s": 3.0}}, {"llama.cpp": "no bfloat16 GGUF"}, 2, 1,
+                "bfloat16")
+    out = capsys.readouterr().out
+    assert "| prefixkv bf16 |" in out and "fp32" not in out.split("llama.cpp")[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixkv.runner import KVPool, PagedAttention
+from prefixkv.runner import KVPool, PagedAttention, attention
 
 HQ, HKV, D, BS = 4, 2, 8, 4
 
@@ -26,9 +26,14 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     [
         ([0, 5, 30, 31, 2, 80], [1, 1, 1, 1, 1, 1]),  # decodes of mixed lengths (grouped)
         ([9, 0, 17, 40], [1, 13, 6, 1]),  # decodes + fresh prefill + chunk on a cached prefix
+        ([16, 17, 3, 0], [2, 9, 5, 7]),  # chunks on prefixes ending at / inside a block
     ],
 )
-def test_matches_dense_attention(starts, lens):
+@pytest.mark.parametrize("scrambled", [True, False])  # False: each context is one block run (views)
+@pytest.mark.parametrize("split", [False, True])  # True: every chunk on a prefix takes the CPU split
+def test_matches_dense_attention(starts, lens, scrambled, split, monkeypatch):
+    if split:
+        monkeypatch.setattr(attention, "_MASK_ELEMENTS", 0)
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(
         num_layers=2,
@@ -39,7 +44,7 @@ def test_matches_dense_attention(starts, lens):
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
-    ids = torch.randperm(64, generator=gen).tolist()
+    ids = torch.randperm(64, generator=gen).tolist() if scrambled else list(range(64))
     tables, full_k, full_v = [], [], []
     for i, (s, n) in enumerate(zip(starts, lens, strict=True)):
         nb = -(-(s + n) // BS)
