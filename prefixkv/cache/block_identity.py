@@ -17,6 +17,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
+_HASHED_TYPES: dict[type, bool] = {}
+"""entry type -> whether it is a hashed block (the answer is a property of the type)."""
+
+
+def is_hashed_block(entry: Any) -> bool:
+    """Whether ``entry`` is a hashed block (its chained ``hash`` is its identity), by type:
+    one dict lookup per call, the attribute check once per entry type."""
+    kind = type(entry)
+    got = _HASHED_TYPES.get(kind)
+    if got is None:
+        got = _HASHED_TYPES[kind] = hasattr(entry, "hash")
+    return got
+
+
 def identity_root(label: str) -> int:
     """A policy's root identity: a fixed 63-bit int derived from ``label``, equal in every
     process (block identities, and so the blocks a sampling policy simulates, are then

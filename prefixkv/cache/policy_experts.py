@@ -60,7 +60,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from prefixkv.cache.block_identity import fold_identities, identity_root
+from prefixkv.cache.block_identity import fold_identities, identity_root, is_hashed_block
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
 EXPERTS = ("lru", "tail", "ghost", "lru2", "s2", "rate", "hit", "lru3")
@@ -157,7 +157,6 @@ class ExpertsPolicy(EvictionPolicy):
         self._shadows = [_Shadow() for _ in self.experts]
         self.scores = [0.0] * len(self.experts)
         self._sampled_visits = 0
-        self._types: dict[type, bool] = {}
         # id(entry) -> [entry, start depth when memoized, its blocks' identities or None], for
         # every entry seen and not evicted (entries leave an index only through eviction)
         self._entries: dict[int, list[Any]] = {}
@@ -280,7 +279,7 @@ class ExpertsPolicy(EvictionPolicy):
         of a run of blocks) sees the record of the block that would be deepest then. An entry
         not memoized by a touch yet is folded here (never during a probe: every evictable
         leaf was touched when it was inserted, and a memo survives splits and trims)."""
-        if self._hashed(entry):
+        if is_hashed_block(entry):
             return self._table.get(entry.hash)
         memo = self._entries.get(id(entry))
         if memo is not None and memo[2] is not None:  # no list slicing: one index
@@ -290,14 +289,6 @@ class ExpertsPolicy(EvictionPolicy):
                 return self._table.get(idents[j])
         idents = self._identities(entry)
         return self._table.get(idents[-1]) if idents else None
-
-    def _hashed(self, entry: Any) -> bool:
-        """Whether ``entry`` is a hashed block (its ``hash`` is its identity), cached by type."""
-        kind = type(entry)
-        got = self._types.get(kind)
-        if got is None:
-            got = self._types[kind] = hasattr(entry, "hash")
-        return got
 
     def _mark_interior(self, ident: Hashable, rec: list[Any]) -> None:
         """A deeper block followed ``ident`` in one touch: not a dead tail; re-key shadows."""
@@ -347,7 +338,7 @@ class ExpertsPolicy(EvictionPolicy):
 
     def _identities(self, entry: Any) -> Sequence[Any]:
         """Identities of ``entry``'s blocks, shallowest first (see policy_ghost)."""
-        if self._hashed(entry):
+        if is_hashed_block(entry):
             return [entry.hash]
         return fold_identities(entry, _ROOT, self._memoized, self._remember)
 

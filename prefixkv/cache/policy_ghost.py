@@ -52,7 +52,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from prefixkv.cache.block_identity import fold_identities, identity_root
+from prefixkv.cache.block_identity import fold_identities, identity_root, is_hashed_block
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 
 _ROOT_IDENTITY = identity_root("prefixkv.policy_ghost.root")
@@ -103,7 +103,6 @@ class GhostPolicy(EvictionPolicy):
         # id(radix node) -> (node, start depth when memoized, identities of its blocks then),
         # dropped when the node leaves the index (only through eviction: ``on_evict``)
         self._memo: dict[int, tuple[Any, int, array[int]]] = {}
-        self._types: dict[type, bool] = {}  # entry type -> is it a hashed block
 
     # ------------------------------------------------------------------ policy
     def key(self, entry: CacheEntry) -> Any:
@@ -162,7 +161,7 @@ class GhostPolicy(EvictionPolicy):
         when first keyed at its real depth (an evictable leaf is filed, so keyed, before any
         probe), and a memo stays valid as the node's blocks shrink to a sub-range."""
         e: Any = entry
-        memo = None if self._hashed(e) else self._memo.get(id(e))
+        memo = None if is_hashed_block(e) else self._memo.get(id(e))
         if memo is not None:
             j = e.depth - memo[1] - 1
             ident = memo[2][j] if 0 <= j < len(memo[2]) else None
@@ -188,17 +187,9 @@ class GhostPolicy(EvictionPolicy):
     # ---------------------------------------------------------------- identity
     def _identities(self, entry: Any) -> Sequence[int]:
         """Identities of ``entry``'s blocks, shallowest first."""
-        if self._hashed(entry):  # a hashed block: its chained hash is the identity
+        if is_hashed_block(entry):  # a hashed block: its chained hash is the identity
             return [entry.hash]
         return fold_identities(entry, _ROOT_IDENTITY, self._memoized, self._remember)
-
-    def _hashed(self, entry: Any) -> bool:
-        """Whether ``entry`` is a hashed block (its ``hash`` is its identity), by type."""
-        kind = type(entry)
-        got = self._types.get(kind)
-        if got is None:
-            got = self._types[kind] = hasattr(entry, "hash")
-        return got
 
     def _remember(self, node: Any, identities: Sequence[int]) -> None:
         # an array: a node's memo dies with it (an eviction), freeing one buffer rather than
