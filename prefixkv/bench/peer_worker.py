@@ -69,9 +69,12 @@ def _llama_cpp(model: str, threads: int) -> Generate:
         outs = []
         for p in prompts:  # one sequence at a time (no batched decode in llama-cpp-python)
             if reset:
-                llm.reset()  # else generate() reuses the longest common prefix it holds
+                llm.reset()
             toks: list[int] = []
-            for tok in llm.generate(p, temp=0.0, top_k=1, reset=False):
+            # reset=True is llama-cpp-python's prefix reuse: it keeps the longest common prefix
+            # of the tokens it holds and evaluates the rest (reset=False appends the whole
+            # prompt to the previous context instead)
+            for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
                 toks.append(int(tok))
                 if len(toks) == n:
                     break

@@ -45,9 +45,9 @@ def test_peer_runs_one_round(engine: str) -> None:
         res = one_round(w, random.Random(0), has_cache=True)
     finally:
         w.close()
-    if engine == "vllm":  # llama.cpp at one thread: warm was once slower than cold (23 vs 14 s)
-        assert res["ttft_warm_s"] < res["ttft_cold_s"]
-    assert res["ttft_warm_s"] > 0
+    # the warm request reuses the 2,000-token prefix (llama.cpp too: the worker must ask for
+    # its prefix reuse; appending the prompt to the old context once made warm slower than cold)
+    assert 0 < res["ttft_warm_s"] < res["ttft_cold_s"] / 2
     assert res["decode_b1_tok_s"] > 0
 
 
