@@ -2,8 +2,9 @@
 
 Workload (issue 2, issue 15): 1,000 cached distinct 1,024-token prompts plus a 2,000-token
 system prompt; *match* a 2,048-token prompt sharing the system prompt; *insert* a 1,024-token
-sequence sharing 512 tokens with a cached prompt; *evict* 10 leaves' worth of tokens from the
-full cache (10 x 1,024 = 10,240 tokens on every row: ``evict(10240 // block_size)`` blocks for
+sequence sharing 512 tokens with a cached prompt; *evict* 10 leaves' worth of tokens from a
+fresh load of the system prompt and the prompts (the same 1,001 leaves on every row, oldest
+first; 10 x 1,024 = 10,240 tokens: ``evict(10240 // block_size)`` blocks for
 ours, ``evict(num_tokens=10240)`` for SGLang, 640 blocks for vLLM), reporting the tokens and
 leaves each call actually freed; memory of 1,000 cached 512-token prefixes (tracemalloc).
 Token ids are fresh Python ints in [0, 150000) (a Qwen-size vocabulary), as a tokenizer returns
@@ -146,10 +147,14 @@ def _insert(cache: Any, pool: BlockPool | None, tokens: list[int], bs: int) -> N
     pool.free(node.returned_block_ids)
 
 
-def _prepare(kind: str, w: dict[str, Any]) -> _Subject:
-    """Load one of our kinds (or the seed reference) with the workload; inputs prebuilt."""
+def _prepare(kind: str, w: dict[str, Any], *, for_evict: bool = False) -> _Subject:
+    """Load one of our kinds (or the seed reference) with the workload; inputs prebuilt.
+
+    ``for_evict``: only the system prompt and the prompts, untouched since they were cached (no
+    insert inputs, whose preparation matches half of 400 prompts), so the tree every row
+    evicts from is the same: 1,001 leaves under the root, oldest first."""
     if ops_peers.is_peer_kind(kind):
-        return _prepare_peer(kind, w)
+        return _prepare_peer(kind, w, for_evict=for_evict)
     _, bs, code = _parse(kind)
     conv: Callable[[list[int]], Any] = (lambda t: t) if code is None else (
         lambda t: array(code, t))
@@ -162,7 +167,9 @@ def _prepare(kind: str, w: dict[str, Any]) -> _Subject:
     query = conv(_copy(w["system"] + w["query_tail"]))
     base = [_copy(p[:512]) for p in w["prompts"]]
     seqs = [conv(base[i % len(base)] + w["suffixes"][i]) for i in range(len(w["suffixes"]))]
-    if pool is None:
+    if for_evict:
+        ids: list[Any] = []
+    elif pool is None:
         ids = [list(range(1024)) for _ in seqs]
     else:
         ids = [[*cache.match_prefix(s[:512]).matched_kv_blocks, *(pool.allocate(512 // bs) or [])]
@@ -187,9 +194,13 @@ def _prepare(kind: str, w: dict[str, Any]) -> _Subject:
                     lambda i: cache.insert_prefix(seqs[i], ids[i]), evict, units, memory, freed)
 
 
-def _prepare_peer(kind: str, w: dict[str, Any]) -> _Subject:
-    """The same workload through a peer adapter; keys and values built outside timed calls."""
-    peer = ops_peers.make_peer(kind, 2000 + 1024 * len(w["prompts"]) + 512 * len(w["suffixes"]))
+def _prepare_peer(kind: str, w: dict[str, Any], *, for_evict: bool = False) -> _Subject:
+    """The same workload through a peer adapter; keys and values built outside timed calls.
+
+    ``for_evict``: sized for the system prompt and the prompts only (vLLM's pool would
+    otherwise hand out its never-used blocks before evicting any) and no insert inputs."""
+    suffixes = [] if for_evict else w["suffixes"]
+    peer = ops_peers.make_peer(kind, 2000 + 1024 * len(w["prompts"]) + 512 * len(suffixes))
     bs = peer.block_size
     next_id = 0
 
@@ -204,8 +215,8 @@ def _prepare_peer(kind: str, w: dict[str, Any]) -> _Subject:
     if peer.match(query) != 2000:
         raise RuntimeError(f"{kind}: the query should match the 2,000-token system prompt")
     base = [_copy(p[:512]) for p in w["prompts"]]
-    seqs = [peer.insert_input(base[i % len(base)] + w["suffixes"][i], ids(1024))
-            for i in range(len(w["suffixes"]))]
+    seqs = [peer.insert_input(base[i % len(base)] + suffixes[i], ids(1024))
+            for i in range(len(suffixes))]
     units = [0]
     freed: list[int] = []
 
@@ -287,12 +298,14 @@ DEFAULT_KINDS = ("seed-reference", "radix-bs1", "radix-bs1+array", "radix-bs1+u3
 
 
 def run_ops(kinds: tuple[str, ...] = DEFAULT_KINDS, *, prompts: int = 1000, iters: int = 2000,
-            seed: int = 0, rounds: int = 5, vocab: int = VOCAB) -> list[OpsRow]:
+            seed: int = 0, rounds: int = 5, vocab: int = VOCAB,
+            evict_loads: int = 1) -> list[OpsRow]:
     """Run every kind on one workload, interleaved; the first kind is the baseline for ratios.
 
     ``iters`` match calls per kind; inserts are the workload's 400 sequences; evict calls are
-    ``min(iters, prompts // 20, 50)`` (each frees 10 leaves' worth, so half the prompts at most
-    go). Kinds are ours (``radix-bs16+array``, ``hash:xxhash-bs16``, ...), ``seed-reference``,
+    ``min(iters, prompts // 20, 50)`` per load (each frees 10 leaves' worth, so half the prompts
+    at most go) on ``evict_loads`` fresh loads of every kind, one after the other (more calls
+    for the median: one load gives 50). Kinds are ours (``radix-bs16+array``, ``hash:xxhash-bs16``, ...), ``seed-reference``,
     or peers (:func:`prefixkv.bench.ops_peers.parse_peer`); all are checked before anything
     runs (``ValueError`` for a bad one; ``ImportError`` when a peer is not installed).
     """
@@ -300,6 +313,8 @@ def run_ops(kinds: tuple[str, ...] = DEFAULT_KINDS, *, prompts: int = 1000, iter
         raise ValueError("kinds must name at least one index")
     if rounds <= 0:
         raise ValueError("rounds must be positive")
+    if evict_loads <= 0:
+        raise ValueError(f"evict_loads must be positive, got {evict_loads}")
     if vocab < 2:
         raise ValueError(f"vocab must be at least 2, got {vocab}")
     for k in kinds:
@@ -308,17 +323,27 @@ def run_ops(kinds: tuple[str, ...] = DEFAULT_KINDS, *, prompts: int = 1000, iter
     subjects = [_prepare(k, w) for k in kinds]
     match = _interleaved(subjects, "match", iters, rounds)
     insert = _interleaved(subjects, "insert", len(w["suffixes"]), rounds)
+    # evict from fresh loads: after the insert phase the trees differ in shape (a match that
+    # ends inside a node refreshes the whole node in SGLang, only the matched part in ours, so
+    # LRU would take other leaves), and equal work means the same 10 leaves on every row
+    memory = [s.memory() for s in subjects]
     n_evict = max(1, min(iters, prompts // 20, 50))
-    before = [s.units() for s in subjects]
-    evict = _interleaved(subjects, "evict", n_evict, rounds)
-    rows = []
-    for j, s in enumerate(subjects):
-        after, start = s.units(), before[j]
-        units = None if after is None or start is None else (after - start) / n_evict
-        rows.append(OpsRow(s.kind, _median_us(match[j]), _median_us(insert[j]),
-                           _median_us(evict[j]), statistics.median(s.freed), units,
-                           s.memory(), s.note))
-    return rows
+    evict: list[list[int]] = [[] for _ in kinds]
+    freed: list[list[int]] = [[] for _ in kinds]
+    units: list[float | None] = [0.0 for _ in kinds]
+    for _ in range(evict_loads):
+        del subjects
+        subjects = [_prepare(k, w, for_evict=True) for k in kinds]
+        before = [s.units() for s in subjects]
+        for j, times in enumerate(_interleaved(subjects, "evict", n_evict, rounds)):
+            evict[j] += times
+            freed[j] += subjects[j].freed
+            after, start, total = subjects[j].units(), before[j], units[j]
+            units[j] = (None if after is None or start is None or total is None
+                        else total + (after - start) / n_evict / evict_loads)
+    return [OpsRow(s.kind, _median_us(match[j]), _median_us(insert[j]), _median_us(evict[j]),
+                   statistics.median(freed[j]), units[j], memory[j], s.note)
+            for j, s in enumerate(subjects)]
 
 
 def _fmt_bytes(b: float | None) -> str:
@@ -398,6 +423,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--prompts", type=int, default=1000, help="cached 1,024-token prompts")
     p.add_argument("--iters", type=int, default=2000, help="match calls per kind")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--evict-loads", type=int, default=1,
+                   help="fresh loads of every kind to evict from, 50 calls each (default: "
+                        "%(default)s; more calls make the evict median steadier)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--vocab", type=int, default=VOCAB,
                    help="token ids are drawn from [0, VOCAB) (default: %(default)s)")
@@ -421,7 +449,8 @@ def run_from_args(args: Any) -> int:
             print("peers not installed: " + "; ".join(missing))
         kinds += found
     rows = run_ops(kinds, prompts=args.prompts, iters=args.iters, seed=args.seed,
-                   rounds=getattr(args, "rounds", 5), vocab=getattr(args, "vocab", VOCAB))
+                   rounds=getattr(args, "rounds", 5), vocab=getattr(args, "vocab", VOCAB),
+                   evict_loads=getattr(args, "evict_loads", 1))
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
