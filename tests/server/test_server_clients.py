@@ -109,18 +109,42 @@ print("ok")
 """
 
 
-def _client_python() -> str | None:
-    """A Python that has langchain-openai (this one, or $PREFIXKV_CLIENTS_PYTHON)."""
+LITELLM_SCRIPT = """
+import sys
+import litellm
+url = sys.argv[1] + "/v1"
+kw = dict(model="openai/prefixkv-demo", api_base=url, api_key="x", max_tokens=6, temperature=0)
+system = {"role": "system", "content": "You are a terse assistant. " * 40}
+first = litellm.completion(messages=[system, {"role": "user", "content": "Hello"}], **kw)
+again = litellm.completion(messages=[system, {"role": "user", "content": "Hi there"}], **kw)
+assert first.choices[0].message.content is not None and first.usage.completion_tokens == 6
+assert again.usage.prompt_tokens_details.cached_tokens > 100  # the shared system prompt
+chunks = list(litellm.completion(messages=[{"role": "user", "content": "Hi"}], stream=True, **kw))
+assert len(chunks) > 1 and chunks[-1].choices[0].finish_reason == "length"
+text = litellm.text_completion(prompt="Once upon a time", **kw)
+assert text.choices[0].text and text.usage.completion_tokens == 6
+print("ok")
+"""
+
+
+def _client_python(module: str) -> str | None:
+    """A Python that can import ``module`` (this one, or $PREFIXKV_CLIENTS_PYTHON)."""
     candidate = os.environ.get("PREFIXKV_CLIENTS_PYTHON", sys.executable)
     if shutil.which(candidate) is None and not Path(candidate).is_file():
         return None
-    ok = subprocess.run([candidate, "-c", "import langchain_openai"], capture_output=True, timeout=60)
+    ok = subprocess.run([candidate, "-c", f"import {module}"], capture_output=True, timeout=60,
+                        check=False)
     return candidate if ok.returncode == 0 else None
 
 
-def test_langchain_openai_for_real(server: LiveServer) -> None:
-    python = _client_python()
+@pytest.mark.parametrize(("module", "script"), [("langchain_openai", LC_SCRIPT),
+                                                ("litellm", LITELLM_SCRIPT)])
+def test_real_client_for_real(server: LiveServer, module: str, script: str) -> None:
+    """The client library itself drives the server: chat, streaming, cached-token usage."""
+    python = _client_python(module)
     if python is None:
-        pytest.skip("langchain-openai is not installed (set PREFIXKV_CLIENTS_PYTHON to a Python that has it)")
-    r = subprocess.run([python, "-c", LC_SCRIPT, server.url], capture_output=True, text=True, timeout=300)
+        pytest.skip(f"{module} is not installed (set PREFIXKV_CLIENTS_PYTHON to a Python that has it)")
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # litellm: no fetch at import
+    r = subprocess.run([python, "-c", script, server.url], capture_output=True, text=True,
+                       timeout=300, env=env, check=False)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
