@@ -10,7 +10,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def test_readme_python_blocks_run():
     """The offline blocks; those that talk to a server run in .ci/readme_examples.sh."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
     offline = [b for b in blocks if "openai" not in b]
     assert offline, "README lost its examples"
     for code in offline:
@@ -19,7 +19,7 @@ def test_readme_python_blocks_run():
 
 def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     text = README.read_text()
-    commands = re.findall(r"^    (pip install .*)$", text, flags=re.M)
+    commands = re.findall(r"^    (pip install .*)$", text, flags=re.MULTILINE)
     assert len(commands) == 2
     ci = (README.parent / ".ci" / "run").read_text()
     install, test = commands[1].split(" && ")

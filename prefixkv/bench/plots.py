@@ -7,7 +7,6 @@ the unbounded cache as a dashed ceiling, like Mooncake FAST'25 Figure 9.
 from __future__ import annotations
 
 import bisect
-
 from collections.abc import Sequence
 from pathlib import Path
 

@@ -16,7 +16,6 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
 _HASHED_TYPES: dict[type, bool] = {}
 """entry type -> whether it is a hashed block (the answer is a property of the type)."""
 

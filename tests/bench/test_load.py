@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_live import start_server  # noqa: E402
+from server_live import start_server
 
-from prefixkv.bench.load import run_load  # noqa: E402
-from prefixkv.engine import AsyncEngine  # noqa: E402
+from prefixkv.bench.load import run_load
+from prefixkv.engine import AsyncEngine
 
 
 def test_a_bounded_load_leaves_a_healthy_server_with_no_leaked_blocks() -> None:

@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from prefixkv.runner.logits_processors import RowProcessing, apply_grammar_mask, process_logits, token_logprobs
+from prefixkv.runner.logits_processors import (
+    RowProcessing,
+    apply_grammar_mask,
+    process_logits,
+    token_logprobs,
+)
 
 
 def test_noop_rows_return_the_same_tensor() -> None:

@@ -18,8 +18,8 @@ from prefixkv.engine import AsyncEngine
 from prefixkv.server.limits import ServerLimits
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
-from schemathesis.checks import (  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings
+from schemathesis.checks import (
     not_a_server_error,
     response_schema_conformance,
     status_code_conformance,
