@@ -12,8 +12,8 @@ layer it (1) writes the new tokens' K/V into their slots, then (2) computes atte
   cached prefix runs as two unmasked flash calls, the prefix and the chunk causally over its
   own K/V, merged by their log-sum-exp (no ``[n, ctx]`` mask);
 * decodes (one new token): batched, keys of the decoding sequences gathered into a padded
-  ``[B, L]`` view and masked by each sequence's length; sequences are grouped by context
-  length so that padding stays small.
+  ``[B, L]`` view and masked by each sequence's length (one SDPA call for float32 KV, float32
+  matmuls otherwise); sequences are grouped by context length so that padding stays small.
 
 Plain torch, device agnostic (CPU and CUDA).
 """
@@ -44,7 +44,7 @@ class _DecodeBatch:
     rows: torch.Tensor | None  # [B] rows of the flat token batch; None: all rows, in order
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0
     max_len: int  # longest context in the batch
-    padding: torch.Tensor | None  # [B, 1, 1, max_len] bool (key position >= context length)
+    keep: torch.Tensor | None  # [B, 1, 1, max_len] bool (key position < context length)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -210,10 +210,10 @@ def _decode_batch(
     group = sorted(group)  # by row: a group holding every row then needs no scatter
     width = max(len(blocks) for _, blocks, _ in group)
     max_len = max(n for _, _, n in group)
-    padding = None
+    keep = None
     if any(n != max_len for _, _, n in group):
         lens = torch.tensor([n for _, _, n in group], device=device)
-        padding = (torch.arange(max_len, device=device)[None, :] >= lens[:, None])[:, None, None]
+        keep = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None]
     rows = [row for row, _, _ in group]
     return _DecodeBatch(
         rows=None if rows == list(range(num_rows)) else torch.tensor(rows, device=device),
@@ -221,7 +221,7 @@ def _decode_batch(
             [blocks + [0] * (width - len(blocks)) for _, blocks, _ in group], device=device
         ),
         max_len=max_len,
-        padding=padding,
+        keep=keep,
     )
 
 
@@ -230,20 +230,28 @@ def _decode_attention(
 ) -> torch.Tensor:
     """Batched single-query attention over each sequence's padded, masked context.
 
-    Two batched matmuls and a float32 softmax: for one query row this is several times
-    cheaper than SDPA's CPU flash kernel, whose fixed per-call cost dominates at decode.
-    Scores and the weighted sum are accumulated in float32 whatever the KV dtype.
+    float32 KV: one SDPA call on ``[B, H, 1, D]`` queries and the gathered ``[B, Hkv, L, D]``
+    K/V views (GQA in the kernel). Other dtypes: two batched matmuls and a softmax in float32
+    (SDPA's CPU kernel in bf16 was 0.6x as fast here). Measured on SmolLM2, the fp32 SDPA call
+    against the matmuls: decode steps at batch 8 1.08x (16 keys) to 1.33x (2,000 keys), level
+    at batch 1 (docs/benchmarks.md).
     """
     heads, dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
     qd = q if d.rows is None else q[d.rows]
     b = qd.shape[0]
     keys = _gather(k_cache, d.block_tables).flatten(1, 2)[:, : d.max_len]  # [B, L, Hkv, D]
     values = _gather(v_cache, d.block_tables).flatten(1, 2)[:, : d.max_len]
+    if k_cache.dtype == torch.float32:
+        out = F.scaled_dot_product_attention(
+            qd.reshape(b, heads, 1, dim), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=d.keep, enable_gqa=True,
+        )
+        return out.view(b, heads, dim)
+    kv_heads = k_cache.shape[2]
     # query head h reads KV head h // (heads // kv_heads), as SDPA's enable_gqa does
     qg = qd.view(b, kv_heads, heads // kv_heads, dim).float() * (dim**-0.5)
     scores = torch.matmul(qg, keys.float().permute(0, 2, 3, 1))  # [B, Hkv, G, L]
-    if d.padding is not None:
-        scores.masked_fill_(d.padding, float("-inf"))
+    if d.keep is not None:
+        scores.masked_fill_(~d.keep, float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1), values.float().transpose(1, 2))  # [B, Hkv, G, D]
     return out.view(b, heads, dim).to(q.dtype)

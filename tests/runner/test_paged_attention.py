@@ -71,3 +71,31 @@ def test_matches_dense_attention(starts, lens, scrambled, split, monkeypatch):
         torch.testing.assert_close(out[rows : rows + len(q)], dense(q, k, v), atol=1e-5, rtol=0)
         rows += len(q)
     assert not pool.kv[:, 0].any()  # layer 0 untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # SDPA / float32 matmuls
+def test_batched_decodes_of_mixed_lengths_in_each_kv_dtype(dtype):
+    """Four decodes of different lengths in one padded group, fp32 KV (one SDPA call) and bf16
+    KV (float32 matmuls), against dense attention over the same (rounded) keys."""
+    gen = torch.Generator().manual_seed(2)
+    pool = KVPool(num_layers=1, num_blocks=64, block_size=BS, num_kv_heads=HKV, head_dim=D,
+                  dtype=dtype, device=torch.device("cpu"))
+    starts, tables, ks, vs = [40, 37, 44, 41], [], [], []
+    for i, s in enumerate(starts):
+        tables.append(list(range(16 * i, 16 * i + 12)))
+        k = torch.randn(s + 1, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(s + 1, HKV, D, generator=gen).to(dtype)
+        PagedAttention(pool, start_positions=[0], query_lens=[s], block_tables=[tables[i]])(
+            0, torch.zeros(s, HQ, D, dtype=dtype), k[:s], v[:s])
+        ks.append(k)
+        vs.append(v)
+    qs = torch.randn(4, HQ, D, generator=gen).to(dtype)
+    attn = PagedAttention(pool, start_positions=starts, query_lens=[1] * 4, block_tables=tables)
+    assert len(attn._decodes) == 1 and attn._decodes[0].keep is not None  # one padded group
+    out = attn(0, qs, torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs]))
+    assert out.dtype == dtype
+    for i in range(4):
+        want = dense(qs[i : i + 1].float(), ks[i].float(), vs[i].float())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i : i + 1].float(), want, atol=tol, rtol=0)
+
