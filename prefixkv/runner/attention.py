@@ -14,6 +14,9 @@ layer it (1) writes the new tokens' K/V into their slots, then (2) computes atte
 * decodes (one new token): batched, keys of the decoding sequences gathered into a padded
   ``[B, L]`` view and masked by each sequence's length (one SDPA call for float32 KV, float32
   matmuls otherwise); sequences are grouped by context length so that padding stays small.
+  On CPU, when four or more decodes of a group start with the same blocks (a cached system
+  prompt: 256 tokens or more), those keys are read once for all of them and merged with each
+  sequence's own keys by log-sum-exp, instead of being gathered once per sequence.
 
 Plain torch, device agnostic (CPU and CUDA).
 """
@@ -45,6 +48,7 @@ class _DecodeBatch:
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0
     max_len: int  # longest context in the batch
     keep: torch.Tensor | None  # [B, 1, 1, max_len] bool (key position < context length)
+    shared: torch.Tensor | None = None  # CPU: blocks every table starts with, read once
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -94,7 +98,7 @@ class PagedAttention:
         self.num_tokens = row
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self._decodes = [
-            _decode_batch(group, device, row)
+            _decode_batch(group, device, row, bs)
             for group in _group_by_length(list(zip(dec_rows, dec_tables, dec_lens, strict=True)))
         ]
 
@@ -204,10 +208,36 @@ def _group_by_length(
     return groups
 
 
+_SHARED_MIN_TOKENS = 256
+_SHARED_MIN_SEQS = 4
+"""A CPU decode group of at least ``_SHARED_MIN_SEQS`` sequences whose block tables all start
+with at least ``_SHARED_MIN_TOKENS`` tokens' worth of the same blocks reads that shared prefix
+once for all its queries (:func:`_decode_shared`; SmolLM2, 2,000 shared tokens: 8 sequences
+2.4-3.0x faster steps, 4 1.75x, 2 0.90-1.16x, so two or three stay on the plain path)."""
+
+
+def _shared_blocks(group: list[tuple[int, list[int], int]], block_size: int) -> int:
+    """How many leading blocks every table of ``group`` shares (0 below the threshold); each
+    sequence keeps at least one key of its own after them."""
+    if len(group) < _SHARED_MIN_SEQS:
+        return 0
+    tables = [blocks for _, blocks, _ in group]
+    limit = min((n - 1) // block_size for _, _, n in group)
+    c = 0
+    while c < limit and all(t[c] == tables[0][c] for t in tables):
+        c += 1
+    return c if c * block_size >= _SHARED_MIN_TOKENS else 0
+
+
 def _decode_batch(
-    group: list[tuple[int, list[int], int]], device: torch.device, num_rows: int
+    group: list[tuple[int, list[int], int]], device: torch.device, num_rows: int,
+    block_size: int = 0,
 ) -> _DecodeBatch:
     group = sorted(group)  # by row: a group holding every row then needs no scatter
+    c = _shared_blocks(group, block_size) if device.type == "cpu" and block_size else 0
+    shared = torch.tensor(group[0][1][:c], device=device) if c else None
+    if c:  # the rest of each sequence: its own blocks and keys after the shared prefix
+        group = [(row, blocks[c:], n - c * block_size) for row, blocks, n in group]
     width = max(len(blocks) for _, blocks, _ in group)
     max_len = max(n for _, _, n in group)
     keep = None
@@ -222,6 +252,7 @@ def _decode_batch(
         ),
         max_len=max_len,
         keep=keep,
+        shared=shared,
     )
 
 
@@ -241,6 +272,8 @@ def _decode_attention(
     b = qd.shape[0]
     keys = _gather(k_cache, d.block_tables).flatten(1, 2)[:, : d.max_len]  # [B, L, Hkv, D]
     values = _gather(v_cache, d.block_tables).flatten(1, 2)[:, : d.max_len]
+    if d.shared is not None:
+        return _decode_shared(d, qd, keys, values, k_cache, v_cache)
     if k_cache.dtype == torch.float32:
         out = F.scaled_dot_product_attention(
             qd.reshape(b, heads, 1, dim), keys.transpose(1, 2), values.transpose(1, 2),
@@ -255,3 +288,37 @@ def _decode_attention(
         scores.masked_fill_(~d.keep, float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1), values.float().transpose(1, 2))  # [B, Hkv, G, D]
     return out.view(b, heads, dim).to(q.dtype)
+
+
+def _decode_shared(
+    d: _DecodeBatch, qd: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention of ``B`` sequences whose tables start with the same ``d.shared``
+    blocks (a cached system prompt), in float32: the shared keys are read once, in one batched
+    matmul per KV head whose rows are every sequence's query heads; the rest of each context
+    (``keys``/``values``: ``[B, L, Hkv, D]``, masked by ``d.keep``) as in the plain path; the
+    two parts merged by their log-sum-exp. Gathering the shared prefix per sequence copied it
+    ``B`` times per layer and step."""
+    assert d.shared is not None
+    b, heads, dim = qd.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    qg = qd.view(b, kv_heads, group, dim).float() * (dim**-0.5)  # [B, Hkv, G, D]
+    shared_k = _gather(k_cache, d.shared).flatten(0, 1).float()  # [S, Hkv, D]
+    shared_v = _gather(v_cache, d.shared).flatten(0, 1).float()
+    rows = qg.transpose(0, 1).reshape(kv_heads, b * group, dim)  # [Hkv, B*G, D]
+    s1 = torch.matmul(rows, shared_k.permute(1, 2, 0))  # [Hkv, B*G, S]
+    lse1 = torch.logsumexp(s1, dim=-1)
+    o1 = torch.matmul(s1.softmax(dim=-1), shared_v.transpose(0, 1))  # [Hkv, B*G, D]
+    o1 = o1.view(kv_heads, b, group, dim).transpose(0, 1)  # [B, Hkv, G, D]
+    lse1 = lse1.view(kv_heads, b, group).transpose(0, 1)
+    s2 = torch.matmul(qg, keys.float().permute(0, 2, 3, 1))  # [B, Hkv, G, L]
+    if d.keep is not None:
+        s2.masked_fill_(~d.keep, float("-inf"))
+    lse2 = torch.logsumexp(s2, dim=-1)  # every sequence has a key of its own: finite
+    o2 = torch.matmul(s2.softmax(dim=-1), values.float().transpose(1, 2))  # [B, Hkv, G, D]
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - top).exp_(), (lse2 - top).exp_()
+    out = (o1 * w1[..., None]).add_(o2 * w2[..., None]).div_((w1 + w2)[..., None])
+    return out.reshape(b, heads, dim).to(qd.dtype)

@@ -13,6 +13,7 @@ import pytest
 
 from prefixkv.cache.policy_experts import ExpertsPolicy
 from prefixkv.engine import LLM, SamplingParams
+from prefixkv.runner import attention
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -75,3 +76,31 @@ def test_no_cache_path_frees_everything(make_llm: Any, helpers: Any, reference: 
     assert llm.engine.kv.pool.num_free == 30
     assert llm.get_stats().num_preemptions > 0
     assert llm.get_cache_stats() is None and llm.reset_prefix_cache() is False
+
+
+def test_decodes_on_a_long_shared_prefix_equal_the_uncached_ones(
+    make_llm: Any, helpers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight requests on a cached 300-token system prompt decode together, reading the shared
+    blocks once per step (the runner's shared-prefix path); greedy tokens equal those of the
+    same requests without a cache, where every sequence attends over its own copy."""
+    system = helpers.tokens(3, 300)
+    prompts = [system + helpers.tokens(200 + i, 2 + i) for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = make_llm(enable_prefix_caching=False, num_kv_blocks=512)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    shared_steps: list[int] = []
+    real = attention._decode_shared
+
+    def counting(*args: Any) -> Any:
+        shared_steps.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(attention, "_decode_shared", counting)
+    llm = make_llm(num_kv_blocks=512)
+    llm.generate([system + [5]], params)  # the system prompt is cached before the batch
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert shared_steps  # the batch did take the shared-prefix path
+    helpers.assert_no_leak(llm)
+

@@ -99,3 +99,43 @@ def test_batched_decodes_of_mixed_lengths_in_each_kv_dtype(dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i : i + 1].float(), want, atol=tol, rtol=0)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_sharing_a_cached_prefix_read_it_once(dtype):
+    """Four decodes whose tables start with the same 66 blocks (264 tokens: a shared system
+    prompt) and go on in blocks of their own: the shared prefix is read once for the four
+    queries, merged with each one's own keys; equal to dense attention over each context."""
+    gen = torch.Generator().manual_seed(3)
+    pool = KVPool(num_layers=1, num_blocks=128, block_size=BS, num_kv_heads=HKV, head_dim=D,
+                  dtype=dtype, device=torch.device("cpu"))
+    prefix = list(range(10, 76))
+    shared_k = torch.randn(264, HKV, D, generator=gen).to(dtype)
+    shared_v = torch.randn(264, HKV, D, generator=gen).to(dtype)
+    PagedAttention(pool, start_positions=[0], query_lens=[264], block_tables=[prefix])(
+        0, torch.zeros(264, HQ, D, dtype=dtype), shared_k, shared_v)
+    own_lens, tables, ks, vs = [6, 10, 3, 1], [], [], []
+    for i, n in enumerate(own_lens):  # n tokens of its own, the last one new this step
+        tables.append(prefix + list(range(80 + 4 * i, 84 + 4 * i)))
+        k = torch.cat([shared_k, torch.randn(n, HKV, D, generator=gen).to(dtype)])
+        v = torch.cat([shared_v, torch.randn(n, HKV, D, generator=gen).to(dtype)])
+        if n > 1:
+            PagedAttention(pool, start_positions=[264], query_lens=[n - 1],
+                           block_tables=[tables[i]])(
+                0, torch.zeros(n - 1, HQ, D, dtype=dtype), k[264:-1], v[264:-1])
+        ks.append(k)
+        vs.append(v)
+    starts = [264 + n - 1 for n in own_lens]
+    qs = torch.randn(4, HQ, D, generator=gen).to(dtype)
+    attn = PagedAttention(pool, start_positions=starts, query_lens=[1] * 4, block_tables=tables)
+    assert len(attn._decodes) == 1 and attn._decodes[0].shared is not None
+    assert attn._decodes[0].shared.tolist() == prefix
+    out = attn(0, qs, torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs]))
+    assert out.dtype == dtype and out.shape == (4, HQ, D)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i in range(4):
+        want = dense(qs[i : i + 1].float(), ks[i].float(), vs[i].float())
+        torch.testing.assert_close(out[i : i + 1].float(), want, atol=tol, rtol=0)
+    three = PagedAttention(pool, start_positions=starts[:3], query_lens=[1] * 3,
+                           block_tables=tables[:3])
+    assert three._decodes[0].shared is None  # fewer than four: each gathers its context
+
