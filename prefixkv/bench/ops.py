@@ -150,10 +150,9 @@ def _prepare(kind: str, w: dict[str, Any], *, for_evict: bool = False) -> _Subje
         _insert(cache, pool, p, bs)
     query = conv(_copy(w["system"] + w["query_tail"]))
     base = [_copy(p[:512]) for p in w["prompts"]]
-    seqs = [conv(base[i % len(base)] + w["suffixes"][i]) for i in range(len(w["suffixes"]))]
-    if for_evict:
-        ids: list[Any] = []
-    elif pool is None:
+    suffixes = [] if for_evict else w["suffixes"]
+    seqs = [conv(base[i % len(base)] + suffixes[i]) for i in range(len(suffixes))]
+    if pool is None:
         ids = [list(range(1024)) for _ in seqs]
     else:
         ids = [[*cache.match_prefix(s[:512]).matched_kv_blocks, *(pool.allocate(512 // bs) or [])]

@@ -31,6 +31,7 @@ class OpsRow:
 EVICT_TOKENS = 10 * 1024
 """Tokens each evict call asks for: 10 leaves of the workload's 1,024-token prompts."""
 
+
 def _fmt_bytes(b: float | None) -> str:
     return "n/a" if b is None else f"{b:.0f}"
 

@@ -283,11 +283,18 @@ def _decode_attention(
     kv_heads = k_cache.shape[2]
     # query head h reads KV head h // (heads // kv_heads), as SDPA's enable_gqa does
     qg = qd.view(b, kv_heads, heads // kv_heads, dim).float() * (dim**-0.5)
-    scores = torch.matmul(qg, keys.float().permute(0, 2, 3, 1))  # [B, Hkv, G, L]
-    if d.keep is not None:
-        scores.masked_fill_(~d.keep, float("-inf"))
+    scores = _own_scores(qg, keys, d.keep)
     out = torch.matmul(scores.softmax(dim=-1), values.float().transpose(1, 2))  # [B, Hkv, G, D]
     return out.view(b, heads, dim).to(q.dtype)
+
+
+def _own_scores(qg: torch.Tensor, keys: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Float32 scores ``[B, Hkv, G, L]`` of the scaled queries ``qg`` ``[B, Hkv, G, D]`` over
+    each sequence's gathered ``keys`` ``[B, L, Hkv, D]``, ``-inf`` where ``keep`` is False."""
+    scores = torch.matmul(qg, keys.float().permute(0, 2, 3, 1))
+    if keep is not None:
+        scores.masked_fill_(~keep, float("-inf"))
+    return scores
 
 
 def _decode_shared(
@@ -311,14 +318,9 @@ def _decode_shared(
     s1 = torch.matmul(rows, shared_k.permute(1, 2, 0))  # [Hkv, B*G, S]
     lse1 = torch.logsumexp(s1, dim=-1)
     o1 = torch.matmul(s1.softmax(dim=-1), shared_v.transpose(0, 1))  # [Hkv, B*G, D]
-    o1 = o1.view(kv_heads, b, group, dim).transpose(0, 1)  # [B, Hkv, G, D]
-    lse1 = lse1.view(kv_heads, b, group).transpose(0, 1)
-    s2 = torch.matmul(qg, keys.float().permute(0, 2, 3, 1))  # [B, Hkv, G, L]
-    if d.keep is not None:
-        s2.masked_fill_(~d.keep, float("-inf"))
+    shared = (o1.view(kv_heads, b, group, dim).transpose(0, 1),  # [B, Hkv, G, D]
+              lse1.view(kv_heads, b, group).transpose(0, 1))
+    s2 = _own_scores(qg, keys, d.keep)  # [B, Hkv, G, L]
     lse2 = torch.logsumexp(s2, dim=-1)  # every sequence has a key of its own: finite
     o2 = torch.matmul(s2.softmax(dim=-1), values.float().transpose(1, 2))  # [B, Hkv, G, D]
-    top = torch.maximum(lse1, lse2)
-    w1, w2 = (lse1 - top).exp_(), (lse2 - top).exp_()
-    out = (o1 * w1[..., None]).add_(o2 * w2[..., None]).div_((w1 + w2)[..., None])
-    return out.reshape(b, heads, dim).to(qd.dtype)
+    return _merged(shared, (o2, lse2)).reshape(b, heads, dim).to(qd.dtype)
