@@ -15,9 +15,10 @@ property test against the block-by-block loop:
 Policies without the declaration keep the block-by-block loop. So a call costs O(leaves touched
 x log n) Python steps (one heap call, one key probe and one detach per whole leaf) plus the
 C-speed work on the freed ids: each entry's id array is appended to the result (``array('I')``,
-joined and reversed in numpy) and the held flags are cleared once, for all of them, at the end
-(one numpy scatter). At block size 1 that per-id work is about a third of a call that frees ten
-1,024-token leaves; the rest is the per-leaf steps.
+joined and reversed in numpy). Releasing them is O(1) per entry that leaves whole and holds its
+owner tag alone (:meth:`~prefixkv.cache.held_ids.HeldIds.release_owner`); trimmed tails (at most
+one a call with a run policy) and hashed blocks (no tag of their own) are released id by id,
+once, at the end.
 """
 
 from __future__ import annotations
@@ -64,7 +65,11 @@ class Evictor(Generic[E]):
         policy: its eviction policy.
         drop_tail: ``drop_tail(entry, k)`` removes an evictable leaf's last ``k`` blocks (and
             detaches it when empty); returns their ids shallowest first (as stored).
-        release: ``release(ids)``, the index stops holding dropped ids (called once a call).
+        release: ``release(ids)``, the index stops holding dropped ids one by one (called at
+            most once a call, for the trimmed tails and untagged entries).
+        release_owner: ``release_owner(owner, ids)``, the index stops holding the ids of an
+            entry that left whole (``entry.owner``, non-zero; O(1) unless a split part of the
+            entry still shares the tag).
         key_at: ``key_at(entry, depth)``, the policy's key at a smaller depth (a probe).
         refresh: re-files an entry in the heap after it changed (its children, its blocks).
         gone: called for each entry whose last block was evicted, before anything else moves
@@ -75,17 +80,19 @@ class Evictor(Generic[E]):
     """
 
     __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh", "_release",
-                 "entries_freed")
+                 "_release_owner", "entries_freed")
 
     def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
                  drop_tail: Callable[[E, int], BlockIds],
                  release: Callable[[BlockIds], None],
+                 release_owner: Callable[[int, BlockIds], None],
                  key_at: Callable[[E, int], Any], refresh: Callable[[Entry | None], None],
                  gone: Callable[[E], None] | None) -> None:
         self._heap = heap
         self._policy = policy
         self._drop_tail = drop_tail
         self._release = release
+        self._release_owner = release_owner
         self._key_at = key_at
         self._refresh = refresh
         self._gone = gone
@@ -95,19 +102,28 @@ class Evictor(Generic[E]):
         """Free up to ``num_blocks`` blocks; returns their ids (fewer if fewer are evictable):
         the dropped runs in eviction order, each deepest block first."""
         runs: list[BlockIds] = []
+        loose: list[BlockIds] = []  # dropped runs still stamped with a live owner
         self.entries_freed = 0
         try:
-            self._evict(num_blocks, runs)
+            self._evict(num_blocks, runs, loose)
         finally:  # every id dropped from the forest is released, even if a hook raised
             out = deepest_first(runs)
-            self._release(out)
+            if len(loose) == len(runs):
+                self._release(out)
+            elif len(loose) == 1:
+                self._release(loose[0])
+            elif loose:
+                ids = new_ids()
+                ids.frombytes(b"".join(loose))
+                self._release(ids)
         return out
 
-    def _evict(self, num_blocks: int, out: list[BlockIds]) -> None:
+    def _evict(self, num_blocks: int, out: list[BlockIds], loose: list[BlockIds]) -> None:
         heap = self._heap
         pop_and_peek, peek_key, push = heap.pop_and_peek, heap.peek_key, heap.push
         key, drop_tail, gone, key_at = (self._policy.key, self._drop_tail, self._gone,
                                         self._key_at)
+        release_owner = self._release_owner
         runs = self._policy.depth_monotone_keys
         e: E | None = None
         top: Any = None  # the heap's smallest key while e is out of it
@@ -126,12 +142,23 @@ class Evictor(Generic[E]):
                 # leaf's (then: a binary search)
                 if k > 1 and top is not None and key_at(e, e.depth - (k - 1)) > top:
                     k = self._run_length(e, k, top)
-                out.append(drop_tail(e, k))
+                run = drop_tail(e, k)
+                out.append(run)
                 got += k
                 left = k < n
+                if left or not e.owner:
+                    loose.append(run)
+                else:  # the entry left whole: released through its tag
+                    release_owner(e.owner, run)
             else:
+                before = len(out)
                 got = self._trim_per_block(e, num_blocks, out, got)
                 left = e.num_blocks > 0
+                if left or not e.owner:
+                    loose.extend(out[before:])
+                else:  # its last block left with it: released through its tag
+                    loose.extend(out[before:-1])
+                    release_owner(e.owner, out[-1])
             if left:
                 push(e)
                 e = None

@@ -7,8 +7,9 @@ are added, and how an evictable leaf loses its tail. Everything else (the lock, 
 counts, the eviction order, the pin registry, held block ids, statistics) is the driver's.
 
 Ownership: a forest never frees or claims block ids itself. ``add`` calls the driver's
-``claim`` as its last check (after it, nothing fails); ``drop_tail`` returns the ids it
-dropped and the driver releases them. Ids travel as :data:`~prefixkv.cache.held_ids.BlockIds`
+``claim`` as its last check (after it, nothing fails) and keeps the owner tag it returns on the
+new entry; a split tells the driver that a second entry now holds part of a tag's ids
+(``share``); ``drop_tail`` returns the ids it dropped and the driver releases them. Ids travel as :data:`~prefixkv.cache.held_ids.BlockIds`
 (``array('I')``). A forest is guarded by its driver's lock.
 """
 
@@ -36,6 +37,10 @@ class Entry(CacheEntry, Protocol):
     pin_ref: int
     heap_ver: int
     in_heap: bool
+    owner: int
+    """The owner tag its ids carry in the driver's :class:`~prefixkv.cache.held_ids.HeldIds`
+    (its own or shared with the other parts of a split entry; releasing an entry whole through
+    it is O(1)), or 0 when its ids are released one by one."""
 
     @property
     def parent(self) -> Self | None:
@@ -83,9 +88,18 @@ E = TypeVar("E", bound=Entry)
 ExtraKeys = Sequence[Hashable | None] | None
 """One extra key per block (hashed index only), or ``None``."""
 
-Claim = Callable[[int], BlockIds]
+Claim = Callable[[int], tuple[BlockIds, int]]
 """``claim(stop)``: the driver validates and holds the caller's ids from the walk's end up to
-position ``stop``, and returns them (a new array, the forest's to keep)."""
+position ``stop``, and returns them (a new array, the forest's to keep) with their owner tag."""
+
+Share = Callable[[int, BlockIds], int]
+"""``share(owner, ids)``: a new entry takes over ``ids``, part of the run stamped ``owner`` (a
+split); the driver returns the tag the new entry keeps."""
+
+
+def unbound_share(owner: int, ids: BlockIds) -> int:
+    """A forest's ``share`` until its driver sets it."""
+    raise RuntimeError("a forest's share is set by the index that drives it")
 
 
 class Walk(Generic[E]):
@@ -130,6 +144,9 @@ class Forest(Protocol[E]):
 
     name: str
     """The index kind in statistics (``"radix"``, ``"hash"``)."""
+
+    share: Share
+    """Set by the driver before use: what a split calls for its new upper part (module doc)."""
 
     @property
     def num_entries(self) -> int:

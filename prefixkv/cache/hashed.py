@@ -22,7 +22,7 @@ from typing import Any
 
 from prefixkv.cache._checks import as_token_list, check_tokens
 from prefixkv.cache.eviction import key_at_depth
-from prefixkv.cache.forest import Added, Claim, EntryState, ExtraKeys, Walk
+from prefixkv.cache.forest import Added, Claim, EntryState, ExtraKeys, Share, Walk, unbound_share
 from prefixkv.cache.hashing import BlockHasher, check_key_part, make_block_hasher, root_hash
 from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds
 from prefixkv.cache.index import PrefixIndex
@@ -36,6 +36,7 @@ class HashBlock(EntryState):
     __slots__ = ("block_id", "children", "depth", "extra", "hash", "namespace", "num_blocks",
                  "parent", "tokens")
     is_root = False
+    owner = 0
 
     def __init__(self, h: Any, block_id: int, parent: HashBlock | None, tokens: list[int],
                  extra: Any, namespace: Namespace, depth: int, now: float) -> None:
@@ -71,6 +72,7 @@ class HashForest:
         self._table: dict[Any, HashBlock] = {}
         self._roots: dict[Namespace, Any] = {}
         self._root_children: dict[Namespace, dict[int, list[HashBlock]]] = {}
+        self.share: Share = unbound_share  # never called: blocks are not split
 
     @property
     def num_entries(self) -> int:
@@ -179,7 +181,7 @@ class HashForest:
             seen.add(parent_hash)
             new_hashes.append(parent_hash)
         stop = m + len(new_hashes)
-        taken = claim(stop)
+        taken, _ = claim(stop)  # blocks are released one by one: no tag of their own
         # --- validated: change from here on
         prev = walk.path[-1] if walk.path else None
         added = Added(walk.path, walk.ids + taken, prev)

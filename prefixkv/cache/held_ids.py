@@ -1,16 +1,26 @@
-"""HeldIds: which block ids an index holds, and the claim / release protocol for them.
+"""HeldIds: which block ids an index holds, which entry owns each, and the claim / release protocol.
 
-One byte per id of ``[0, max_blocks)``. An insert *claims* the caller's new ids as its last
-check (so nothing can fail after it), eviction *releases* them. An id is held at most once:
-claiming an id that is held, or the same id twice, is a ``ValueError`` that leaves nothing
-marked.
+Every id of ``[0, max_blocks)`` carries an *owner tag* (uint32, 0 = none), and every tag a count
+of the entries holding ids stamped with it (one byte per tag); an id is held while its tag's
+count is not zero. An insert *claims* the caller's new ids as its last check (so nothing can
+fail after it) and stamps them with a fresh tag, the new entry's; a split entry's two parts share
+their tag (:meth:`share`: O(1), the count goes up). Eviction *releases* ids either one by one (a
+trimmed tail) or, when an entry leaves whole, through its tag (:meth:`release_owner`): O(1)
+however many ids the entry held when it is the tag's only holder (a 1,024-token leaf at block
+size 1 no longer costs a 1,024-id scatter), else its ids are cleared one by one. An id is held at
+most once: claiming an id that is held, or the same id twice, is a ``ValueError`` that leaves
+nothing marked.
+
+A dead tag is reused only after a sweep (:meth:`_sweep`, O(max_blocks) in numpy) has cleared
+the ids still carrying it; sweeps run when no free tag is left and keep at least half the tag
+space free, so they cost O(1) amortized per claim.
 
 Block ids travel as :data:`BlockIds`, an ``array('I')`` (4 bytes an id, no Python int per id):
 :meth:`HeldIds.pack` packs a caller's ids once, in C; a claim returns the claimed ids as a new
 array that the entry keeps; matches and evictions concatenate those arrays (a memory copy, no
-per-id Python work). Cost: a claim or release of ``n`` ids is O(n), in C (numpy over the array's
-buffer, indexing by ``intp``: numpy's uint32 fancy index is 2-3x slower) from :data:`BULK` ids
-on; short runs use a Python loop, faster below a few dozen ids.
+per-id Python work). Cost: a claim or explicit release of ``n`` ids is O(n), in C (numpy over
+the arrays' buffers, indexing by ``intp``: numpy's uint32 fancy index is 2-3x slower) from
+:data:`BULK` ids on; short runs use a Python loop, faster below a few dozen ids.
 """
 
 from __future__ import annotations
@@ -30,10 +40,13 @@ ID_TYPECODE = "I"
 """The ``array`` typecode of :data:`BlockIds` (uint32)."""
 
 MAX_BLOCKS = 2**32
-"""Largest id space an index takes (ids are uint32; the flags alone would be 4 GiB)."""
+"""Largest id space an index takes (ids are uint32)."""
 
 BULK = 48
 """Claims and releases of at least this many ids take the numpy path."""
+
+_MIN_TAGS = 1024
+"""Smallest tag space (tags are also grown to an eighth of the id space, so sweeps are rare)."""
 
 
 def new_ids() -> BlockIds:
@@ -44,27 +57,36 @@ def new_ids() -> BlockIds:
 class HeldIds:
     """The set of block ids held by one index (not thread safe: the index's lock guards it)."""
 
-    __slots__ = ("_flags", "_view", "count", "max_blocks")
+    __slots__ = ("_alive", "_aview", "_free", "_next", "_tags", "_tview", "count", "max_blocks")
 
     def __init__(self, max_blocks: int) -> None:
         if max_blocks > MAX_BLOCKS:
             raise ValueError(f"max_blocks must be <= 2**32 (uint32 block ids), got {max_blocks}")
         self.max_blocks = max_blocks
-        self._flags = bytearray(max_blocks)
-        self._view = np.frombuffer(self._flags, dtype=np.uint8)  # shares the bytes (writable)
+        self._tags = array("I", bytes(4 * max_blocks))  # each id's owner tag, 0 = none
+        self._tview = np.frombuffer(self._tags, dtype=np.uint32)  # shares the buffer (writable)
+        self._alive = bytearray(0)
+        self._aview: np.ndarray[Any, Any] = np.zeros(0, np.uint8)
+        self._free = array("I")  # dead tags swept free (4 bytes each), popped from the end
+        self._next = 1  # tags from here on were never used (tag 0 is "none", never alive)
+        self._grow(max(_MIN_TAGS, max_blocks // 8 + 2))
         self.count = 0
 
     def __contains__(self, block_id: object) -> bool:
         return (type(block_id) is int and 0 <= block_id < self.max_blocks
-                and bool(self._flags[block_id]))
+                and bool(self._alive[self._tags[block_id]]))
 
     def memory_bytes(self) -> int:
-        """Bytes of the flags (one per id of the space)."""
-        return self.max_blocks
+        """Bytes of the tags (four per id) and the alive flags (one per tag)."""
+        return 4 * self.max_blocks + len(self._alive)
 
     def as_set(self) -> set[int]:
         """Every held id (O(max_blocks); for invariant checks)."""
-        return {int(b) for b in np.flatnonzero(self._view)}
+        return {int(b) for b in np.flatnonzero(self._aview[self._tview])}
+
+    def owner_of(self, block_id: int) -> int:
+        """The tag stamped on ``block_id`` (0 or a dead tag when it is not held)."""
+        return int(self._tags[block_id])
 
     def pack(self, ids: Sequence[int], name: str = "kv_block_ids") -> BlockIds:
         """A caller's ids as :data:`BlockIds` (an ``array('I')`` is taken as is, not copied).
@@ -83,17 +105,49 @@ class HeldIds:
             check_block_ids(list(ids), self.max_blocks, name)
         return packed
 
+    # ----------------------------------------------------------------- releasing
     def release(self, ids: BlockIds) -> None:
-        """Stop holding ``ids`` (they were held)."""
+        """Stop holding ``ids`` (they were held), one by one."""
         if len(ids) >= BULK:  # intp indices: numpy scatters uint32 ones 2-3x slower
-            self._view[np.frombuffer(ids, dtype=np.uint32).astype(np.intp)] = 0
+            self._tview[np.frombuffer(ids, dtype=np.uint32).astype(np.intp)] = 0
         else:
-            flags = self._flags
+            tags = self._tags
             for b in ids:
-                flags[b] = 0
+                tags[b] = 0
         self.count -= len(ids)
 
-    def claim(self, ids: BlockIds, cached: BlockIds, stop: int) -> tuple[list[int], BlockIds]:
+    def release_owner(self, owner: int, ids: BlockIds) -> None:
+        """Stop holding ``ids``, an entry's whole run (stamped ``owner``), as it leaves: O(1)
+        when no other entry shares the tag."""
+        left = self._alive[owner] - 1
+        self._alive[owner] = left
+        if left:
+            self.release(ids)
+        else:
+            self.count -= len(ids)
+
+    def share(self, owner: int, ids: BlockIds) -> int:
+        """A new entry takes over ``ids``, part of ``owner``'s run (a split): returns its tag,
+        ``owner`` itself (its count goes up) unless 255 entries already share it."""
+        n = self._alive[owner]
+        if n < 255:
+            self._alive[owner] = n + 1
+            return owner
+        new = self._new_tag()
+        if len(ids) >= BULK:
+            self._tview[np.frombuffer(ids, dtype=np.uint32).astype(np.intp)] = new
+        else:
+            tags = self._tags
+            for b in ids:
+                tags[b] = new
+        return new
+
+    def holders(self, owner: int) -> int:
+        """How many entries share ``owner`` (0: dead)."""
+        return self._alive[owner]
+
+    # ------------------------------------------------------------------- claiming
+    def claim(self, ids: BlockIds, cached: BlockIds, stop: int) -> tuple[list[int], BlockIds, int]:
         """Validate the caller's ids and hold ``ids[len(cached):stop]``; return the others.
 
         ``cached`` are the ids already held for the first positions: a caller id equal to its
@@ -102,7 +156,8 @@ class HeldIds:
         (it stays the caller's). ``ValueError``, with nothing marked, if an id is out of range,
         repeated, or already held.
 
-        Returns the returned ids (a list) and the claimed ones (a new array, the entry's own).
+        Returns the returned ids (a list), the claimed ones (a new array, the entry's own) and
+        their owner tag (0 when nothing was claimed), which the entry keeps.
         """
         m = len(cached)
         returned: list[int] = []
@@ -110,65 +165,116 @@ class HeldIds:
             returned = [mine for mine, theirs in zip(ids[:m], cached) if mine != theirs]
         returned += ids[stop:].tolist()
         taken = ids[m:stop]
-        flags = self._flags
+        tags, alive = self._tags, self._alive
         if returned:  # rare (duplicate blocks, hash collisions): the thorough check
             check_block_ids(returned + taken.tolist(), self.max_blocks)
-            if any(map(flags.__getitem__, returned)):
-                dup = next(b for b in returned if flags[b])
+            dup = next((b for b in returned if alive[tags[b]]), None)
+            if dup is not None:
                 raise ValueError(f"kv_block_ids: block id {dup} is already cached at another position")
         if not taken:
-            return returned, taken
+            return returned, taken, 0
         if len(taken) >= BULK:
-            self._claim_bulk(taken)
-            self.count += len(taken)
-            return returned, taken
+            owner = self._claim_bulk(taken)
+        else:
+            owner = self._claim_short(taken)
+        self.count += len(taken)
+        return returned, taken, owner
+
+    def _claim_short(self, taken: BlockIds) -> int:
+        """Check and stamp a few ids in a Python loop (``ValueError``: nothing marked)."""
         hi = max(taken)
         if hi >= self.max_blocks:
             raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
+        tags, alive = self._tags, self._alive
+        owner = self._new_tag()
         i = 0
         try:
             for i, b in enumerate(taken):  # i is read on failure
-                if flags[b]:
+                if alive[tags[b]]:
                     raise ValueError(f"kv_block_ids: block id {b} is repeated or already cached")
-                flags[b] = 1
+                tags[b] = owner
         except ValueError:
             for b in taken[:i]:
-                flags[b] = 0
+                tags[b] = 0
+            alive[owner] = 0
             raise
-        self.count += len(taken)
-        return returned, taken
+        return owner
 
-    def _claim_bulk(self, taken: BlockIds) -> None:
-        """Check and mark ``taken`` in C (``ValueError``: nothing marked)."""
+    def _claim_bulk(self, taken: BlockIds) -> int:
+        """Check and stamp ``taken`` in C (``ValueError``: nothing marked)."""
         idx: np.ndarray[Any, Any] = np.frombuffer(taken, dtype=np.uint32)
-        view = self._view
+        tv, av = self._tview, self._aview
         if not _is_run(idx):
             srt = np.sort(idx)
             idx = idx.astype(np.intp)  # gathers and scatters by intp are 2-3x faster
             hi = int(srt[-1])
             if hi >= self.max_blocks:
                 raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
-            if not np.diff(srt).all() or view[idx].any():
-                bad = next((b for b in taken if self._flags[b]), None)
+            if not np.diff(srt).all() or np.count_nonzero(av.take(tv[idx], mode="clip")):
+                bad = next((b for b in taken if av[tv[b]]), None)
                 if bad is None:
                     bad = int(srt[1:][srt[1:] == srt[:-1]][0])
                 raise ValueError(f"kv_block_ids: block id {bad} is repeated or already cached")
-            view[idx] = 1
-            return
+            owner = self._new_tag()
+            tv[idx] = owner
+            return owner
         lo, hi = min(taken[0], taken[-1]), max(taken[0], taken[-1])
         if hi >= self.max_blocks:
             raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
-        held = self._flags.find(1, lo, hi + 1)
-        if held != -1:
-            raise ValueError(f"kv_block_ids: block id {held} is repeated or already cached")
-        self._flags[lo : hi + 1] = b"\x01" * len(taken)
+        held = av.take(tv[lo : hi + 1], mode="clip")  # tags are < len(av): no bounds checks
+        if np.count_nonzero(held):
+            raise ValueError(f"kv_block_ids: block id {lo + int(held.argmax())} is repeated or "
+                             "already cached")
+        owner = self._new_tag()
+        tv[lo : hi + 1] = owner
+        return owner
+
+    # ----------------------------------------------------------------------- tags
+    def _new_tag(self) -> int:
+        """A tag no id carries, marked alive (one holder)."""
+        if self._free:
+            owner = self._free.pop()
+        elif self._next < len(self._alive):
+            owner = self._next
+            self._next += 1
+        else:
+            self._sweep()
+            return self._new_tag()
+        self._alive[owner] = 1
+        return owner
+
+    def _sweep(self) -> None:
+        """Clear the ids stamped with dead tags, kill the tags no id carries (hashed claims, whose
+        ids are released one by one), and list the dead tags as free; grow the tag space when
+        less than half of it comes back free. O(max_blocks + tags), in numpy."""
+        tv, av = self._tview, self._aview
+        tv[av[tv] == 0] = 0
+        carried = np.zeros(len(av), dtype=bool)
+        carried[tv] = True
+        av[~carried] = 0
+        free = array("I")  # largest first: popped from the end
+        free.frombytes((np.flatnonzero(av[1:] == 0)[::-1] + 1).astype(np.uint32).tobytes())
+        self._free = free
+        if len(free) < len(av) // 2:
+            self._grow(2 * len(av))
+
+    def _grow(self, size: int) -> None:
+        """Enlarge the tag space to ``size`` tags (the new ones are handed out from ``_next``)."""
+        alive = bytearray(size)
+        alive[: len(self._alive)] = self._alive
+        self._alive = alive
+        self._aview = np.frombuffer(alive, dtype=np.uint8)
+
+
+_UP = np.array([1], dtype=np.uint32).tobytes()
+_DOWN = np.array([0xFFFFFFFF], dtype=np.uint32).tobytes()  # -1 in uint32 arithmetic
 
 
 def _is_run(idx: np.ndarray[Any, Any]) -> bool:
-    """Whether ``idx`` is a run of consecutive ids, ascending or descending (as a pool hands
-    them out): then a slice of the flags checks and marks it."""
+    """Whether ``idx`` (uint32) is a run of consecutive ids, ascending or descending (as a pool
+    hands them out): then a slice of the tags checks and stamps it. One wrapping uint32
+    subtraction, compared as bytes (a quarter of the time of an int64 ``diff``)."""
     first, last, n = int(idx[0]), int(idx[-1]), len(idx)
     if abs(last - first) != n - 1:
         return False
-    step = np.diff(idx.astype(np.int64))
-    return bool((step == (1 if last > first else -1)).all())
+    return bool((idx[1:] - idx[:-1]).tobytes() == (_UP if last > first else _DOWN) * (n - 1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from time import perf_counter_ns
@@ -70,6 +71,7 @@ class PrefixIndex(Generic[E]):
         if not callable(clock):
             raise ValueError("clock must be a callable returning a float")  # noqa: TRY004
         self._forest = forest
+        forest.share = self._ids.share
         self._policy = make_policy(eviction_policy)
         self._has_evict_hook = type(self._policy).on_evict is not EvictionPolicy.on_evict
         self._clock = clock
@@ -77,6 +79,7 @@ class PrefixIndex(Generic[E]):
         self._prot = Protection(self._policy)
         self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=forest.drop_tail,
                                 release=self._ids.release,
+                                release_owner=self._ids.release_owner,
                                 key_at=partial(forest.key_at, self._policy),
                                 refresh=self._prot.refresh,
                                 gone=self._policy.on_evict if self._has_evict_hook else None)
@@ -215,10 +218,10 @@ class PrefixIndex(Generic[E]):
             w = self._forest.walk(tokens, nb * bs, namespace, extra_keys)
             returned: list[int] = []
 
-            def claim(stop: int) -> BlockIds:  # the last check: marks ids[m:stop] held
-                got, taken = self._ids.claim(ids, w.ids, stop)
+            def claim(stop: int) -> tuple[BlockIds, int]:  # the last check: holds ids[m:stop]
+                got, taken, owner = self._ids.claim(ids, w.ids, stop)
                 returned.extend(got)
-                return taken
+                return taken, owner
 
             now = self._clock()
             added = self._forest.add(tokens, nb, w, namespace, extra_keys, claim, now)
@@ -368,4 +371,8 @@ class PrefixIndex(Generic[E]):
         with self._lock:
             entries = list(self._forest.check())
             assert self._prot.check(entries) == self._ids.as_set(), "held ids out of sync"
+            holders = Counter(e.owner for e in entries if e.owner)
+            assert all(self._ids.holders(t) == n for t, n in holders.items()), "owner counts"
+            for e in entries:
+                assert not e.owner or all(self._ids.owner_of(b) == e.owner for b in e.blocks)
             assert len(entries) == self._forest.num_entries

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prefixkv.cache._checks import as_token_array, check_tokens
-from prefixkv.cache.forest import Added, Claim, ExtraKeys, Walk
+from prefixkv.cache.forest import Added, Claim, ExtraKeys, Share, Walk, unbound_share
 from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds, new_ids
 from prefixkv.cache.index import PrefixIndex
 from prefixkv.cache.policies import EvictionPolicy
@@ -53,6 +53,7 @@ class RadixForest:
         self._num_entries = 0
         self._cached_tokens = 0
         self._code = "H"  # the key typecode: uint16 until an id >= 2**16 is inserted
+        self.share: Share = unbound_share
 
     @property
     def num_entries(self) -> int:
@@ -165,6 +166,7 @@ class RadixForest:
             upper if c is node else c for c in kids(found))
         node.key = node.key[k * bs :]
         node.blocks = node.blocks[k:]
+        upper.owner = self.share(node.owner, upper.blocks)  # both parts hold the tag's ids
         node.start_depth += k
         node.parent = upper
         upper.children = {node.key[0]: node}
@@ -181,7 +183,7 @@ class RadixForest:
         m = len(walk.ids)
         new_key = seg(tokens, m * bs, nb * bs)  # validates the new tokens
         check_tokens(tokens[nb * bs :])  # the trailing partial block, not stored
-        taken = claim(nb)
+        taken, owner = claim(nb)
         # --- validated: change from here on
         if new_key.typecode != self._code:  # a query with an id >= 2**16 (see as_tokens)
             if self._code == "H" and new_key and max(new_key) > 0xFFFF:
@@ -201,7 +203,7 @@ class RadixForest:
         else:
             attach = root
         if m < nb:
-            node = RadixNode(new_key, taken, attach, now, start_depth=m)
+            node = RadixNode(new_key, taken, attach, now, start_depth=m, owner=owner)
             if attach.children is NO_CHILDREN:
                 attach.children = {}
             first = node.key[0]

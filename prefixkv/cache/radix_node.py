@@ -25,7 +25,8 @@ class RadixNode(EntryState):
 
     ``key`` is an ``array('H')`` or ``array('I')`` (see the module doc) and ``blocks`` an
     ``array('I')`` of ids (:data:`~prefixkv.cache.held_ids.BlockIds`: matches and evictions
-    copy runs of it in C, and no Python int is kept per id).
+    copy runs of it in C, and no Python int is kept per id), all stamped with the node's own
+    ``owner`` tag (0 for a root, which holds none).
 
     ``children`` maps a child's first token to that child, or, when several children start
     with it (block size above 1 only: they differ later in their first block), to a tuple of
@@ -33,14 +34,15 @@ class RadixNode(EntryState):
     mapping (:data:`NO_CHILDREN`), replaced by a dict of its own when its first child is added.
     """
 
-    __slots__ = ("__weakref__", "blocks", "children", "is_root", "key", "parent",
+    __slots__ = ("__weakref__", "blocks", "children", "is_root", "key", "owner", "parent",
                  "start_depth")
 
     def __init__(self, key: array[int], blocks: BlockIds, parent: RadixNode | None, now: float,
-                 start_depth: int = 0, is_root: bool = False) -> None:
+                 start_depth: int = 0, is_root: bool = False, owner: int = 0) -> None:
         super().__init__(now)
         self.key = key
         self.blocks = blocks
+        self.owner = owner
         self.parent = parent
         self.children: dict[int, Child] = NO_CHILDREN
         self.start_depth = start_depth

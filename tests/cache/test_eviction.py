@@ -53,3 +53,33 @@ def test_generic_key_probe_matches_the_radix_probe(clock):
     for depth in (1, 5, 10):
         assert key_at_depth(cache.policy, node, depth) == cache._forest.key_at(cache.policy, node, depth)
     assert node.depth == 10 and node.start_depth == 0  # the probe put it back
+
+
+def test_owner_tags_survive_splits_and_recycling(clock):
+    """Thousands of inserts that split shared prefixes, evicted by whole leaves and trimmed
+    tails on a small pool: every node's ids carry its own tag (checked by ``check_invariants``)
+    and the tag space is swept and reused many times without freeing another node's ids."""
+    import random
+
+    from prefixkv.cache.block_pool import BlockPool
+
+    rng = random.Random(3)
+    for bs in (1, 4):
+        cache = RadixPrefixCache(96, bs, clock=clock)
+        pool = BlockPool(96)
+        stems = [[rng.randrange(50) for _ in range(12)] for _ in range(4)]
+        for i in range(3000):
+            tokens = rng.choice(stems)[: rng.randrange(1, 13)] + [rng.randrange(50)
+                                                                   for _ in range(rng.randrange(8))]
+            m = cache.match_prefix(tokens)
+            ids = pool.allocate(len(tokens) // bs - len(m.matched_kv_blocks), evict_from=cache)
+            if ids is None:
+                continue
+            node = cache.insert_prefix(tokens, [*m.matched_kv_blocks, *ids])
+            pool.free(node.returned_block_ids)
+            clock.advance()
+            if i % 97 == 0:
+                pool.free(cache.evict(rng.randrange(1, 30)))
+                cache.check_invariants()
+        cache.check_invariants()
+        assert pool.num_free + cache.num_cached_blocks == 96

@@ -1,4 +1,5 @@
-"""HeldIds: short (Python) and bulk (numpy) claims and releases agree, and bad ids change nothing."""
+"""HeldIds: short (Python) and bulk (numpy) claims and releases agree, bad ids change nothing, and
+owner tags release whole entries in O(1) without ever freeing another entry's ids."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from prefixkv.cache.held_ids import BULK, MAX_BLOCKS, HeldIds, new_ids
 def claim(h: HeldIds, ids, cached=(), stop=None):
     """Pack (as the index does) then claim."""
     packed = h.pack(ids)
-    return h.claim(packed, array("I", cached), len(packed) if stop is None else stop)
+    returned, taken, _ = h.claim(packed, array("I", cached), len(packed) if stop is None else stop)
+    return returned, taken
+
+
+def claim_owned(h: HeldIds, ids):
+    """Claim ``ids`` and return (taken, owner)."""
+    _, taken, owner = h.claim(h.pack(ids), array("I"), len(ids))
+    return taken, owner
 
 
 @pytest.mark.parametrize("n", [3, BULK, 5 * BULK])
@@ -92,3 +100,69 @@ def test_a_run_over_a_held_id_marks_nothing():
     with pytest.raises(ValueError, match="out of range"):
         claim(h, list(range(990, 990 + BULK)))
     assert h.as_set() == {150}
+
+
+@pytest.mark.parametrize("n", [3, 2 * BULK])
+def test_owner_release_frees_exactly_that_claim(n):
+    h = HeldIds(10 * BULK)
+    a, ta = claim_owned(h, list(range(n)))
+    b, tb = claim_owned(h, list(range(5 * BULK, 5 * BULK + n))[::-1])
+    assert ta and tb and ta != tb and h.count == 2 * n
+    h.release_owner(ta, a)
+    assert h.count == n and h.as_set() == set(b)
+    again, tc = claim_owned(h, list(range(n)))  # the released ids can be claimed again
+    assert tc != tb and h.as_set() == set(b) | set(again)
+
+
+@pytest.mark.parametrize("n", [6, 2 * BULK])
+@pytest.mark.parametrize("first", ["upper", "lower"])
+def test_a_shared_tag_frees_each_part_only(n, first):
+    """A split: two entries hold parts of one claim; releasing one part whole leaves the other
+    held (its ids cleared one by one), and the last part goes in O(1)."""
+    h = HeldIds(10 * BULK)
+    ids, owner = claim_owned(h, list(range(n)))
+    upper, lower = ids[: n // 3], ids[n // 3 :]
+    assert h.share(owner, upper) == owner and h.holders(owner) == 2
+    gone, kept = (upper, lower) if first == "upper" else (lower, upper)
+    h.release_owner(owner, gone)
+    assert h.as_set() == set(kept) and h.count == len(kept) and h.holders(owner) == 1
+    with pytest.raises(ValueError, match="already cached"):
+        claim(h, [kept[0]])
+    h.release_owner(owner, kept)
+    assert h.as_set() == set() and h.count == 0 and h.holders(owner) == 0
+
+
+def test_a_tag_shared_255_times_gives_the_next_part_its_own():
+    h = HeldIds(1000)
+    ids, owner = claim_owned(h, list(range(300)))
+    parts = [ids[i : i + 1] for i in range(256)]
+    tags = [h.share(owner, p) for p in parts[:255]]
+    assert set(tags[:254]) == {owner} and h.holders(owner) == 255
+    assert tags[254] != owner and h.owner_of(parts[254][0]) == tags[254]
+
+
+def test_dead_tags_are_swept_before_reuse():
+    """Thousands of claims and whole releases: tags are recycled (the tag space stays bounded)
+    and a recycled tag never resurrects ids that carried it before."""
+    h = HeldIds(64)
+    keep, keep_owner = claim_owned(h, [63])
+    for i in range(5000):
+        ids, owner = claim_owned(h, [i % 60, 60 + i % 2])
+        h.release_owner(owner, ids)
+        assert h.as_set() == {63} and keep_owner != owner
+        if i % 7 == 0:  # and some claims released id by id (their tags have no ids left)
+            ids, _ = claim_owned(h, [i % 50])
+            h.release(ids)
+    assert h.memory_bytes() <= 4 * 64 + 4096 and h.as_set() == {63} and h.count == 1
+    h.release_owner(keep_owner, keep)
+    assert h.as_set() == set()
+
+
+def test_the_tag_space_grows_when_most_tags_are_alive():
+    h = HeldIds(4000)
+    owned = [claim_owned(h, [i]) for i in range(1500)]  # 1,500 entries alive: > 1,024 tags
+    assert len({o for _, o in owned}) == 1500 and h.as_set() == set(range(1500))
+    assert h.memory_bytes() >= 4 * 4000 + 1500
+    for ids, o in owned[::2]:
+        h.release_owner(o, ids)
+    assert h.as_set() == set(range(1, 1500, 2)) and h.count == 750
