@@ -80,7 +80,8 @@ class PrefixIndex(Generic[E]):
         self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=forest.drop_tail,
                                 release=self._ids.release,
                                 release_owner=self._ids.release_owner,
-                                key_at=partial(forest.key_at, self._policy),
+                                key_at=(self._policy.direct_key_at_depth()
+                                        or partial(forest.key_at, self._policy)),
                                 refresh=self._prot.refresh,
                                 gone=self._policy.on_evict if self._has_evict_hook else None)
         self._counters = Counters()

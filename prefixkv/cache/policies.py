@@ -27,6 +27,7 @@ policy declares what holds for its key; declaring neither is always correct, onl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -82,6 +83,25 @@ class EvictionPolicy:
         """Sort key; the entry with the smallest key is evicted first."""
         raise TypeError(f"{type(self).__name__} must define key()")
 
+    direct_depth_key = False
+    """``True`` if :meth:`key_at_depth` is defined: eviction's key probes (``key`` as if the
+    entry's deepest blocks were gone) then call it instead of moving the entry's depth (a
+    third of a whole-leaf eviction step at block size 1)."""
+
+    def key_at_depth(self, entry: CacheEntry, depth: int) -> Any:
+        """``key(entry)`` as if ``entry.depth`` were ``depth`` (with ``direct_depth_key``)."""
+        raise TypeError(f"{type(self).__name__} declares no direct_depth_key")
+
+    def direct_key_at_depth(self) -> Callable[[Any, int], Any] | None:
+        """:meth:`key_at_depth` when it can stand for :meth:`key`: declared, and defined by the
+        class that defines ``key`` (a subclass that overrides only ``key`` gets ``None``)."""
+        if not self.direct_depth_key:
+            return None
+        mro = type(self).__mro__
+        by_key = next(c for c in mro if "key" in c.__dict__)
+        by_depth = next(c for c in mro if "key_at_depth" in c.__dict__)
+        return self.key_at_depth if by_key is by_depth else None
+
     def on_access(self, entry: CacheEntry) -> None:
         """Called after a match or insert reached ``entry`` (its fields are already updated)."""
 
@@ -96,9 +116,13 @@ class LRUPolicy(EvictionPolicy):
 
     monotone_keys = True
     depth_monotone_keys = True
+    direct_depth_key = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.last_access_time, -entry.depth, entry.tick)
+
+    def key_at_depth(self, entry: CacheEntry, depth: int) -> Any:
+        return (entry.last_access_time, -depth, entry.tick)
 
 
 class LFUPolicy(EvictionPolicy):
@@ -108,9 +132,13 @@ class LFUPolicy(EvictionPolicy):
 
     monotone_keys = True
     depth_monotone_keys = True
+    direct_depth_key = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.access_count, entry.last_access_time, -entry.depth, entry.tick)
+
+    def key_at_depth(self, entry: CacheEntry, depth: int) -> Any:
+        return (entry.access_count, entry.last_access_time, -depth, entry.tick)
 
 
 class FIFOPolicy(EvictionPolicy):
@@ -120,9 +148,13 @@ class FIFOPolicy(EvictionPolicy):
 
     monotone_keys = True
     depth_monotone_keys = True
+    direct_depth_key = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.created_time, -entry.depth, entry.tick)
+
+    def key_at_depth(self, entry: CacheEntry, depth: int) -> Any:
+        return (entry.created_time, -depth, entry.tick)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {

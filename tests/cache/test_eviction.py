@@ -3,9 +3,11 @@ step, the deeper-first tie-break across leaves, and the key probes it relies on.
 
 from __future__ import annotations
 
+import pytest
+
 from prefixkv.cache import RadixPrefixCache
 from prefixkv.cache.eviction import key_at_depth
-from prefixkv.cache.policies import LRUPolicy
+from prefixkv.cache.policies import FIFOPolicy, LFUPolicy, LRUPolicy
 
 
 class CountingLRU(LRUPolicy):
@@ -53,6 +55,26 @@ def test_generic_key_probe_matches_the_radix_probe(clock):
     for depth in (1, 5, 10):
         assert key_at_depth(cache.policy, node, depth) == cache._forest.key_at(cache.policy, node, depth)
     assert node.depth == 10 and node.start_depth == 0  # the probe put it back
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy(), LFUPolicy(), FIFOPolicy()])
+def test_direct_depth_keys_equal_the_probe(clock, policy):
+    """The shipped policies' ``key_at_depth`` (what eviction calls) equals ``key`` of a probe."""
+    assert policy.direct_depth_key
+    cache = RadixPrefixCache(100, 2, eviction_policy=policy, clock=clock)
+    cache.insert_prefix(list(range(20)), list(range(10)))
+    node = next(iter(next(iter(cache._forest._roots.values())).children.values()))
+    for depth in (1, 5, 10):
+        assert policy.key_at_depth(node, depth) == key_at_depth(policy, node, depth)
+    assert policy.direct_key_at_depth() is not None
+
+
+def test_a_subclass_overriding_key_gets_the_generic_probe():
+    class Shallow(LRUPolicy):  # deeper entries last: the inherited key_at_depth would be wrong
+        def key(self, entry):  # type: ignore[no-untyped-def]
+            return (entry.last_access_time, entry.depth, entry.tick)
+
+    assert Shallow().direct_key_at_depth() is None and CountingLRU().direct_key_at_depth() is None
 
 
 def test_owner_tags_survive_splits_and_recycling(clock):
