@@ -101,7 +101,8 @@ def test_batched_decodes_of_mixed_lengths_in_each_kv_dtype(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decodes_sharing_a_cached_prefix_read_it_once(dtype):
+@pytest.mark.parametrize("run", [True, False])  # the shared blocks consecutive (read in place)
+def test_decodes_sharing_a_cached_prefix_read_it_once(dtype, run):
     """Four decodes whose tables start with the same 66 blocks (264 tokens: a shared system
     prompt) and go on in blocks of their own: the shared prefix is read once for the four
     queries, merged with each one's own keys; equal to dense attention over each context."""
@@ -109,6 +110,8 @@ def test_decodes_sharing_a_cached_prefix_read_it_once(dtype):
     pool = KVPool(num_layers=1, num_blocks=128, block_size=BS, num_kv_heads=HKV, head_dim=D,
                   dtype=dtype, device=torch.device("cpu"))
     prefix = list(range(10, 76))
+    if not run:
+        prefix = [prefix[i] for i in torch.randperm(66, generator=gen).tolist()]
     shared_k = torch.randn(264, HKV, D, generator=gen).to(dtype)
     shared_v = torch.randn(264, HKV, D, generator=gen).to(dtype)
     PagedAttention(pool, start_positions=[0], query_lens=[264], block_tables=[prefix])(
@@ -129,6 +132,7 @@ def test_decodes_sharing_a_cached_prefix_read_it_once(dtype):
     attn = PagedAttention(pool, start_positions=starts, query_lens=[1] * 4, block_tables=tables)
     assert len(attn._decodes) == 1 and attn._decodes[0].shared is not None
     assert attn._decodes[0].shared.tolist() == prefix
+    assert attn._decodes[0].shared_first == (10 if run else None)
     out = attn(0, qs, torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs]))
     assert out.dtype == dtype and out.shape == (4, HQ, D)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
