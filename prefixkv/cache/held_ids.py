@@ -11,9 +11,11 @@ size 1 no longer costs a 1,024-id scatter), else its ids are cleared one by one.
 most once: claiming an id that is held, or the same id twice, is a ``ValueError`` that leaves
 nothing marked.
 
-A dead tag is reused only after a sweep (:meth:`_sweep`, O(max_blocks) in numpy) has cleared
+A dead tag is reused only after a sweep (:meth:`_sweep`, O(ids covered) in numpy) has cleared
 the ids still carrying it; sweeps run when no free tag is left and keep at least half the tag
-space free, so they cost O(1) amortized per claim.
+space free (at least an eighth of the ids covered), so they cost O(1) amortized per claim. The
+tags cover the ids up to the largest claimed so far (doubling as needed, up to ``max_blocks``):
+an index over a huge id space that uses few ids (a router's tree) allocates little.
 
 Block ids travel as :data:`BlockIds`, an ``array('I')`` (4 bytes an id, no Python int per id):
 :meth:`HeldIds.pack` packs a caller's ids once, in C; a claim returns the claimed ids as a new
@@ -63,30 +65,31 @@ class HeldIds:
         if max_blocks > MAX_BLOCKS:
             raise ValueError(f"max_blocks must be <= 2**32 (uint32 block ids), got {max_blocks}")
         self.max_blocks = max_blocks
-        self._tags = array("I", bytes(4 * max_blocks))  # each id's owner tag, 0 = none
+        start = min(max_blocks, _MIN_TAGS)
+        self._tags = array("I", bytes(4 * start))  # the owner tag of each id covered, 0 = none
         self._tview = np.frombuffer(self._tags, dtype=np.uint32)  # shares the buffer (writable)
         self._alive = bytearray(0)
         self._aview: np.ndarray[Any, Any] = np.zeros(0, np.uint8)
         self._free = array("I")  # dead tags swept free (4 bytes each), popped from the end
         self._next = 1  # tags from here on were never used (tag 0 is "none", never alive)
-        self._grow(max(_MIN_TAGS, max_blocks // 8 + 2))
+        self._grow(_MIN_TAGS)
         self.count = 0
 
     def __contains__(self, block_id: object) -> bool:
-        return (type(block_id) is int and 0 <= block_id < self.max_blocks
+        return (type(block_id) is int and 0 <= block_id < len(self._tags)
                 and bool(self._alive[self._tags[block_id]]))
 
     def memory_bytes(self) -> int:
-        """Bytes of the tags (four per id) and the alive flags (one per tag)."""
-        return 4 * self.max_blocks + len(self._alive)
+        """Bytes of the tags (four per id covered) and the holder counts (one per tag)."""
+        return 4 * len(self._tags) + len(self._alive)
 
     def as_set(self) -> set[int]:
-        """Every held id (O(max_blocks); for invariant checks)."""
+        """Every held id (O(ids covered); for invariant checks)."""
         return {int(b) for b in np.flatnonzero(self._aview[self._tview])}
 
     def owner_of(self, block_id: int) -> int:
         """The tag stamped on ``block_id`` (0 or a dead tag when it is not held)."""
-        return int(self._tags[block_id])
+        return int(self._tags[block_id]) if block_id < len(self._tags) else 0
 
     def pack(self, ids: Sequence[int], name: str = "kv_block_ids") -> BlockIds:
         """A caller's ids as :data:`BlockIds` (an ``array('I')`` is taken as is, not copied).
@@ -165,9 +168,10 @@ class HeldIds:
             returned = [mine for mine, theirs in zip(ids[:m], cached) if mine != theirs]
         returned += ids[stop:].tolist()
         taken = ids[m:stop]
-        tags, alive = self._tags, self._alive
         if returned:  # rare (duplicate blocks, hash collisions): the thorough check
             check_block_ids(returned + taken.tolist(), self.max_blocks)
+            self._reserve(max(returned) + 1)
+            tags, alive = self._tags, self._alive
             dup = next((b for b in returned if alive[tags[b]]), None)
             if dup is not None:
                 raise ValueError(f"kv_block_ids: block id {dup} is already cached at another position")
@@ -185,8 +189,9 @@ class HeldIds:
         hi = max(taken)
         if hi >= self.max_blocks:
             raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
-        tags, alive = self._tags, self._alive
+        self._reserve(hi + 1)
         owner = self._new_tag()
+        tags, alive = self._tags, self._alive  # after the tag: a sweep may grow the counts
         i = 0
         try:
             for i, b in enumerate(taken):  # i is read on failure
@@ -203,13 +208,14 @@ class HeldIds:
     def _claim_bulk(self, taken: BlockIds) -> int:
         """Check and stamp ``taken`` in C (``ValueError``: nothing marked)."""
         idx: np.ndarray[Any, Any] = np.frombuffer(taken, dtype=np.uint32)
-        tv, av = self._tview, self._aview
         if not _is_run(idx):
             srt = np.sort(idx)
             idx = idx.astype(np.intp)  # gathers and scatters by intp are 2-3x faster
             hi = int(srt[-1])
             if hi >= self.max_blocks:
                 raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
+            self._reserve(hi + 1)
+            tv, av = self._tview, self._aview
             if not np.diff(srt).all() or np.count_nonzero(av.take(tv[idx], mode="clip")):
                 bad = next((b for b in taken if av[tv[b]]), None)
                 if bad is None:
@@ -221,6 +227,8 @@ class HeldIds:
         lo, hi = min(taken[0], taken[-1]), max(taken[0], taken[-1])
         if hi >= self.max_blocks:
             raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
+        self._reserve(hi + 1)
+        tv, av = self._tview, self._aview
         held = av.take(tv[lo : hi + 1], mode="clip")  # tags are < len(av): no bounds checks
         if np.count_nonzero(held):
             raise ValueError(f"kv_block_ids: block id {lo + int(held.argmax())} is repeated or "
@@ -246,7 +254,7 @@ class HeldIds:
     def _sweep(self) -> None:
         """Clear the ids stamped with dead tags, kill the tags no id carries (hashed claims, whose
         ids are released one by one), and list the dead tags as free; grow the tag space when
-        less than half of it comes back free. O(max_blocks + tags), in numpy."""
+        less than half of it comes back free. O(ids covered + tags), in numpy."""
         tv, av = self._tview, self._aview
         tv[av[tv] == 0] = 0
         carried = np.zeros(len(av), dtype=bool)
@@ -258,6 +266,19 @@ class HeldIds:
         if len(free) < len(av) // 2:
             self._grow(2 * len(av))
 
+    def _reserve(self, n: int) -> None:
+        """Make the tags cover the ids ``[0, n)`` (``n <= max_blocks``; doubling), and keep a
+        tag for every eight ids covered."""
+        size = len(self._tags)
+        if n <= size:
+            return
+        new = min(self.max_blocks, max(n, 2 * size))
+        self._tview = _NO_VIEW  # the array cannot grow while a numpy view exports its buffer
+        self._tags.frombytes(bytes(4 * (new - size)))
+        self._tview = np.frombuffer(self._tags, dtype=np.uint32)
+        if len(self._alive) < new // 8:
+            self._grow(new // 8)
+
     def _grow(self, size: int) -> None:
         """Enlarge the tag space to ``size`` tags (the new ones are handed out from ``_next``)."""
         alive = bytearray(size)
@@ -265,6 +286,8 @@ class HeldIds:
         self._alive = alive
         self._aview = np.frombuffer(alive, dtype=np.uint8)
 
+
+_NO_VIEW: np.ndarray[Any, Any] = np.zeros(0, dtype=np.uint32)
 
 _UP = np.array([1], dtype=np.uint32).tobytes()
 _DOWN = np.array([0xFFFFFFFF], dtype=np.uint32).tobytes()  # -1 in uint32 arithmetic

@@ -162,7 +162,33 @@ def test_the_tag_space_grows_when_most_tags_are_alive():
     h = HeldIds(4000)
     owned = [claim_owned(h, [i]) for i in range(1500)]  # 1,500 entries alive: > 1,024 tags
     assert len({o for _, o in owned}) == 1500 and h.as_set() == set(range(1500))
-    assert h.memory_bytes() >= 4 * 4000 + 1500
+    assert h.memory_bytes() >= 4 * 1500 + 1500
     for ids, o in owned[::2]:
         h.release_owner(o, ids)
     assert h.as_set() == set(range(1, 1500, 2)) and h.count == 750
+
+
+def test_tags_cover_only_the_ids_used():
+    """A huge id space costs nothing until its ids are claimed (a router's tree); a high id
+    makes the tags cover it, lower ones stay unheld."""
+    assert HeldIds(10**8).memory_bytes() < 10_000
+    top = 2 * 10**6
+    h = HeldIds(top)
+    ids, owner = claim_owned(h, [top - BULK + i for i in range(BULK)] + [5])
+    assert 5 in h and top - 1 in h and 6 not in h and top not in h and h.owner_of(10**6) == 0
+    assert h.owner_of(5) == owner and h.memory_bytes() >= 4 * top
+    with pytest.raises(ValueError, match="out of range"):
+        claim(h, [top])
+    h.release_owner(owner, ids)
+    assert h.as_set() == set()
+
+
+def test_a_claim_that_grows_the_tag_space_still_catches_repeats():
+    h = HeldIds(10**5)
+    for i in range(1023):  # every tag of the first 1,024 alive (tag 0 is "none")
+        claim_owned(h, [i])
+    with pytest.raises(ValueError, match="repeated"):
+        claim(h, [7000, 7000])  # its tag comes from a sweep that grows the tag space
+    assert 7000 not in h and h.count == 1023
+    claim(h, [7000, 7001])
+    assert {7000, 7001} <= h.as_set()
