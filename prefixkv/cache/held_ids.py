@@ -274,7 +274,12 @@ class HeldIds:
             return
         new = min(self.max_blocks, max(n, 2 * size))
         self._tview = _NO_VIEW  # the array cannot grow while a numpy view exports its buffer
-        self._tags.frombytes(bytes(4 * (new - size)))
+        try:
+            self._tags.frombytes(bytes(4 * (new - size)))
+        except BufferError:  # a view still lives elsewhere (a kept traceback's frame): copy
+            grown = array("I", self._tags)
+            grown.frombytes(bytes(4 * (new - size)))
+            self._tags = grown
         self._tview = np.frombuffer(self._tags, dtype=np.uint32)
         if len(self._alive) < new // 8:
             self._grow(new // 8)

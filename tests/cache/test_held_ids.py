@@ -192,3 +192,15 @@ def test_a_claim_that_grows_the_tag_space_still_catches_repeats():
     assert 7000 not in h and h.count == 1023
     claim(h, [7000, 7001])
     assert {7000, 7001} <= h.as_set()
+
+
+def test_tags_grow_while_a_failed_claim_is_still_held():
+    """A caller that keeps a claim's ``ValueError`` (its traceback holds numpy views of the
+    tags) can still claim ids that make the tags grow."""
+    h = HeldIds(10**6)
+    claim(h, list(range(BULK)))
+    with pytest.raises(ValueError, match="already cached") as kept:
+        claim(h, list(range(BULK - 1, 2 * BULK - 1)))
+    _, taken = claim(h, list(range(500_000, 500_000 + BULK)))
+    assert kept.value is not None and 500_000 in h and h.count == 2 * BULK
+    assert h.as_set() == set(range(BULK)) | set(taken)
