@@ -158,14 +158,14 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                            f"{list(listed)}", status=404, param="model", code="model_not_found")
         return card(model_id)
 
-    @v1.post("/completions", response_model=None)
+    @v1.post("/completions", response_model=None, responses=_JSON_OR_EVENTS)
     async def completions(body: CompletionRequest,
                           request: Request) -> JSONResponse | StreamingResponse:
         policy.check(body)
         check_model(body.model)
         return await serving.completions(body, request.is_disconnected)
 
-    @v1.post("/chat/completions", response_model=None)
+    @v1.post("/chat/completions", response_model=None, responses=_JSON_OR_EVENTS)
     async def chat_completions(body: ChatCompletionRequest,
                                request: Request) -> JSONResponse | StreamingResponse:
         policy.check(body)
@@ -193,6 +193,18 @@ _ERROR_SCHEMA = {
         "code": {"type": ["string", "integer", "null"]}}}},
 }
 
+
+_JSON_OR_EVENTS: dict[int | str, dict[str, Any]] = {200: {
+    "description": "the completion as JSON, or with `stream: true` as server-sent events "
+                   "(`data: {chunk}` lines, then `data: [DONE]`)",
+    "content": {"application/json": {}, "text/event-stream": {"schema": {
+        # each event, as OpenAPI 3.2's sequential media types describe one
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    }}},
+}}
+"""The 200 answers of the completion routes: both media types are documented, so a client
+generated from ``/openapi.json`` (and an API fuzzer) expects the stream."""
 
 _AUTHED_PATHS = {"/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version",
                  "/kv_events"}

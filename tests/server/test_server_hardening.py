@@ -262,6 +262,9 @@ def test_the_openapi_schema_declares_the_errors_the_server_gives(http: httpx.Cli
     op = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert "422" not in op and {"400", "413", "500"} <= set(op)
     assert "HTTPValidationError" not in json.dumps(schema)
+    for path in ("/v1/completions", "/v1/chat/completions"):  # `stream: true` answers events
+        ok = schema["paths"][path]["post"]["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(ok)
 
 
 def test_an_aborted_stream_counts_as_a_finished_request(http: httpx.Client) -> None:
