@@ -173,7 +173,8 @@ class Evictor(Generic[E]):
                 continue
             if (runs and got < num_blocks and parent.num_blocks
                     and parent.lock_ref == 0 and parent.pin_ref == 0):
-                top = peek_key()
+                if gone is not None:  # a hook may have moved keys: ask the heap again
+                    top = peek_key()  # (else the heap is untouched since top was read)
                 if top is None or key(parent) < top:  # it would be popped next: take it
                     e = parent
                     continue
