@@ -14,7 +14,7 @@ layer it (1) writes the new tokens' K/V into their slots, then (2) computes atte
 * decodes (one new token): batched, keys of the decoding sequences gathered into a padded
   ``[B, L]`` view and masked by each sequence's length (one SDPA call for float32 KV, float32
   matmuls otherwise); sequences are grouped by context length so that padding stays small.
-  On CPU, when four or more decodes of a group start with the same blocks (a cached system
+  On CPU, when three or more decodes of a group start with the same blocks (a cached system
   prompt: 256 tokens or more), those keys are read once for all of them and merged with each
   sequence's own keys by log-sum-exp, instead of being gathered once per sequence.
 
@@ -210,11 +210,12 @@ def _group_by_length(
 
 
 _SHARED_MIN_TOKENS = 256
-_SHARED_MIN_SEQS = 4
+_SHARED_MIN_SEQS = 3
 """A CPU decode group of at least ``_SHARED_MIN_SEQS`` sequences whose block tables all start
 with at least ``_SHARED_MIN_TOKENS`` tokens' worth of the same blocks reads that shared prefix
-once for all its queries (:func:`_decode_shared`; SmolLM2, 2,000 shared tokens: 8 sequences
-2.4-3.0x faster steps, 4 1.75x, 2 0.90-1.16x, so two or three stay on the plain path)."""
+once for all its queries (:func:`_decode_shared`; SmolLM2 decode steps against every sequence
+gathering its own copy: 3 sequences on 2,000 shared tokens 1.65-1.69x, bf16 1.46x, on 300-500
+0.98-1.05x; 2 sequences 0.84-0.90x on 500 tokens, so two stay on the plain path)."""
 
 
 def _shared_blocks(group: list[tuple[int, list[int], int]], block_size: int) -> int:

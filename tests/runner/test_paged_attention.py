@@ -141,5 +141,10 @@ def test_decodes_sharing_a_cached_prefix_read_it_once(dtype, run):
         torch.testing.assert_close(out[i : i + 1].float(), want, atol=tol, rtol=0)
     three = PagedAttention(pool, start_positions=starts[:3], query_lens=[1] * 3,
                            block_tables=tables[:3])
-    assert three._decodes[0].shared is None  # fewer than four: each gathers its context
+    assert three._decodes[0].shared is not None
+    out3 = three(0, qs[:3], torch.cat([k[-1:] for k in ks[:3]]), torch.cat([v[-1:] for v in vs[:3]]))
+    torch.testing.assert_close(out3, out[:3], atol=tol, rtol=0)
+    two = PagedAttention(pool, start_positions=starts[:2], query_lens=[1] * 2,
+                         block_tables=tables[:2])
+    assert two._decodes[0].shared is None  # fewer than three: each gathers its context
 
