@@ -82,7 +82,7 @@ def add_trace(sub: Any) -> None:
                    help="tokens per trace hash id (default 512, Mooncake's)")
     p.add_argument("--index", choices=INDEXES, default="hash",
                    help="which index replays the trace, at block size 1 over hash ids "
-                   "(default hash: one entry per block, builtin 64-bit hash, hits verified; "
+                   "(default hash: one entry per block, xxhash, hits verified; "
                    "radix is faster)")
     p.add_argument("--clock", choices=CLOCKS, default="timestamp",
                    help="the index clock: trace timestamp in seconds (ties broken by arrival "

@@ -222,7 +222,9 @@ def replay(
         cache = RadixPrefixCache(blocks, 1, eviction_policy=policy, max_pinned_blocks=0,
                                  clock=index_clock)
     else:
-        cache = HashPrefixCache(blocks, 1, hash_algo="builtin", eviction_policy=policy,
+        # xxhash, not builtin: the same block hashes in every process, so policies that
+        # sample blocks by their identity (experts) replay the same way every run
+        cache = HashPrefixCache(blocks, 1, hash_algo="xxhash", eviction_policy=policy,
                                 max_pinned_blocks=0, clock=index_clock)
     pool = BlockPool(blocks)
     hit_tokens = input_tokens = hit_blocks = total_blocks = 0

@@ -55,7 +55,11 @@ def _xxhash(parent: Any, tokens: Sequence[int], extra: Any) -> bytes:
 
 
 def _builtin(parent: Any, tokens: Sequence[int], extra: Any) -> int:
-    return hash((parent, tuple(tokens), extra))
+    # no None inside the hashed tuple: on CPython 3.11 hash(None) is its address, different in
+    # every process, so even PYTHONHASHSEED could not make the hashes repeat (vLLM's promise)
+    if extra is None:
+        return hash((parent, tuple(tokens)))
+    return hash((parent, tuple(tokens), repr(extra)))
 
 
 def make_block_hasher(algo: str) -> BlockHasher:
@@ -72,8 +76,8 @@ def make_block_hasher(algo: str) -> BlockHasher:
 def root_hash(algo: str, namespace: Any) -> Any:
     """The parent hash of a chain's first block in ``namespace``."""
     check_key_part(namespace, "namespace")
-    if algo == "builtin":
-        return hash((ROOT_SEED, namespace))
+    if algo == "builtin":  # repr: a None namespace would hash by address (see _builtin)
+        return hash((ROOT_SEED, repr(namespace)))
     seed = ROOT_SEED + b"\x00ns" + repr(namespace).encode()
     return hashlib.sha256(seed).digest() if algo == "sha256" else xxhash.xxh3_128_digest(seed)
 

@@ -227,3 +227,22 @@ def test_experts_plot_on_a_request_axis(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="expert_history"):
         plot_expert_history([replay(reqs, 300_000, "lru")], tmp_path / "x.png", end_time=1.0)
+
+
+def test_experts_replays_the_same_in_every_process() -> None:
+    """The hash index replays with block identities that do not depend on the process (no
+    builtin ``hash``), so ``experts``, which samples blocks by identity, gives the same hit
+    rate in two fresh interpreters with different hash seeds (radix was already stable)."""
+    import subprocess
+    import sys
+
+    full = Path(__file__).parents[2] / "data" / "mooncake" / "mooncake_conversation_trace.jsonl"
+    # 1,500 requests at 500K tokens: enough for experts to sample, switch and evict (the
+    # 400-request head above replays identically whatever the identities)
+    code = ("from prefixkv.bench.trace import load_trace, replay;"
+            f"print(replay(load_trace({str(full)!r})[:1500], 500_000, 'experts',"
+            " index='hash').hit_tokens)")
+    out = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout
+           for seed in ("1", "2")]
+    assert out[0] == out[1] and int(out[0]) > 0

@@ -25,6 +25,20 @@ def test_hashes_agree_across_processes(algo):
     assert out[0].strip() == str(local)
 
 
+@pytest.mark.parametrize("namespace", [None, "t"])
+def test_builtin_hashes_repeat_under_a_fixed_hash_seed(namespace):
+    """``builtin`` is Python's ``hash``: per process, like vLLM's, but the same in every process
+    run with the same ``PYTHONHASHSEED`` (no ``None`` hashed by address inside)."""
+    code = (
+        "from prefixkv.cache import hash_block_chain;"
+        f"print(hash_block_chain(list(range(40)), 16, algo='builtin', namespace={namespace!r}))"
+    )
+    out = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env={"PYTHONHASHSEED": "0", "PATH": ""}).stdout
+           for _ in range(2)]
+    assert out[0] == out[1] and out[0].strip()
+
+
 def test_chain_depends_on_prefix_namespace_and_extra():
     a = hash_block_chain([1] * 32, 16)
     b = hash_block_chain([2] * 16 + [1] * 16, 16)
