@@ -7,10 +7,9 @@ Usage (from the repo root):
     PYTHONPATH=. python scripts/shared_flash_ab.py float32 2 2000x8,500x8,2000x4   # dtype, threads, PxB
 One thread is timed in thread CPU time, as scripts/runner_ab.py does.
 """
-import statistics, sys, time, torch
+import statistics, sys, torch
 import prefixkv.runner.attention as att
-from prefixkv.models.catalog import ensure_model
-from prefixkv.runner.model_runner import ModelRunner, RunItem
+from shared_decode_ab import prefix_decode, runner_from_args  # scripts/ is on sys.path
 
 
 def matmul_shared(d, qd, keys, values, k_cache, v_cache):
@@ -32,29 +31,17 @@ def matmul_shared(d, qd, keys, values, k_cache, v_cache):
     return att._merged(shared, (o2, lse2)).reshape(b, heads, dim).to(qd.dtype)
 
 
-dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
-threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-clock = time.thread_time if threads == 1 else time.perf_counter
-runner = ModelRunner(ensure_model("smollm2-135m-instruct"), threads=threads, dtype=dtype, num_kv_blocks=1300)
-shipped = att._decode_shared
-configs = sys.argv[3] if len(sys.argv) > 3 else "2000x8,500x8,2000x4"
-for P, B in [tuple(map(int, x.split("x"))) for x in configs.split(",")]:
-    nb = P // 16
-    prefix = list(range(nb))
-    runner.execute([RunItem([7] * P, 0, prefix + [nb])])
-    tables = [prefix + list(range(200 + 20 * i, 220 + 20 * i)) for i in range(B)]
-    runner.execute([RunItem([9 + i] * 16, P, tables[i]) for i in range(B)])
-    pos = [P + 16] * B
-    def step():
-        global pos
-        runner.execute([RunItem([5], p, t) for p, t in zip(pos, tables)]); pos = [p + 1 for p in pos]
-    step()
-    times = {"matmuls": [], "flash": []}
-    for r in range(6):
-        for mode in (("matmuls", "flash") if r % 2 == 0 else ("flash", "matmuls")):
-            att._decode_shared = matmul_shared if mode == "matmuls" else shipped
-            for _ in range(5):
-                t0 = clock(); step(); times[mode].append(clock() - t0)
-    att._decode_shared = shipped
-    a, b = (statistics.median(times[m]) * 1e3 for m in times)
-    print(f"{dtype} threads {threads} prefix {P} batch {B}: matmuls {a:.1f} ms, flash {b:.1f} ms, speedup {a / b:.2f}x", flush=True)
+if __name__ == "__main__":
+    runner, dtype, threads, clock, configs = runner_from_args(sys.argv, "2000x8,500x8,2000x4")
+    shipped = att._decode_shared
+    for P, B in configs:
+        step = prefix_decode(runner, P, B)
+        times = {"matmuls": [], "flash": []}
+        for r in range(6):
+            for mode in (("matmuls", "flash") if r % 2 == 0 else ("flash", "matmuls")):
+                att._decode_shared = matmul_shared if mode == "matmuls" else shipped
+                for _ in range(5):
+                    t0 = clock(); step(); times[mode].append(clock() - t0)
+        att._decode_shared = shipped
+        a, b = (statistics.median(times[m]) * 1e3 for m in times)
+        print(f"{dtype} threads {threads} prefix {P} batch {B}: matmuls {a:.1f} ms, flash {b:.1f} ms, speedup {a / b:.2f}x", flush=True)

@@ -9,8 +9,9 @@ counts, the eviction order, the pin registry, held block ids, statistics) is the
 Ownership: a forest never frees or claims block ids itself. ``add`` calls the driver's
 ``claim`` as its last check (after it, nothing fails) and keeps the owner tag it returns on the
 new entry; a split tells the driver that a second entry now holds part of a tag's ids
-(``share``); ``drop_tail`` returns the ids it dropped and the driver releases them. Ids travel as :data:`~prefixkv.cache.held_ids.BlockIds`
-(``array('I')``). A forest is guarded by its driver's lock.
+(``share``); ``drop_tail`` returns the ids it dropped and the driver releases them. Ids travel
+as :data:`~prefixkv.cache.held_ids.BlockIds` (``array('I')``). A forest is guarded by its
+driver's lock.
 """
 
 from __future__ import annotations

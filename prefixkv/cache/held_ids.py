@@ -48,7 +48,7 @@ BULK = 48
 """Claims and releases of at least this many ids take the numpy path."""
 
 _MIN_TAGS = 1024
-"""Smallest tag space (tags are also grown to an eighth of the id space, so sweeps are rare)."""
+"""Smallest tag space (it also grows to an eighth of the ids covered, so sweeps are rare)."""
 
 
 def new_ids() -> BlockIds:
@@ -111,12 +111,7 @@ class HeldIds:
     # ----------------------------------------------------------------- releasing
     def release(self, ids: BlockIds) -> None:
         """Stop holding ``ids`` (they were held), one by one."""
-        if len(ids) >= BULK:  # intp indices: numpy scatters uint32 ones 2-3x slower
-            self._tview[np.frombuffer(ids, dtype=np.uint32).astype(np.intp)] = 0
-        else:
-            tags = self._tags
-            for b in ids:
-                tags[b] = 0
+        self._stamp(ids, 0)
         self.count -= len(ids)
 
     def release_owner(self, owner: int, ids: BlockIds) -> None:
@@ -137,17 +132,21 @@ class HeldIds:
             self._alive[owner] = n + 1
             return owner
         new = self._new_tag()
-        if len(ids) >= BULK:
-            self._tview[np.frombuffer(ids, dtype=np.uint32).astype(np.intp)] = new
-        else:
-            tags = self._tags
-            for b in ids:
-                tags[b] = new
+        self._stamp(ids, new)
         return new
 
     def holders(self, owner: int) -> int:
         """How many entries share ``owner`` (0: dead)."""
         return self._alive[owner]
+
+    def _stamp(self, ids: BlockIds, tag: int) -> None:
+        """Write ``tag`` on each of ``ids`` (covered ids)."""
+        if len(ids) >= BULK:  # intp indices: numpy scatters uint32 ones 2-3x slower
+            self._tview[np.frombuffer(ids, dtype=np.uint32).astype(np.intp)] = tag
+        else:
+            tags = self._tags
+            for b in ids:
+                tags[b] = tag
 
     # ------------------------------------------------------------------- claiming
     def claim(self, ids: BlockIds, cached: BlockIds, stop: int) -> tuple[list[int], BlockIds, int]:

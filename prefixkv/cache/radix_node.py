@@ -25,8 +25,9 @@ class RadixNode(EntryState):
 
     ``key`` is an ``array('H')`` or ``array('I')`` (see the module doc) and ``blocks`` an
     ``array('I')`` of ids (:data:`~prefixkv.cache.held_ids.BlockIds`: matches and evictions
-    copy runs of it in C, and no Python int is kept per id), all stamped with the node's own
-    ``owner`` tag (0 for a root, which holds none).
+    copy runs of it in C, and no Python int is kept per id), all stamped with the node's
+    ``owner`` tag (shared with the other parts when the node was split; 0 for a root, which
+    holds none).
 
     ``children`` maps a child's first token to that child, or, when several children start
     with it (block size above 1 only: they differ later in their first block), to a tuple of

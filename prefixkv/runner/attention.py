@@ -237,8 +237,8 @@ def _decode_batch(
 ) -> _DecodeBatch:
     group = sorted(group)  # by row: a group holding every row then needs no scatter
     c = _shared_blocks(group, block_size) if device.type == "cpu" and block_size else 0
-    shared = torch.tensor(group[0][1][:c], device=device) if c else None
     head = group[0][1][:c]
+    shared = torch.tensor(head, device=device) if c else None
     first = head[0] if c and head == list(range(head[0], head[0] + c)) else None
     if c:  # the rest of each sequence: its own blocks and keys after the shared prefix
         group = [(row, blocks[c:], n - c * block_size) for row, blocks, n in group]
