@@ -214,8 +214,10 @@ _SHARED_MIN_SEQS = 3
 """A CPU decode group of at least ``_SHARED_MIN_SEQS`` sequences whose block tables all start
 with at least ``_SHARED_MIN_TOKENS`` tokens' worth of the same blocks reads that shared prefix
 once for all its queries (:func:`_decode_shared`; SmolLM2 decode steps against every sequence
-gathering its own copy: 3 sequences on 2,000 shared tokens 1.65-1.69x, bf16 1.46x, on 300-500
-0.98-1.05x; 2 sequences 0.84-0.90x on 500 tokens, so two stay on the plain path)."""
+gathering its own copy: 3 sequences on 1,000 / 2,000 / 4,000 shared tokens 1.10x / 1.59-1.69x /
+2.33x, but on 300-500 0.92-1.05x over reruns; 2 sequences 0.84-0.90x on 500 tokens, so two stay
+on the plain path). What decides the gain is the copies saved, ``(B - 1) x tokens``: about
+2,000 tokens break even (docs/benchmarks.md); a threshold on that is the better rule."""
 
 
 def _shared_blocks(group: list[tuple[int, list[int], int]], block_size: int) -> int:
