@@ -1,7 +1,8 @@
 """Shared-prefix decode A/B in one process: SmolLM2-135M decode steps of B sequences whose
 block tables start with the same P-token prefix, with the runner's shared-prefix path (the
 shipped one) against every sequence gathering its own copy (forced by raising
-``_SHARED_MIN_TOKENS``; the shared side runs from 2 sequences, below the shipped threshold),
+``_SHARED_MIN_COPIES``; the shared side runs below the shipped thresholds too, from 2 sequences
+and 1 copy: the output says whether the shipped rule takes the path),
 alternating rounds, same tokens and block tables, medians.
 Usage (from the repo root):
     PYTHONPATH=. python scripts/shared_decode_ab.py float32 2 2000x8,500x8,2000x2   # dtype, threads, PxB
@@ -45,16 +46,17 @@ def prefix_decode(runner, P, B):
 
 if __name__ == "__main__":
     runner, dtype, threads, clock, configs = runner_from_args(sys.argv, "2000x8,500x8,2000x2")
-    shipped = att._SHARED_MIN_TOKENS, att._SHARED_MIN_SEQS
+    shipped = att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS
     for P, B in configs:
         step = prefix_decode(runner, P, B)
+        taken = B >= shipped[1] and P >= shipped[2] and (B - 1) * P >= shipped[0]
         times = {"per-seq gather": [], "shared": []}
         for _ in range(5):
-            for mode, lim in (("per-seq gather", 1 << 30), ("shared", shipped[0])):
-                att._SHARED_MIN_TOKENS = lim
-                att._SHARED_MIN_SEQS = 2  # measure the path below the shipped threshold too
+            for mode, lim in (("per-seq gather", 1 << 30), ("shared", 1)):
+                att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS = lim, 2, 16
                 for _ in range(5):
                     t0 = clock(); step(); times[mode].append(clock() - t0)
-        att._SHARED_MIN_TOKENS, att._SHARED_MIN_SEQS = shipped
+        att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS = shipped
         a, b = (statistics.median(times[m]) * 1e3 for m in times)
-        print(f"{dtype} threads {threads} prefix {P} batch {B}: gather {a:.1f} ms, shared {b:.1f} ms, speedup {a / b:.2f}x", flush=True)
+        print(f"{dtype} threads {threads} prefix {P} batch {B} (copies saved {(B - 1) * P}, shipped rule "
+              f"{'takes' if taken else 'skips'} it): gather {a:.1f} ms, shared {b:.1f} ms, speedup {a / b:.2f}x", flush=True)

@@ -15,8 +15,9 @@ layer it (1) writes the new tokens' K/V into their slots, then (2) computes atte
   ``[B, L]`` view and masked by each sequence's length (one SDPA call for float32 KV, float32
   matmuls otherwise); sequences are grouped by context length so that padding stays small.
   On CPU, when three or more decodes of a group start with the same blocks (a cached system
-  prompt: 256 tokens or more), those keys are read once for all of them and merged with each
-  sequence's own keys by log-sum-exp, instead of being gathered once per sequence.
+  prompt, 384+ tokens) and reading them once saves enough copies (``(B - 1) x shared tokens
+  >= 2,000``), those keys are read once for all of them and merged with each sequence's own
+  keys by log-sum-exp, instead of being gathered once per sequence.
 
 Plain torch, device agnostic (CPU and CUDA).
 """
@@ -209,19 +210,22 @@ def _group_by_length(
     return groups
 
 
-_SHARED_MIN_TOKENS = 256
 _SHARED_MIN_SEQS = 3
-"""A CPU decode group of at least ``_SHARED_MIN_SEQS`` sequences whose block tables all start
-with at least ``_SHARED_MIN_TOKENS`` tokens' worth of the same blocks reads that shared prefix
-once for all its queries (:func:`_decode_shared`; SmolLM2 decode steps against every sequence
-gathering its own copy: 3 sequences on 1,000 / 2,000 / 4,000 shared tokens 1.10x / 1.59-1.69x /
-2.33x, but on 300-500 0.92-1.05x over reruns; 2 sequences 0.84-0.90x on 500 tokens, so two stay
-on the plain path). What decides the gain is the copies saved, ``(B - 1) x tokens``: about
-2,000 tokens break even (docs/benchmarks.md); a threshold on that is the better rule."""
+_SHARED_MIN_TOKENS = 384
+_SHARED_MIN_COPIES = 2000
+"""A CPU decode group of ``B >= _SHARED_MIN_SEQS`` sequences whose block tables all start with
+the same ``P >= _SHARED_MIN_TOKENS`` tokens' worth of blocks reads that shared prefix once for
+all its queries (:func:`_decode_shared`) when the copies it saves, ``(B - 1) x P`` tokens, reach
+``_SHARED_MIN_COPIES``. SmolLM2 decode steps against every sequence gathering its own copy
+(``scripts/shared_decode_ab.py``, docs/benchmarks.md): 3 sequences on 1,000 / 2,000 / 4,000
+shared tokens 1.10-1.36x / 1.59-1.69x / 2.33x, 5 on 500 1.09-1.13x, 6 on 400 1.02-1.06x, while 3
+on 300-500 and 4 on 500 were 0.92-0.97x (1,000-1,500 copies), and short prefixes lose even past
+2,000 copies (8 on 300 0.92-0.97x, 9 on 256 0.95-0.96x); 2 sequences 0.84-1.04x even on 2,000,
+so two stay on the plain path."""
 
 
 def _shared_blocks(group: list[tuple[int, list[int], int]], block_size: int) -> int:
-    """How many leading blocks every table of ``group`` shares (0 below the threshold); each
+    """How many leading blocks every table of ``group`` shares (0 below the thresholds); each
     sequence keeps at least one key of its own after them."""
     if len(group) < _SHARED_MIN_SEQS:
         return 0
@@ -230,7 +234,10 @@ def _shared_blocks(group: list[tuple[int, list[int], int]], block_size: int) -> 
     c = 0
     while c < limit and all(t[c] == tables[0][c] for t in tables):
         c += 1
-    return c if c * block_size >= _SHARED_MIN_TOKENS else 0
+    tokens = c * block_size
+    if tokens < _SHARED_MIN_TOKENS or (len(group) - 1) * tokens < _SHARED_MIN_COPIES:
+        return 0
+    return c
 
 
 def _decode_batch(

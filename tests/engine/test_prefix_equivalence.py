@@ -81,10 +81,11 @@ def test_no_cache_path_frees_everything(make_llm: Any, helpers: Any, reference: 
 def test_decodes_on_a_long_shared_prefix_equal_the_uncached_ones(
     make_llm: Any, helpers: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eight requests on a cached 300-token system prompt decode together, reading the shared
-    blocks once per step (the runner's shared-prefix path); greedy tokens equal those of the
-    same requests without a cache, where every sequence attends over its own copy."""
-    system = helpers.tokens(3, 300)
+    """Eight requests on a cached 400-token system prompt decode together, reading the shared
+    blocks once per step (the runner's shared-prefix path: 7 x 400 copies saved, above its
+    2,000); greedy tokens equal those of the same requests without a cache, where every
+    sequence attends over its own copy."""
+    system = helpers.tokens(3, 400)
     prompts = [system + helpers.tokens(200 + i, 2 + i) for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     plain = make_llm(enable_prefix_caching=False, num_kv_blocks=512)
