@@ -5,7 +5,8 @@ matmuls, log-sum-exp and softmax over a gathered copy it replaced (kept below as
 alternating rounds, same tokens and block tables, medians.
 Usage (from the repo root):
     PYTHONPATH=. python scripts/shared_flash_ab.py float32 2 2000x8,500x8,2000x4   # dtype, threads, PxB
-One thread is timed in thread CPU time, as scripts/runner_ab.py does.
+One thread is timed in thread CPU time, as scripts/runner_ab.py does. The runner's thresholds
+for the shared path are lowered while it runs, so both sides take it in every config.
 """
 import statistics, sys, torch
 import prefixkv.runner.attention as att
@@ -34,6 +35,8 @@ def matmul_shared(d, qd, keys, values, k_cache, v_cache):
 if __name__ == "__main__":
     runner, dtype, threads, clock, configs = runner_from_args(sys.argv, "2000x8,500x8,2000x4")
     shipped = att._decode_shared
+    limits = att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS
+    att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS = 1, 2, 16
     for P, B in configs:
         step = prefix_decode(runner, P, B)
         times = {"matmuls": [], "flash": []}
@@ -45,3 +48,4 @@ if __name__ == "__main__":
         att._decode_shared = shipped
         a, b = (statistics.median(times[m]) * 1e3 for m in times)
         print(f"{dtype} threads {threads} prefix {P} batch {B}: matmuls {a:.1f} ms, flash {b:.1f} ms, speedup {a / b:.2f}x", flush=True)
+    att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS = limits
