@@ -224,20 +224,23 @@ on 300-500 and 4 on 500 were 0.92-0.97x (1,000-1,500 copies), and short prefixes
 so two stay on the plain path."""
 
 
+def _worth_sharing(seqs: int, tokens: int) -> bool:
+    """The thresholds above, for ``seqs`` sequences sharing ``tokens`` (block-aligned) tokens."""
+    return (seqs >= _SHARED_MIN_SEQS and tokens >= _SHARED_MIN_TOKENS
+            and (seqs - 1) * tokens >= _SHARED_MIN_COPIES)
+
+
 def _shared_blocks(group: list[tuple[int, list[int], int]], block_size: int) -> int:
     """How many leading blocks every table of ``group`` shares (0 below the thresholds); each
     sequence keeps at least one key of its own after them."""
-    if len(group) < _SHARED_MIN_SEQS:
-        return 0
-    tables = [blocks for _, blocks, _ in group]
     limit = min((n - 1) // block_size for _, _, n in group)
+    if not _worth_sharing(len(group), limit * block_size):
+        return 0  # not even sharing every block could pass: no need to compare the tables
+    tables = [blocks for _, blocks, _ in group]
     c = 0
     while c < limit and all(t[c] == tables[0][c] for t in tables):
         c += 1
-    tokens = c * block_size
-    if tokens < _SHARED_MIN_TOKENS or (len(group) - 1) * tokens < _SHARED_MIN_COPIES:
-        return 0
-    return c
+    return c if _worth_sharing(len(group), c * block_size) else 0
 
 
 def _decode_batch(
