@@ -10,7 +10,7 @@ for the shared path are lowered while it runs, so both sides take it in every co
 """
 import statistics, sys, torch
 import prefixkv.runner.attention as att
-from shared_decode_ab import prefix_decode, runner_from_args  # scripts/ is on sys.path
+from shared_decode_ab import prefix_decode, runner_from_args, shared_limits  # scripts/ is on sys.path
 
 
 def matmul_shared(d, qd, keys, values, k_cache, v_cache):
@@ -35,17 +35,15 @@ def matmul_shared(d, qd, keys, values, k_cache, v_cache):
 if __name__ == "__main__":
     runner, dtype, threads, clock, configs = runner_from_args(sys.argv, "2000x8,500x8,2000x4")
     shipped = att._decode_shared
-    limits = att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS
-    att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS = 1, 2, 16
-    for P, B in configs:
-        step = prefix_decode(runner, P, B)
-        times = {"matmuls": [], "flash": []}
-        for r in range(6):
-            for mode in (("matmuls", "flash") if r % 2 == 0 else ("flash", "matmuls")):
-                att._decode_shared = matmul_shared if mode == "matmuls" else shipped
-                for _ in range(5):
-                    t0 = clock(); step(); times[mode].append(clock() - t0)
-        att._decode_shared = shipped
-        a, b = (statistics.median(times[m]) * 1e3 for m in times)
-        print(f"{dtype} threads {threads} prefix {P} batch {B}: matmuls {a:.1f} ms, flash {b:.1f} ms, speedup {a / b:.2f}x", flush=True)
-    att._SHARED_MIN_COPIES, att._SHARED_MIN_SEQS, att._SHARED_MIN_TOKENS = limits
+    with shared_limits(1):
+        for P, B in configs:
+            step = prefix_decode(runner, P, B)
+            times = {"matmuls": [], "flash": []}
+            for r in range(6):
+                for mode in (("matmuls", "flash") if r % 2 == 0 else ("flash", "matmuls")):
+                    att._decode_shared = matmul_shared if mode == "matmuls" else shipped
+                    for _ in range(5):
+                        t0 = clock(); step(); times[mode].append(clock() - t0)
+            att._decode_shared = shipped
+            a, b = (statistics.median(times[m]) * 1e3 for m in times)
+            print(f"{dtype} threads {threads} prefix {P} batch {B}: matmuls {a:.1f} ms, flash {b:.1f} ms, speedup {a / b:.2f}x", flush=True)
