@@ -217,11 +217,12 @@ _SHARED_MIN_COPIES = 2000
 the same ``P >= _SHARED_MIN_TOKENS`` tokens' worth of blocks reads that shared prefix once for
 all its queries (:func:`_decode_shared`) when the copies it saves, ``(B - 1) x P`` tokens, reach
 ``_SHARED_MIN_COPIES``. SmolLM2 decode steps against every sequence gathering its own copy
-(``scripts/shared_decode_ab.py``, docs/benchmarks.md): 3 sequences on 1,000 / 2,000 / 4,000
-shared tokens 1.10-1.36x / 1.59-1.69x / 2.33x, 5 on 500 1.09-1.13x, 6 on 400 1.02-1.06x, while 3
-on 300-500 and 4 on 500 were 0.92-0.97x (1,000-1,500 copies), and short prefixes lose even past
-2,000 copies (8 on 300 0.92-0.97x, 9 on 256 0.95-0.96x); 2 sequences 0.84-1.04x even on 2,000,
-so two stay on the plain path."""
+(``scripts/shared_decode_ab.py``, docs/benchmarks.md): 3 sequences on 2,000 / 4,000 shared
+tokens 1.55-1.69x / 2.33x; near 2,000 copies about level (6 on 400, 4 on 688, 3 on 992, 5 on
+496: 0.95-1.06x; 1.13-1.36x in runs where the gather was in its slow mode); below, 3 on 300-500
+and 4 on 500 0.92-0.97x, and short prefixes lose even past 2,000 copies (8 on 288 0.92-0.97x, 9
+on 256 0.95-0.96x); 2 sequences 0.84-1.04x even on 2,000, so two stay on the plain path. (The
+shared tokens are whole blocks: 3 prompts sharing 1,000 tokens share 992 at block size 16.)"""
 
 
 def _worth_sharing(seqs: int, tokens: int) -> bool:
