@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
+from prefixkv.cache.radix_node import key_tokens
 
 _INF = float("inf")
 
@@ -74,5 +75,5 @@ def _tail_token(entry: Any) -> int:
     """The deepest block's token of a radix node (``key``) or hashed block (``tokens``)."""
     tokens = getattr(entry, "tokens", None)
     if tokens is None:
-        tokens = entry.key
+        tokens = key_tokens(entry.key)
     return int(tokens[-1])

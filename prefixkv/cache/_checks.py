@@ -8,6 +8,11 @@ from typing import Any
 
 import numpy as np
 
+try:
+    from prefixkv.cache import _keypack
+except ImportError:  # the optional C helper (setup.py); numpy does the same, slower
+    _keypack = None  # type: ignore[assignment]
+
 
 def as_token_list(token_ids: Any, name: str = "token_ids") -> Sequence[int]:
     """Return ``token_ids`` as a list of ints, or an ``array`` as is (numpy arrays, tensors,
@@ -147,6 +152,13 @@ def _from_words(ints64: Any, narrow: bool) -> array[int] | None:
     maximum checks every value against ``[0, 2**32)`` (and against 2**16 for ``narrow``), and
     one truncating cast packs them. ``None`` when a value is out of range (the caller reports
     it). About 2 us for 2,048 ids, half of it numpy's per-call overhead."""
+    if _keypack is not None:  # one C pass, about 10x faster for a query's length
+        words = _keypack.narrow64(ints64, narrow)
+        if words is None:
+            return None
+        out = array("H" if len(words) < 4 * len(ints64) else "I")
+        out.frombytes(words)
+        return out
     x = np.frombuffer(ints64, dtype=_U64)
     hi = x[x.argmax()]  # argmax is a C method: 3x cheaper than max() for a query's length
     if hi > MAX_TOKEN_ID:

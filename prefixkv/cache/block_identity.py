@@ -16,6 +16,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from prefixkv.cache.radix_node import key_tokens
+
 _HASHED_TYPES: dict[type, bool] = {}
 """entry type -> whether it is a hashed block (the answer is a property of the type)."""
 
@@ -67,7 +69,7 @@ def fold_identities(
     h = root if base is None else base
     out: Sequence[int] = []
     for node in reversed(chain):
-        key, n = node.key, node.num_blocks
+        key, n = key_tokens(node.key), node.num_blocks
         bs = len(key) // n
         fresh: list[int] = []
         for j in range(n):

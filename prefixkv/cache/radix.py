@@ -11,10 +11,13 @@ part in the original node object (so a lock handle, which names the deepest lock
 stays valid) and creates a new parent for the upper part, inheriting lock and pin counts.
 
 Keys are ``array('H')`` (2 bytes a token) while every cached token id is below 2**16 (GPT-2,
-Llama 2, Mistral, Phi-3 vocabularies), widened once to ``array('I')`` when a larger id is first
-inserted (Llama 3, Qwen, DeepSeek vocabularies).
+Llama 2, Mistral, Phi-3 vocabularies), widened once when a larger id is first inserted (Llama 3,
+Qwen, DeepSeek vocabularies): to 18-bit packed ``bytes`` (2.25 bytes a token) when the block
+size is a multiple of 4 and the C helper is built, else to ``array('I')`` (see
+:mod:`~prefixkv.cache.radix_node`).
 
-Cost: a query is packed once into the key type (:func:`as_token_array`), then a match
+Cost: a query is packed once into the key's form (:func:`as_token_array`, then 18 bits a token
+for packed keys: about 0.6 us for 2,048 ids), then a match
 compares whole node keys with array-slice equality (C speed), so it is O(matched tokens) with a
 small constant plus O(nodes on the path) Python steps. Eviction frees a leaf's tail run of
 blocks in one step (:mod:`prefixkv.cache.eviction`): O(log n) per evicted node, never a scan.
@@ -34,12 +37,29 @@ from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds, new_ids
 from prefixkv.cache.index import PrefixIndex
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protocol import Namespace
-from prefixkv.cache.radix_node import NO_CHILDREN, RadixNode, common_blocks, kids, lcp, seg
+from prefixkv.cache.radix_node import (
+    NO_CHILDREN,
+    PACKED,
+    Key,
+    RadixNode,
+    common_blocks,
+    common_packed_blocks,
+    first_token,
+    key_tokens,
+    kids,
+    lcp,
+    pack,
+    packed_len,
+    seg,
+)
 
 _NODE_BYTES = sys.getsizeof(RadixNode(array("I"), new_ids(), None, 0.0)) + 80 + 80 + 64 + 232
-"""Estimated bytes of a node beyond its tokens and ids (tracemalloc: about 680 at block size
-16): the object, its key and id arrays' headers, its slot and first token in its parent's dict,
-its heap item with the policy's key, and its access time and tick."""
+"""Estimated bytes of a node beyond its tokens and ids (tracemalloc: about 600-700 at block
+size 16): the object, its key and id arrays' headers, its slot and first token in its parent's
+dict, its heap item with the policy's key, its owner tags, and its access time and tick."""
+
+_TOKEN_BYTES = {"H": 2.0, "I": 4.0, "P": 2.25}
+"""Key bytes a token for each key code."""
 
 
 _DETACHED = new_ids()
@@ -56,7 +76,8 @@ class RadixForest:
         self._roots: dict[Namespace, RadixNode] = {}
         self._num_entries = 0
         self._cached_tokens = 0
-        self._code = "H"  # the key typecode: uint16 until an id >= 2**16 is inserted
+        self._code = "H"  # the key code: uint16 until an id >= 2**16 is inserted, then P or I
+        self._packs = PACKED and block_size % 4 == 0  # packed keys possible (whole groups of 4)
         self.share: Share = unbound_share
 
     @property
@@ -66,7 +87,8 @@ class RadixForest:
 
     @property
     def key_typecode(self) -> str:
-        """``"H"`` (2 bytes a token) until an id >= 2**16 is inserted, then ``"I"``."""
+        """``"H"`` (2 bytes a token) until an id >= 2**16 is inserted, then ``"P"`` (18-bit
+        packed) or ``"I"`` (4 bytes; see the module doc)."""
         return self._code
 
     def as_tokens(self, token_ids: Any) -> array[int]:
@@ -86,10 +108,16 @@ class RadixForest:
         bs = self._bs
         ids = walk.ids
         path = walk.path
-        # a query packed in the key type is compared as raw bytes, without slicing it: a
-        # node's key matches at i when raw[i * width:] starts with the key's bytes
-        raw = tokens.tobytes() if type(tokens) is array and tokens.typecode == self._code else None
-        width = 2 if self._code == "H" else 4
+        # a query packed in the key's form is compared as raw bytes, without slicing it: a
+        # node's key matches at i when raw[i * num // den:] starts with the key's bytes
+        code = self._code
+        packed = code == "P"
+        if packed:  # (whole groups of 4 before any id >= 2**18: a shorter raw matches less)
+            raw: bytes | None = pack(tokens, 0, n)  # type: ignore[arg-type]
+            num, den = 9, 4
+        else:
+            raw = tokens.tobytes() if type(tokens) is array and tokens.typecode == code else None
+            num, den = (2 if code == "H" else 4), 1
         i = 0
         while i < n:
             found = node.children.get(tokens[i])
@@ -101,15 +129,17 @@ class RadixForest:
             if isinstance(found, RadixNode):  # the common case: compare the whole key at once
                 child = found
             else:
-                head = seg(tokens, i, i + bs)
-                same = next((c for c in found if c.key[:bs] == head), None)
+                hb = bs * num // den if packed else bs  # the first block's key length
+                o = i * num // den
+                head = raw[o : o + hb] if packed else seg(tokens, i, i + bs)  # type: ignore[index]
+                same = next((c for c in found if c.key[:hb] == head), None)
                 if same is None:
                     self._partial_at_boundary(found, tokens, i, n, walk)
                     break
                 child = same
             key = child.key
-            klen = len(key)
-            if i + klen <= n and (raw.startswith(key, i * width) if raw is not None
+            klen = len(child.blocks) * bs
+            if i + klen <= n and (raw.startswith(key, i * num // den) if raw is not None
                                   else seg(tokens, i, i + klen) == key):
                 path.append(child)
                 ids += child.blocks
@@ -117,7 +147,8 @@ class RadixForest:
                 i += klen
                 node = child
                 continue
-            k = common_blocks(key, tokens, i, n, bs)
+            k = (common_packed_blocks(raw, i * num // den, key, bs * num // den)  # type: ignore[arg-type]
+                 if packed else common_blocks(key, tokens, i, n, bs))  # type: ignore[arg-type]
             if k == 0:  # not even the first block (bs > 1): partial rows at best
                 self._partial_at_boundary(kids(found), tokens, i, n, walk)
                 break
@@ -126,7 +157,7 @@ class RadixForest:
             walk.last_used = k
             i += k * bs
             if bs > 1 and i < n and k < len(child.blocks):
-                p = lcp(key, k * bs, tokens, i, min(bs, n - i))
+                p = lcp(key_tokens(key, k * bs, (k + 1) * bs), 0, tokens, i, min(bs, n - i))
                 if p:
                     walk.partial, walk.partial_entry, walk.partial_index = p, child, k
             break
@@ -139,7 +170,7 @@ class RadixForest:
             return
         best, best_c = 0, None
         for c in lst:
-            p = lcp(c.key, 0, tokens, i, min(self._bs, n - i))
+            p = lcp(key_tokens(c.key, 0, self._bs), 0, tokens, i, min(self._bs, n - i))
             if p > best:
                 best, best_c = p, c
         if best_c is not None and best < self._bs:
@@ -152,28 +183,32 @@ class RadixForest:
             return self._split(entry, k)
         return entry
 
+    def _key_offset(self, k: int) -> int:
+        """Where a key's ``k``-th block starts: in bytes for packed keys, else in tokens."""
+        return k * self._bs * 9 // 4 if self._code == "P" else k * self._bs
+
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Split ``node`` after its ``k``-th block; returns the new upper node (its parent)."""
-        bs = self._bs
+        cut = self._key_offset(k)
         parent = node.parent
         assert parent is not None
-        upper = RadixNode(node.key[: k * bs], node.blocks[:k], parent, node.last_access_time,
+        upper = RadixNode(node.key[:cut], node.blocks[:k], parent, node.last_access_time,
                           node.start_depth)
         upper.lock_ref = node.lock_ref
         upper.pin_ref = node.pin_ref
         upper.access_count = node.access_count
         upper.created_time = node.created_time
         upper.tick = node.tick
-        first = node.key[0]
+        first = first_token(node.key)
         found = parent.children[first]
         parent.children[first] = upper if found is node else tuple(
             upper if c is node else c for c in kids(found))
-        node.key = node.key[k * bs :]
+        node.key = node.key[cut:]
         node.blocks = node.blocks[k:]
         upper.owner = self.share(node.owner, upper.blocks)  # both parts hold the tag's ids
         node.start_depth += k
         node.parent = upper
-        upper.children = {node.key[0]: node}
+        upper.children = {first_token(node.key): node}
         upper.num_children = 1
         self._num_entries += 1
         # pinned prefixes that ended at `node`'s old end still end there: the registry names
@@ -185,17 +220,14 @@ class RadixForest:
         """Store the blocks beyond ``walk`` as one new node (see :class:`Forest`)."""
         bs = self._bs
         m = len(walk.ids)
-        new_key = seg(tokens, m * bs, nb * bs)  # validates the new tokens
+        new_tokens = seg(tokens, m * bs, nb * bs)  # validates the new tokens
         check_tokens(tokens[nb * bs :])  # the trailing partial block, not stored
         taken, owner = claim(nb)
         # --- validated: change from here on
-        if new_key.typecode != self._code:  # a query with an id >= 2**16 (see as_tokens)
-            if self._code == "H" and new_key and max(new_key) > 0xFFFF:
-                self._widen()
-            new_key = array(self._code, new_key)
+        new_key = self._as_key(new_tokens)
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = RadixNode(array("I"), new_ids(), None, now, is_root=True)
+            root = self._roots[namespace] = RadixNode(array("I"), new_ids(), None, now)
         path = walk.path
         added = Added(path, walk.ids + taken, None)
         if path:
@@ -210,12 +242,12 @@ class RadixForest:
             node = RadixNode(new_key, taken, attach, now, start_depth=m, owner=owner)
             if attach.children is NO_CHILDREN:
                 attach.children = {}
-            first = node.key[0]
+            first = first_token(new_key)
             found = attach.children.get(first)
             attach.children[first] = node if found is None else (*kids(found), node)
             attach.num_children += 1
             self._num_entries += 1
-            self._cached_tokens += len(node.key)
+            self._cached_tokens += (nb - m) * bs
             path.append(node)
             added.target = node
             added.refile.append(attach)
@@ -229,29 +261,56 @@ class RadixForest:
         if k < n:
             ids = blocks[n - k :]
             del blocks[n - k :]
-            del entry.key[(n - k) * self._bs :]
+            if isinstance(entry.key, bytes):
+                entry.key = entry.key[: self._key_offset(n - k)]
+            else:
+                del entry.key[(n - k) * self._bs :]
             return ids
         # the whole entry goes: no copies (its id array is handed over, its key left as is)
         entry.blocks = _DETACHED
         parent = entry.parent
         assert parent is not None
-        first_token = entry.key[0]
-        found = parent.children.pop(first_token)
+        key = entry.key  # (its first token, inline: one call fewer per evicted node)
+        first = key[0] | key[1] << 8 | (key[2] & 3) << 16 if type(key) is bytes else key[0]
+        found = parent.children.pop(first)
         if found is not entry:
             rest = tuple(c for c in kids(found) if c is not entry)
-            parent.children[first_token] = rest[0] if len(rest) == 1 else rest
+            parent.children[first] = rest[0] if len(rest) == 1 else rest
         parent.num_children -= 1
         self._num_entries -= 1
         return blocks  # no longer the node's
 
-    def _widen(self) -> None:
-        """Store every key as ``array('I')`` from now on (once per tree; O(cached tokens))."""
-        self._code = "I"
+    def _as_key(self, new: array[int]) -> Key:
+        """Validated new tokens in the tree's key form, widening every key first when they
+        need it (an id >= 2**16 in a 2-byte tree, or >= 2**18 in a packed one)."""
+        code = self._code
+        if code == "H":
+            if new.typecode == "H":
+                return new
+            if not new or max(new) <= 0xFFFF:  # a query holding an id >= 2**16 elsewhere
+                return array("H", new)
+            self._widen("P" if self._packs and max(new) < 1 << 18 else "I")
+            code = self._code
+        if code == "P":
+            packed = pack(new, 0, len(new))
+            if packed_len(packed) == len(new):
+                return packed
+            self._widen("I")
+        return new if new.typecode == "I" else array("I", new)
+
+    def _widen(self, code: str) -> None:
+        """Store every key in form ``code`` (``"P"`` from ``"H"``; ``"I"`` from either) from
+        now on (at most twice per tree; O(cached tokens) each)."""
+        self._code = code
         for root in self._roots.values():
             stack = [root]
             while stack:
                 node = stack.pop()
-                node.key = array("I", node.key)
+                key = node.key
+                if code == "P":
+                    node.key = pack(key, 0, len(key))  # type: ignore[arg-type]
+                else:
+                    node.key = key_tokens(key) if type(key) is bytes else array("I", key)
                 for found in node.children.values():
                     stack.extend(kids(found))
 
@@ -269,7 +328,7 @@ class RadixForest:
     def memory_bytes(self) -> int:
         """Nodes, their keys (2 or 4 bytes a token) and id arrays (4 bytes an id)."""
         return (self._num_entries * _NODE_BYTES
-                + self._cached_tokens * (2 if self._code == "H" else 4)
+                + int(self._cached_tokens * _TOKEN_BYTES[self._code])
                 + self._cached_tokens // self._bs * 4)
 
     def check(self) -> Iterator[RadixNode]:
@@ -282,9 +341,12 @@ class RadixForest:
                 for t, found in node.children.items():
                     assert isinstance(found, RadixNode) or len(found) > 1
                     for c in kids(found):
-                        assert c.parent is node and c.key[0] == t and c.blocks
-                        assert c.key.typecode == self._code
-                        assert len(c.key) == len(c.blocks) * self._bs
+                        assert c.parent is node and first_token(c.key) == t and c.blocks
+                        if self._code == "P":
+                            assert type(c.key) is bytes and len(c.key) % 9 == 0
+                        else:
+                            assert c.key.typecode == self._code  # type: ignore[union-attr]
+                        assert len(key_tokens(c.key)) == len(c.blocks) * self._bs
                         assert c.start_depth == (0 if node.is_root else node.depth)
                         stack.append(c)
                 if not node.is_root:

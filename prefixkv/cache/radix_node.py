@@ -1,11 +1,15 @@
 """RadixNode, one edge of the radix tree, and the token-key comparisons the tree walks with.
 
 A node's ``key`` is an ``array('H')`` (2 bytes a token) while every cached token id is below
-2**16, else an ``array('I')`` (4 bytes; the tree widens every key once when the first larger id
-is inserted); a query is packed once into the same type, so comparing a whole key is one
-C-speed slice comparison (a query holding a larger id is ``array('I')`` and compares item by
-item, correctly, against narrow keys). Binary searches over slices
-(:func:`common_blocks`) find where a query leaves a node in about one pass over the common part.
+2**16. Above that the tree widens every key once: to 18-bit *packed* keys (``bytes``, four ids in
+nine bytes, 2.25 bytes a token; code ``"P"``) when the block size is a multiple of 4, every id
+is below 2**18 (a 150k or 128k vocabulary) and the optional C helper
+``prefixkv.cache._keypack`` is built (:data:`PACKED`), else to ``array('I')`` (4 bytes; and
+from packed to ``array('I')`` when an id >= 2**18 arrives). A query is packed once into the
+key's form, so comparing a whole key is one C-speed comparison (a query holding a larger id is
+``array('I')`` and compares item by item, correctly, against narrow keys). Binary searches over
+slices (:func:`common_blocks`) find where a query leaves a node in about one pass over the
+common part. :func:`key_tokens` reads any key back as token ids.
 """
 
 from __future__ import annotations
@@ -19,11 +23,23 @@ from prefixkv.cache._checks import check_tokens
 from prefixkv.cache.forest import EntryState
 from prefixkv.cache.held_ids import BlockIds
 
+try:
+    from prefixkv.cache import _keypack
+except ImportError:  # built at install time when a C compiler is present (setup.py)
+    _keypack = None  # type: ignore[assignment]
+
+PACKED = _keypack is not None
+"""Whether 18-bit packed keys are available (the C helper was built)."""
+
+Key: TypeAlias = "array[int] | bytes"
+"""A node's tokens: ``array('H')``, ``array('I')`` or packed ``bytes`` (see the module doc)."""
+
 
 class RadixNode(EntryState):
     """One edge of the tree: ``key`` tokens stored in ``blocks`` (``len(key) == len(blocks) * bs``).
 
-    ``key`` is an ``array('H')`` or ``array('I')`` (see the module doc) and ``blocks`` an
+    ``key`` is an ``array('H')``, ``array('I')`` or packed ``bytes`` (see the module doc; read
+    it as tokens with :func:`key_tokens`) and ``blocks`` an
     ``array('I')`` of ids (:data:`~prefixkv.cache.held_ids.BlockIds`: matches and evictions
     copy runs of it in C, and no Python int is kept per id), all stamped with the node's
     ``owner`` tag (shared with the other parts when the node was split; 0 for a root, which
@@ -35,11 +51,10 @@ class RadixNode(EntryState):
     mapping (:data:`NO_CHILDREN`), replaced by a dict of its own when its first child is added.
     """
 
-    __slots__ = ("__weakref__", "blocks", "children", "is_root", "key", "owner", "parent",
-                 "start_depth")
+    __slots__ = ("blocks", "children", "key", "owner", "parent", "start_depth")
 
-    def __init__(self, key: array[int], blocks: BlockIds, parent: RadixNode | None, now: float,
-                 start_depth: int = 0, is_root: bool = False, owner: int = 0) -> None:
+    def __init__(self, key: Key, blocks: BlockIds, parent: RadixNode | None, now: float,
+                 start_depth: int = 0, owner: int = 0) -> None:
         super().__init__(now)
         self.key = key
         self.blocks = blocks
@@ -47,7 +62,11 @@ class RadixNode(EntryState):
         self.parent = parent
         self.children: dict[int, Child] = NO_CHILDREN
         self.start_depth = start_depth
-        self.is_root = is_root
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is a namespace's root sentinel (the only node without a parent)."""
+        return self.parent is None
 
     @property
     def num_blocks(self) -> int:
@@ -116,3 +135,39 @@ def common_blocks(key: array[int], tokens: Sequence[int], i: int, n: int, bs: in
         else:
             hi = mid - 1
     return lo
+
+
+def pack(tokens: array[int], start: int, stop: int) -> bytes:
+    """``tokens[start:stop]`` (``array('H')`` or ``array('I')``) packed 18 bits a token, in whole
+    groups of four, stopping before the first group holding an id >= 2**18 (so the result may
+    be shorter: ``len(result) // 9 * 4`` tokens). Only when :data:`PACKED`."""
+    assert _keypack is not None
+    return _keypack.pack18(tokens, start, stop)
+
+
+def packed_len(key: bytes) -> int:
+    """Tokens in a packed key."""
+    return len(key) // 9 * 4
+
+
+def key_tokens(key: Key, start: int = 0, stop: int | None = None) -> array[int]:
+    """Token ids ``start:stop`` of a key in any form, as an array (a slice for array keys)."""
+    if not isinstance(key, bytes):
+        return key[start:stop]
+    assert _keypack is not None
+    out = array("I")
+    out.frombytes(_keypack.unpack18(key, start, packed_len(key) if stop is None else stop))
+    return out
+
+
+def first_token(key: Key) -> int:
+    """A key's first token id (a node's place in its parent's ``children``)."""
+    if isinstance(key, bytes):
+        return key[0] | key[1] << 8 | (key[2] & 3) << 16
+    return key[0]
+
+
+def common_packed_blocks(raw: bytes, off: int, key: bytes, block_bytes: int) -> int:
+    """Whole blocks of packed ``key`` equal to ``raw[off:]`` (a packed query)."""
+    assert _keypack is not None
+    return _keypack.common_bytes(raw, off, key, 0, len(key)) // block_bytes

@@ -95,3 +95,44 @@ def test_refiling_a_filed_entry_leaves_no_stale_item_under_depth_only_keys() -> 
         assert len(heap._heap) == items_after and len(heap) == 2
         assert heap.pop_and_peek() == (a, 2.0)
         assert heap.pop_and_peek() == (b, None) and heap.pop_and_peek() == (None, None)
+
+
+class ShapedPolicy(EvictionPolicy):
+    """Key = ``shape(value)``: tuples of one length (flat items) until ``shape`` changes."""
+
+    def __init__(self) -> None:
+        self.shape = lambda v: (v, -1)
+
+    def key(self, entry: Any) -> Any:
+        return self.shape(entry.value)
+
+
+def test_flat_items_order_like_keys_and_nest_when_a_key_changes_shape() -> None:
+    """Tuple keys of one length are stored flat (one tuple an item); a key of another shape
+    (a longer tuple, then a float-led mix) nests every item, mid-run and inside a re-key, and
+    the pops still follow the keys' own order."""
+    pol = ShapedPolicy()
+    heap = EvictableHeap(pol)
+    items = [Item(float(v)) for v in (5, 3, 9, 1, 7)]
+    for it in items:
+        heap.push(it)
+    assert heap._flat == 2 and all(len(it) == 6 and it[0] == it[-1].value for it in heap._heap)
+    assert heap.peek_key() == (1.0, -1)
+    assert heap.pop() is items[3]
+    pol.shape = lambda v: (v, -1, 0)  # a longer tuple: a shorter one would sort first
+    heap.push(Item(3.0))
+    assert heap._flat == 0 and all(len(it) == 6 and type(it[1]) is tuple for it in heap._heap)
+    assert [heap.pop().value for _ in range(2)] == [3.0, 3.0]
+    rest = [Item(4.0), Item(8.0)]
+    heap.push(rest[0])
+    heap.push(rest[1])
+    assert [heap.pop().value for _ in range(4)] == [4.0, 5.0, 7.0, 8.0]
+    heap2 = EvictableHeap(pol2 := ShapedPolicy())
+    more = [Item(float(v)) for v in (2, 6, 4)]
+    for it in more:
+        heap2.push(it)
+    pol2.shape = lambda v: (v, -1) if v < 5 else (v,)  # a re-key meets two shapes
+    pol2.key_epoch += 1
+    assert heap2.peek_key() == (2.0, -1) and heap2._flat == 0
+    more[0].value, more[0].tick = 9.0, 1  # touched: re-keyed at the top, filed by its new key
+    assert [heap2.pop() for _ in range(3)] == [more[2], more[1], more[0]]

@@ -123,6 +123,7 @@ def test_radix_keys_widen_once_on_the_first_large_id():
     """A radix tree keeps 2-byte keys until an id >= 2**16 is inserted, then widens every key;
     matches before and after (and queries holding large ids against narrow keys) agree."""
     from prefixkv.cache import RadixPrefixCache
+    from prefixkv.cache.radix_node import PACKED
 
     for bs in (1, 4):
         cache = RadixPrefixCache(64, bs)
@@ -134,7 +135,7 @@ def test_radix_keys_widen_once_on_the_first_large_id():
         assert m.match_length == 2 * bs and list(m.matched_kv_blocks) == [0, 1]
         node = cache.insert_prefix(big + [80_000] * (bs - 1), [0, 1, 10, 11])
         assert list(node.kv_block_ids) == [0, 1, 10, 11]
-        assert cache._forest.key_typecode == "I"
+        assert cache._forest.key_typecode == ("P" if PACKED and bs % 4 == 0 else "I")
         cache.check_invariants()
         for q in (a, array("q", a), np.array(big), big):
             assert cache.match_prefix(q).match_length == 4 * bs
@@ -152,3 +153,25 @@ def test_int64_inputs_out_of_range_fail_in_both_key_widths(value, narrow):
     >= 2**63, so it fails like an id >= 2**32, for 2- and 4-byte keys alike."""
     with pytest.raises(ValueError, match="token_ids must be (non-negative|< 2)"):
         as_token_array(value, "token_ids", narrow=narrow)
+
+
+def test_int64_inputs_convert_the_same_without_the_c_helper(monkeypatch):
+    """array('q') and numpy int64 queries go through one C pass when the helper is built, else
+    through numpy: the same arrays and the same errors either way."""
+    from prefixkv.cache import _checks
+
+    cases = [array("q", [1, 2, 3]), array("q", [1, 70_000]), np.array([5, 2**32 - 1]),
+             array("q", [1, -1]), array("q", [2**32]), np.array([-3, 4])]
+
+    def convert(x, narrow):
+        try:
+            got = _checks.as_token_array(x, narrow=narrow)
+            return got.typecode, list(got)
+        except ValueError as exc:
+            return str(exc)
+
+    with_c = [convert(x, n) for x in cases for n in (False, True)]
+    monkeypatch.setattr(_checks, "_keypack", None)
+    assert [convert(x, n) for x in cases for n in (False, True)] == with_c
+    assert with_c[1] == ("H", [1, 2, 3]) and with_c[2] == ("I", [1, 70_000])
+    assert "non-negative" in with_c[6] and "2**32" in with_c[8]

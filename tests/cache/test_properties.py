@@ -174,6 +174,22 @@ def test_radix_with_large_token_ids_against_oracle(ops, bs):
     run(RadixPrefixCache(NUM_BLOCKS, bs, max_pinned_blocks=6), bs, _scaled(ops, 35_000))
 
 
+def _mapped(ops, ids):
+    """The same operations with token ``t`` replaced by ``ids[t]``."""
+    return [(o[0], [ids[t] for t in o[1]], *o[2:]) if o[0] in ("insert", "match", "pin")
+            else o for o in ops]
+
+
+@SETTINGS
+@given(st.lists(op, max_size=40), st.sampled_from([4, 8]),
+       st.sampled_from([(7, 70_000, 2**18 - 1), (7, 70_000, 2**18), (2**18 + 5, 7, 65_536)]))
+def test_radix_packed_keys_against_oracle(ops, bs, ids):
+    """Block sizes that are multiples of 4 pack keys 18 bits a token once an id >= 2**16 is
+    inserted (when the C helper is built), and widen again to 4 bytes at the first id >= 2**18:
+    every transition, mid-run, against the oracle."""
+    run(RadixPrefixCache(NUM_BLOCKS, bs, max_pinned_blocks=6), bs, _mapped(ops, ids))
+
+
 @SETTINGS
 @given(st.lists(op, max_size=40), st.sampled_from([1, 2, 3]), st.sampled_from(["sha256", "builtin"]))
 def test_hash_against_oracle(ops, bs, algo):

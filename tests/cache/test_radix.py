@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from prefixkv.cache import RadixPrefixCache
-from prefixkv.cache.radix_node import NO_CHILDREN
+from prefixkv.cache.radix_node import (
+    NO_CHILDREN,
+    PACKED,
+    common_packed_blocks,
+    first_token,
+    key_tokens,
+    pack,
+    packed_len,
+)
 
 
 def test_radix_children_share_a_first_token_only_above_block_size_1(clock):
@@ -28,3 +38,74 @@ def test_radix_children_share_a_first_token_only_above_block_size_1(clock):
     cache.insert_prefix([1, 9, 5, 6, 7, 8], [2, 3, 4])
     assert pair[1].children is not NO_CHILDREN and len(pair[1].children) == 1
     cache.check_invariants()
+
+
+needs_packing = pytest.mark.skipif(not PACKED, reason="the C helper prefixkv.cache._keypack is not built")
+
+
+@needs_packing
+def test_packed_keys_round_trip_and_compare_as_bytes():
+    """18-bit packing is a bijection on groups of four: unpacking gives the ids back, a larger id
+    ends the packed run at its group, and common byte prefixes are whole groups."""
+    ids = array("I", [0, 1, 2**18 - 1, 150_000, 7, 65_536, 131_071, 3])
+    packed = pack(ids, 0, 8)
+    assert len(packed) == 18 and packed_len(packed) == 8
+    assert list(key_tokens(packed)) == list(ids) and list(key_tokens(packed, 3, 6)) == [150_000, 7, 65_536]
+    assert first_token(packed) == 0 and first_token(pack(ids, 4, 8)) == 7
+    assert pack(array("H", [1, 2, 3, 4, 5]), 0, 5) == pack(array("I", [1, 2, 3, 4]), 0, 4)
+    assert pack(array("I", [1, 2, 3, 4, 5, 6, 2**18, 8]), 0, 8) == pack(ids[:0] + array("I", [1, 2, 3, 4]), 0, 4)
+    other = pack(array("I", [0, 1, 2**18 - 1, 150_000, 7, 65_536, 131_071, 4]), 0, 8)
+    assert common_packed_blocks(packed, 0, other, 9) == 1 and common_packed_blocks(packed, 0, packed, 9) == 2
+    with pytest.raises(TypeError):
+        pack(array("q", [1, 2, 3, 4]), 0, 4)  # type: ignore[arg-type]
+    with pytest.raises(IndexError):
+        pack(ids, 0, 9)
+
+
+@needs_packing
+def test_packed_tree_matches_splits_evicts_and_widens(clock):
+    """A 150k-vocabulary tree at block size 4 keeps 2.25 bytes a token: matches (whole blocks
+    and partial rows), splits, tail trims, siblings sharing a first token, queries holding ids
+    no key can hold, and the widening to 4 bytes at the first id >= 2**18 all agree with the
+    tokens."""
+    bs = 4
+    cache = RadixPrefixCache(256, bs, clock=clock)
+    a = [100_000 + 7 * i for i in range(32)]
+    cache.insert_prefix(a, list(range(8)))
+    forest = cache._forest
+    assert forest.key_typecode == "P"
+    assert forest.memory_bytes() < 8 * 4 * 4 + 800  # 2.25 bytes a token plus one node
+    b = a[:13] + [5, 6, 7] + [149_999] * 8  # leaves `a` inside its 4th block (3 rows shared)
+    m = cache.match_prefix(b)
+    assert m.match_length == 12 and m.partial_tokens == 1
+    cache.insert_prefix(b, list(range(100, 106)))  # splits a's node after 3 blocks
+    cache.check_invariants()
+    assert cache.match_prefix(a).match_length == 32 and cache.match_prefix(b).match_length == 24
+    sibling = a[:12] + [a[12], 9, 9, 9]  # same first token as both children of the split
+    cache.insert_prefix(sibling, [0, 1, 2, 200])
+    cache.check_invariants()
+    assert list(cache.match_prefix(sibling).matched_kv_blocks) == [0, 1, 2, 200]
+    assert cache.match_prefix(a[:10] + [2**20] * 6).match_length == 8  # no key holds 2**20
+    clock.advance()
+    cache.match_prefix(b)
+    cache.match_prefix(sibling)
+    assert list(cache.evict(2)) == [7, 6]  # a's tail, deepest first, trimmed in place
+    cache.check_invariants()
+    assert cache.match_prefix(a).match_length == 24
+    cache.insert_prefix(a[:8] + [2**18] * 4, [0, 1, 50])  # widens every key
+    assert forest.key_typecode == "I"
+    cache.check_invariants()
+    for q, n in ((a, 24), (b, 24), (sibling, 16), (a[:8] + [2**18] * 4, 12)):
+        assert cache.match_prefix(q).match_length == n
+
+
+def test_the_c_helper_is_built_where_a_compiler_is():
+    """`pip install -e .` builds prefixkv.cache._keypack when a C compiler is present (the
+    build is optional, so a failed one would otherwise pass unnoticed and cost 2 KB a prefix)."""
+    import shutil
+    import sysconfig
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not (shutil.which(cc) or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the tree keeps 4-byte keys above 2**16")
+    assert PACKED, "the C helper was not built: run `pip install -e .` (needs the Python headers)"

@@ -1,0 +1,225 @@
+/* prefixkv.cache._keypack: the cache core's optional C helpers (see radix_node.py, _checks.py).
+ *
+ * Four token ids below 2**18 pack into 9 bytes, little-endian: the 72-bit word
+ * t0 | t1 << 18 | t2 << 36 | t3 << 54. Packing is a bijection on groups of four, so two runs
+ * of whole groups are equal exactly when their packed bytes are, and a common prefix of whole
+ * groups is a common byte prefix of a multiple of nine bytes. A 150k-token vocabulary (Qwen,
+ * DeepSeek; Llama 3's 128k) then costs 2.25 bytes a token instead of 4.
+ *
+ * pack18(ids, start, stop) -> bytes
+ *     ids: a buffer of uint32 ('I') or uint16 ('H') items. Packs ids[start:start+m] where m is
+ *     the largest multiple of 4 with start + m <= stop and every packed id below 2**18 (so a
+ *     shorter result tells the caller where the first larger id is, to a group).
+ * unpack18(data, start, stop) -> bytes
+ *     the uint32 ids start..stop-1 (token positions) of packed ``data``, as native bytes.
+ * common_bytes(a, a_off, b, b_off, limit) -> int
+ *     the length of the common prefix of a[a_off:] and b[b_off:], at most ``limit``.
+ * narrow64(ints64, narrow) -> bytes | None
+ *     a native 64-bit int buffer (array('q'), numpy int64) as uint32 bytes, or uint16 bytes when
+ *     ``narrow`` and every value is below 2**16; None when a value is negative or >= 2**32.
+ *     One pass in C where numpy takes about 2 us of per-call overhead for a 2,048-id query.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LIMIT18 (1u << 18)
+
+static int get_ids(PyObject *obj, Py_buffer *view, int *wide)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
+        f++;
+    if (view->ndim == 1 && view->itemsize == 4 && (f[0] == 'I' || f[0] == 'L') && !f[1]) {
+        *wide = 1;
+        return 0;
+    }
+    if (view->ndim == 1 && view->itemsize == 2 && f[0] == 'H' && !f[1]) {
+        *wide = 0;
+        return 0;
+    }
+    PyBuffer_Release(view);
+    PyErr_SetString(PyExc_TypeError, "pack18: ids must be a 1-D uint32 or uint16 buffer");
+    return -1;
+}
+
+static PyObject *pack18(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "pack18(ids, start, stop) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *obj = args[0];
+    Py_ssize_t start = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t stop = PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
+    if (stop == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    int wide;
+    if (get_ids(obj, &view, &wide) < 0)
+        return NULL;
+    Py_ssize_t len = view.len / view.itemsize;
+    if (start < 0 || stop > len || start > stop) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_IndexError, "pack18: start/stop out of range");
+        return NULL;
+    }
+    Py_ssize_t groups = (stop - start) / 4;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, groups * 9);
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    Py_ssize_t g = 0;
+    for (; g < groups; g++) {
+        uint32_t t[4];
+        Py_ssize_t at = start + 4 * g;
+        if (wide) {
+            const uint32_t *src = (const uint32_t *)view.buf + at;
+            t[0] = src[0]; t[1] = src[1]; t[2] = src[2]; t[3] = src[3];
+            if ((t[0] | t[1] | t[2] | t[3]) >= LIMIT18)
+                break;
+        } else {
+            const uint16_t *src = (const uint16_t *)view.buf + at;
+            t[0] = src[0]; t[1] = src[1]; t[2] = src[2]; t[3] = src[3];
+        }
+        uint64_t lo = (uint64_t)t[0] | (uint64_t)t[1] << 18 | (uint64_t)t[2] << 36
+                      | (uint64_t)t[3] << 54;
+        unsigned char *p = dst + 9 * g;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        memcpy(p, &lo, 8);
+#else
+        for (int b = 0; b < 8; b++)
+            p[b] = (unsigned char)(lo >> (8 * b));
+#endif
+        p[8] = (unsigned char)(t[3] >> 10);
+    }
+    PyBuffer_Release(&view);
+    if (g < groups && _PyBytes_Resize(&out, g * 9) < 0)
+        return NULL;
+    return out;
+}
+
+static uint32_t token_at(const unsigned char *data, Py_ssize_t i)
+{
+    const unsigned char *p = data + 9 * (i / 4);
+    int shift = 18 * (int)(i % 4);
+    int byte = shift / 8, bit = shift % 8;
+    /* bit is 0, 2, 4 or 6: the 18 bits lie within three bytes of the group */
+    uint32_t v = (uint32_t)p[byte] | (uint32_t)p[byte + 1] << 8 | (uint32_t)p[byte + 2] << 16;
+    return (v >> bit) & (LIMIT18 - 1);
+}
+
+static PyObject *unpack18(PyObject *self, PyObject *args)
+{
+    Py_buffer data;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "y*nn", &data, &start, &stop))
+        return NULL;
+    Py_ssize_t ntok = data.len / 9 * 4;
+    if (data.len % 9 || start < 0 || stop > ntok || start > stop) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_IndexError, "unpack18: start/stop out of range");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (stop - start) * 4);
+    if (out != NULL) {
+        uint32_t *dst = (uint32_t *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = start; i < stop; i++)
+            dst[i - start] = token_at((const unsigned char *)data.buf, i);
+    }
+    PyBuffer_Release(&data);
+    return out;
+}
+
+static PyObject *common_bytes(PyObject *self, PyObject *args)
+{
+    Py_buffer a, b;
+    Py_ssize_t a_off, b_off, limit;
+    if (!PyArg_ParseTuple(args, "y*ny*nn", &a, &a_off, &b, &b_off, &limit))
+        return NULL;
+    Py_ssize_t n = 0;
+    if (a_off >= 0 && b_off >= 0 && a_off <= a.len && b_off <= b.len) {
+        Py_ssize_t stop = a.len - a_off < b.len - b_off ? a.len - a_off : b.len - b_off;
+        if (limit < stop)
+            stop = limit;
+        const unsigned char *x = (const unsigned char *)a.buf + a_off;
+        const unsigned char *y = (const unsigned char *)b.buf + b_off;
+        while (n + 8 <= stop && memcmp(x + n, y + n, 8) == 0)
+            n += 8;
+        while (n < stop && x[n] == y[n])
+            n++;
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *narrow64(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "narrow64(ints64, narrow) takes 2 arguments");
+        return NULL;
+    }
+    int narrow = PyObject_IsTrue(args[1]);
+    if (narrow < 0)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (view.itemsize != 8 || view.len % 8) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_TypeError, "narrow64: a buffer of 8-byte ints is required");
+        return NULL;
+    }
+    Py_ssize_t n = view.len / 8;
+    const uint64_t *src = (const uint64_t *)view.buf;
+    uint64_t any = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        any |= src[i];
+    PyObject *out = NULL;
+    if ((any >> 32) != 0) {  /* a negative value (read as >= 2**63) or one >= 2**32 */
+        out = Py_None;
+        Py_INCREF(out);
+    } else if (narrow && (any >> 16) == 0) {
+        out = PyBytes_FromStringAndSize(NULL, n * 2);
+        if (out != NULL) {
+            uint16_t *dst = (uint16_t *)PyBytes_AS_STRING(out);
+            for (Py_ssize_t i = 0; i < n; i++)
+                dst[i] = (uint16_t)src[i];
+        }
+    } else {
+        out = PyBytes_FromStringAndSize(NULL, n * 4);
+        if (out != NULL) {
+            uint32_t *dst = (uint32_t *)PyBytes_AS_STRING(out);
+            for (Py_ssize_t i = 0; i < n; i++)
+                dst[i] = (uint32_t)src[i];
+        }
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"pack18", (PyCFunction)(void (*)(void))pack18, METH_FASTCALL, "Pack ids[start:stop] (whole groups of 4 below 2**18) into 9 bytes a group."},
+    {"unpack18", unpack18, METH_VARARGS, "Token ids start..stop-1 of packed data, as uint32 bytes."},
+    {"narrow64", (PyCFunction)(void (*)(void))narrow64, METH_FASTCALL,
+     "Native 64-bit ints as uint16 (narrow, all < 2**16) or uint32 bytes; None if any is outside [0, 2**32)."},
+    {"common_bytes", common_bytes, METH_VARARGS, "Common prefix length of a[a_off:] and b[b_off:], at most limit."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_keypack", "The cache core's optional C helpers: 18-bit packed radix keys, int64 id narrowing.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__keypack(void)
+{
+    return PyModule_Create(&module);
+}
