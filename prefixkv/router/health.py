@@ -97,8 +97,10 @@ async def health_loop(
     while True:
         await asyncio.sleep(interval)
         urls = registry.urls
+        sent_at = registry.clock()
         results = await asyncio.gather(*(probe(client, u, timeout) for u in urls))
         for url, error in zip(urls, results):
-            changed = registry.mark_up(url) if error is None else registry.mark_down(url, error)
+            changed = (registry.mark_up(url, sent_at) if error is None
+                       else registry.mark_down(url, error))
             if changed:
                 on_change(url, error is None)

@@ -13,14 +13,17 @@ Circuit breaker, per worker (``Worker.state``):
   (a killed worker leaves the rotation within one probe; one dropped connection does not).
 * ``open``: out of rotation; the health loop probes it every interval.
 * ``half_open``: a probe answered again: back in rotation on trial. Its first successful answer
-  closes the breaker, its first failure opens it again.
+  closes the breaker, its first failure opens it again. Only a probe *sent after* the last
+  failure counts: an answer to a probe sent before a worker died (read late, after its requests
+  failed and it left the rotation) would otherwise bring a dead worker back.
 
 Opening or closing never touches what the policy believes the worker has cached.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
@@ -60,6 +63,8 @@ class Worker:
     failures: int = 0
     consecutive_failures: int = 0
     last_error: str | None = None
+    last_failure_at: float = float("-inf")
+    """When the last failed dispatch or probe was recorded (the registry's clock)."""
 
     @property
     def healthy(self) -> bool:
@@ -70,7 +75,8 @@ class Worker:
 class WorkerRegistry:
     """The workers, in the order given; URLs are normalized and must be distinct."""
 
-    def __init__(self, urls: Iterable[str], *, failure_threshold: int = 3) -> None:
+    def __init__(self, urls: Iterable[str], *, failure_threshold: int = 3,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         normalized = [normalize_worker_url(u) for u in urls]
         if not normalized:
             raise ValueError("worker_urls must name at least one worker")
@@ -79,6 +85,8 @@ class WorkerRegistry:
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold!r}")
         self.failure_threshold = failure_threshold
+        self.clock = clock
+        """The time source of ``last_failure_at`` and of probe start times (:meth:`mark_up`)."""
         self._workers = {u: Worker(u) for u in normalized}
 
     @property
@@ -125,6 +133,7 @@ class WorkerRegistry:
         w.failures += 1
         w.consecutive_failures += 1
         w.last_error = error
+        w.last_failure_at = self.clock()
         if w.state == "half_open" or (
             w.state == "closed" and w.consecutive_failures >= self.failure_threshold
         ):
@@ -137,14 +146,18 @@ class WorkerRegistry:
         w = self._workers[url]
         w.failures += 1
         w.last_error = error
+        w.last_failure_at = self.clock()
         was = w.healthy
         w.state = "open"
         return was
 
-    def mark_up(self, url: str) -> bool:
-        """A probe of ``url`` answered: an open breaker goes half open; True if it re-entered."""
+    def mark_up(self, url: str, sent_at: float | None = None) -> bool:
+        """A probe of ``url`` answered: an open breaker goes half open; True if it re-entered.
+
+        ``sent_at`` (the registry's clock when the probe was sent): an answer to a probe sent
+        before the last recorded failure is stale and changes nothing."""
         w = self._workers[url]
-        if w.state != "open":
+        if w.state != "open" or (sent_at is not None and sent_at < w.last_failure_at):
             return False
         w.state = "half_open"
         w.consecutive_failures = 0

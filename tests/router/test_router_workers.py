@@ -71,3 +71,20 @@ def test_breaker_opens_after_threshold_failures_in_a_row_and_half_opens_on_a_pro
     assert reg[url].state == "closed" and reg[url].consecutive_failures == 0
     with pytest.raises(ValueError, match="failure_threshold"):
         WorkerRegistry([url], failure_threshold=0)
+
+
+def test_a_probe_sent_before_a_failure_does_not_bring_the_worker_back() -> None:
+    """A worker dies while a health probe it answered is still being read: its requests fail,
+    the breaker opens, and the late answer (sent before the failure) must not re-admit it; a
+    probe sent afterwards that answers does."""
+    now = [10.0]
+    reg = WorkerRegistry(["http://a:1"], failure_threshold=1, clock=lambda: now[0])
+    url = "http://a:1"
+    sent = reg.clock()  # the health loop sends its probe ...
+    now[0] = 11.0
+    assert reg.record_failure(url, "connection reset") is True  # ... the worker dies
+    assert reg[url].last_failure_at == 11.0
+    assert reg.mark_up(url, sent) is False and reg[url].state == "open" and reg.healthy() == []
+    now[0] = 12.0
+    assert reg.mark_down(url, "refused") is False and reg.mark_up(url, 11.5) is False
+    assert reg.mark_up(url, 12.0) is True and reg[url].state == "half_open"
