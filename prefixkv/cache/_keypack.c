@@ -14,6 +14,9 @@
  *     the uint32 ids start..stop-1 (token positions) of packed ``data``, as native bytes.
  * common_bytes(a, a_off, b, b_off, limit) -> int
  *     the length of the common prefix of a[a_off:] and b[b_off:], at most ``limit``.
+ * reversed_runs(runs) -> bytes
+ *     the uint32 runs (a list of buffers) concatenated in order, each reversed: an eviction's
+ *     freed ids, each run deepest first (eviction.py), in one pass.
  * narrow64(ints64, narrow) -> bytes | None
  *     a native 64-bit int buffer (array('q'), numpy int64) as uint32 bytes, or uint16 bytes when
  *     ``narrow`` and every value is below 2**16; None when a value is negative or >= 2**32.
@@ -206,11 +209,53 @@ static PyObject *narrow64(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
+static PyObject *reversed_runs(PyObject *self, PyObject *runs)
+{
+    if (!PyList_Check(runs)) {
+        PyErr_SetString(PyExc_TypeError, "reversed_runs: a list of uint32 buffers is required");
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(runs), total = 0;
+    Py_buffer *views = PyMem_Calloc(k ? k : 1, sizeof(Py_buffer));
+    if (views == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t got = 0;
+    PyObject *out = NULL;
+    for (; got < k; got++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(runs, got), &views[got], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (views[got].itemsize != 4 || views[got].len % 4) {
+            PyBuffer_Release(&views[got]);
+            PyErr_SetString(PyExc_TypeError, "reversed_runs: every run must hold 4-byte ids");
+            goto done;
+        }
+        total += views[got].len / 4;
+    }
+    out = PyBytes_FromStringAndSize(NULL, total * 4);
+    if (out != NULL) {
+        uint32_t *dst = (uint32_t *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t r = 0; r < k; r++) {  /* run r, reversed, right after run r-1's */
+            const uint32_t *src = (const uint32_t *)views[r].buf;
+            Py_ssize_t n = views[r].len / 4;
+            for (Py_ssize_t i = 0; i < n; i++)
+                dst[i] = src[n - 1 - i];
+            dst += n;
+        }
+    }
+done:
+    for (Py_ssize_t r = 0; r < got; r++)
+        PyBuffer_Release(&views[r]);
+    PyMem_Free(views);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"pack18", (PyCFunction)(void (*)(void))pack18, METH_FASTCALL, "Pack ids[start:stop] (whole groups of 4 below 2**18) into 9 bytes a group."},
     {"unpack18", unpack18, METH_VARARGS, "Token ids start..stop-1 of packed data, as uint32 bytes."},
     {"narrow64", (PyCFunction)(void (*)(void))narrow64, METH_FASTCALL,
      "Native 64-bit ints as uint16 (narrow, all < 2**16) or uint32 bytes; None if any is outside [0, 2**32)."},
+    {"reversed_runs", reversed_runs, METH_O,
+     "The uint32 runs (a list of buffers) concatenated in order, each reversed, as bytes."},
     {"common_bytes", common_bytes, METH_VARARGS, "Common prefix length of a[a_off:] and b[b_off:], at most limit."},
     {NULL, NULL, 0, NULL},
 };

@@ -28,6 +28,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
+try:
+    from prefixkv.cache import _keypack
+except ImportError:  # the optional C helper (setup.py); numpy does the same, slower
+    _keypack = None  # type: ignore[assignment]
+
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.held_ids import BULK, BlockIds, new_ids
 from prefixkv.cache.policies import EvictionPolicy
@@ -216,14 +221,17 @@ class Evictor(Generic[E]):
 def deepest_first(runs: list[BlockIds]) -> BlockIds:
     """The runs (each shallowest first, as stored) concatenated in order, each reversed.
 
-    ``reversed(R1 + ... + Rk)`` is ``rev(Rk) + ... + rev(R1)``, so the runs are joined in
-    reverse order and the whole reversed once, in numpy (an ``array`` reverses item by item,
-    several times slower); a few ids take the plain path.
+    One C pass when the helper is built. Else: ``reversed(R1 + ... + Rk)`` is ``rev(Rk) + ...
+    + rev(R1)``, so the runs are joined in reverse order and the whole reversed once, in numpy
+    (an ``array`` reverses item by item, several times slower); a few ids take a plain loop.
     """
     if len(runs) == 1 and len(runs[0]) <= 1:
         return runs[0]
-    total = sum(map(len, runs))
     out = new_ids()
+    if _keypack is not None:  # one C pass (10,240 ids: about 1.5 us against 5 in numpy)
+        out.frombytes(_keypack.reversed_runs(runs))
+        return out
+    total = sum(map(len, runs))
     if total < BULK:
         for r in runs:
             out += r[::-1]

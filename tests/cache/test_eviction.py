@@ -105,3 +105,19 @@ def test_owner_tags_survive_splits_and_recycling(clock):
                 cache.check_invariants()
         cache.check_invariants()
         assert pool.num_free + cache.num_cached_blocks == 96
+
+
+def test_deepest_first_is_the_same_with_and_without_the_c_helper(monkeypatch):
+    """The freed ids of an eviction, each run deepest first: one C pass, numpy for long runs or
+    a plain loop for short ones without the helper; all three agree."""
+    from array import array
+
+    from prefixkv.cache import eviction
+
+    cases = [[array("I", [7])], [array("I", [1, 2, 3])], [array("I", range(5)), array("I", [9])],
+             [array("I", range(i * 700, i * 700 + 600 + i)) for i in range(5)], []]
+    with_c = [list(eviction.deepest_first(r)) for r in cases]
+    monkeypatch.setattr(eviction, "_keypack", None)
+    assert [list(eviction.deepest_first(r)) for r in cases] == with_c
+    assert with_c[2] == [4, 3, 2, 1, 0, 9]
+    assert with_c[3][:3] == [599, 598, 597] and len(with_c[3]) == 3010
