@@ -109,3 +109,44 @@ def test_the_c_helper_is_built_where_a_compiler_is():
     if not (shutil.which(cc) or shutil.which("gcc")):
         pytest.skip("no C compiler here: the tree keeps 4-byte keys above 2**16")
     assert PACKED, "the C helper was not built: run `pip install -e .` (needs the Python headers)"
+
+
+@needs_packing
+def test_packing_helpers_match_a_python_reference():
+    """pack18 / unpack18 / common_bytes against plain-Python references on random ids (uint16
+    and uint32 buffers, ids at and past 2**18, every start/stop), so the C code cannot drift."""
+    import random
+
+    from prefixkv.cache import _keypack
+
+    def ref_pack(ids: list[int]) -> bytes:
+        out = bytearray()
+        for g in range(len(ids) // 4):
+            t = ids[4 * g : 4 * g + 4]
+            if max(t) >= 1 << 18:
+                break
+            out += (t[0] | t[1] << 18 | t[2] << 36 | t[3] << 54).to_bytes(9, "little")
+        return bytes(out)
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        code = rng.choice("IH")
+        top = 1 << 16 if code == "H" else rng.choice([1 << 18, (1 << 18) + 10, 1 << 32])
+        ids = array(code, [rng.randrange(top) if rng.random() < 0.97 else top - 1
+                           for _ in range(rng.randrange(40))])
+        s = rng.randrange(len(ids) + 1)
+        e = rng.randrange(s, len(ids) + 1)
+        packed = _keypack.pack18(ids, s, e)
+        assert packed == ref_pack(list(ids[s:e]))
+        m = packed_len(packed)
+        a = rng.randrange(m + 1)
+        b = rng.randrange(a, m + 1)
+        assert list(key_tokens(packed, a, b)) == list(ids[s + a : s + b])
+        x = bytes(rng.randrange(3) for _ in range(rng.randrange(20)))
+        y = bytes(rng.randrange(3) for _ in range(rng.randrange(20)))
+        xo, yo, limit = rng.randrange(len(x) + 2), rng.randrange(len(y) + 2), rng.randrange(25)
+        n = 0
+        if xo <= len(x) and yo <= len(y):
+            while n < limit and xo + n < len(x) and yo + n < len(y) and x[xo + n] == y[yo + n]:
+                n += 1
+        assert _keypack.common_bytes(x, xo, y, yo, limit) == n
