@@ -105,3 +105,48 @@ def test_decodes_on_a_long_shared_prefix_equal_the_uncached_ones(
     assert shared_steps  # the batch did take the shared-prefix path
     helpers.assert_no_leak(llm)
 
+
+
+def test_a_large_vocabulary_model_packs_its_keys_and_decodes_the_same(
+    demo_model: Any, tmp_path: Any, helpers: Any
+) -> None:
+    """A model whose vocabulary passes 65,536 ids (here 70,000: the demo model with a bigger
+    tied embedding) puts its radix tree in 18-bit packed keys at block size 16 (with the C
+    helper built); greedy tokens stay those of the same requests without a cache, with a pool
+    small enough to evict, cold and warm, with partial-block rows reused."""
+    import json
+    import random
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from prefixkv.cache.radix_node import PACKED
+
+    path = tmp_path / "bigvocab"
+    shutil.copytree(demo_model, path)
+    config = json.loads((path / "config.json").read_text())
+    vocab = config["vocab_size"] = 70_000
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    weights["model.embed_tokens.weight"] = torch.randn(vocab, config["hidden_size"], generator=gen)
+    weights.pop("lm_head.weight", None)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    rng = random.Random(0)
+    system = [rng.randrange(65_536, vocab) for _ in range(100)]
+    prompts = [{"prompt_token_ids": system + [rng.randrange(vocab) for _ in range(1 + 3 * i)]}
+               for i in range(10)]
+    want = [o.outputs[0].token_ids
+            for o in LLM(path, enable_prefix_caching=False, num_kv_blocks=256).generate(prompts, GREEDY)]
+    llm = LLM(path, block_size=16, num_kv_blocks=24)
+    for _round in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+        helpers.assert_no_leak(llm)
+    cache = llm.engine.kv.cache
+    assert cache is not None and cache._forest.key_typecode == ("P" if PACKED else "I")
+    stats = llm.get_cache_stats()
+    assert stats is not None and stats.matched_tokens > 0 and stats.partial_tokens > 0
+    assert stats.evicted_blocks > 0
