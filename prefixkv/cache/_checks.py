@@ -8,10 +8,7 @@ from typing import Any
 
 import numpy as np
 
-try:
-    from prefixkv.cache import _keypack
-except ImportError:  # the optional C helper (setup.py); numpy does the same, slower
-    _keypack = None  # type: ignore[assignment]
+from prefixkv.cache._native import keypack as _keypack  # None: the Python path
 
 
 def as_token_list(token_ids: Any, name: str = "token_ids") -> Sequence[int]:

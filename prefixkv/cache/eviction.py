@@ -28,10 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
-try:
-    from prefixkv.cache import _keypack
-except ImportError:  # the optional C helper (setup.py); numpy does the same, slower
-    _keypack = None  # type: ignore[assignment]
+from prefixkv.cache._native import keypack as _keypack  # None: the Python path
 
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.held_ids import BULK, BlockIds, new_ids

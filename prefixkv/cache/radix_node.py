@@ -23,10 +23,7 @@ from prefixkv.cache._checks import check_tokens
 from prefixkv.cache.forest import EntryState
 from prefixkv.cache.held_ids import BlockIds
 
-try:
-    from prefixkv.cache import _keypack
-except ImportError:  # built at install time when a C compiler is present (setup.py)
-    _keypack = None  # type: ignore[assignment]
+from prefixkv.cache._native import keypack as _keypack  # None: the Python path
 
 PACKED = _keypack is not None
 """Whether 18-bit packed keys are available (the C helper was built)."""
