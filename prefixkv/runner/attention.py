@@ -16,7 +16,7 @@ layer it (1) writes the new tokens' K/V into their slots, then (2) computes atte
   matmuls otherwise); sequences are grouped by context length so that padding stays small.
   On CPU, when three or more decodes of a group start with the same blocks (a cached system
   prompt, 384+ tokens) and reading them once saves enough copies (``(B - 1) x shared tokens
-  >= 2,000``), those keys are read once for all of them and merged with each sequence's own
+  >= 2,400``), those keys are read once for all of them and merged with each sequence's own
   keys by log-sum-exp, instead of being gathered once per sequence.
 
 Plain torch, device agnostic (CPU and CUDA).
@@ -212,17 +212,19 @@ def _group_by_length(
 
 _SHARED_MIN_SEQS = 3
 _SHARED_MIN_TOKENS = 384
-_SHARED_MIN_COPIES = 2000
+_SHARED_MIN_COPIES = 2400
 """A CPU decode group of ``B >= _SHARED_MIN_SEQS`` sequences whose block tables all start with
 the same ``P >= _SHARED_MIN_TOKENS`` tokens' worth of blocks reads that shared prefix once for
 all its queries (:func:`_decode_shared`) when the copies it saves, ``(B - 1) x P`` tokens, reach
 ``_SHARED_MIN_COPIES``. SmolLM2 decode steps against every sequence gathering its own copy
-(``scripts/shared_decode_ab.py``, docs/benchmarks.md): 3 sequences on 2,000 / 4,000 shared
-tokens 1.55-1.69x / 2.33x; near 2,000 copies about level (6 on 400, 4 on 688, 3 on 992, 5 on
-496: 0.95-1.06x; 1.13-1.36x in runs where the gather was in its slow mode); below, 3 on 300-500
-and 4 on 500 0.92-0.97x, and short prefixes lose even past 2,000 copies (8 on 288 0.92-0.97x, 9
-on 256 0.95-0.96x); 2 sequences 0.84-1.04x even on 2,000, so two stay on the plain path. (The
-shared tokens are whole blocks: 3 prompts sharing 1,000 tokens share 992 at block size 16.)"""
+(``scripts/shared_decode_ab.py``, docs/benchmarks.md; six processes on one machine and three
+runs on another): 3 sequences on 2,000 / 4,000 shared tokens 1.15-1.69x / 2.33x, 3 on 1,488 /
+1,200 1.08-1.20x / 1.03-1.04x, 8 on 592 1.07-1.08x, 6 on 1,000 1.15-1.17x; near 2,000 copies
+mostly a loss (6 on 400 0.94-0.97x, 4 on 688 0.95-1.01x, 5 on 496 0.97-1.02x; 3 on 992
+0.98-1.10x), hence 2,400; below, 3 on 800-900 0.96-0.99x and 3 on 300-500 0.92-0.97x; short
+prefixes lose even past 2,000 copies (8 on 288 0.92-0.97x, 9 on 256 0.95-0.96x); 2 sequences
+0.84-1.04x even on 2,000, so two stay on the plain path. (The shared tokens are whole blocks:
+3 prompts sharing 1,000 tokens share 992 at block size 16.)"""
 
 
 def _worth_sharing(seqs: int, tokens: int) -> bool:

@@ -83,7 +83,7 @@ def test_decodes_on_a_long_shared_prefix_equal_the_uncached_ones(
 ) -> None:
     """Eight requests on a cached 400-token system prompt decode together, reading the shared
     blocks once per step (the runner's shared-prefix path: 7 x 400 copies saved, above its
-    2,000); greedy tokens equal those of the same requests without a cache, where every
+    2,400); greedy tokens equal those of the same requests without a cache, where every
     sequence attends over its own copy."""
     system = helpers.tokens(3, 400)
     prompts = [system + helpers.tokens(200 + i, 2 + i) for i in range(8)]
