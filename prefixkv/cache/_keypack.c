@@ -17,6 +17,10 @@
  * reversed_runs(runs) -> bytes
  *     the uint32 runs (a list of buffers) concatenated in order, each reversed: an eviction's
  *     freed ids, each run deepest first (eviction.py), in one pass.
+ * from_list(ids, narrow) -> bytes | None
+ *     a list or tuple of ints as uint32 bytes (uint16 when ``narrow`` and every id is below
+ *     2**16); None at the first item that is not an int in [0, 2**32) (the caller's slower path
+ *     then raises the precise error). About 2x faster than array('I', ids).
  * narrow64(ints64, narrow) -> bytes | None
  *     a native 64-bit int buffer (array('q'), numpy int64) as uint32 bytes, or uint16 bytes when
  *     ``narrow`` and every value is below 2**16; None when a value is negative or >= 2**32.
@@ -48,6 +52,12 @@ CLONES static void narrow_to32(const uint64_t *src, uint32_t *dst, Py_ssize_t n)
 {
     for (Py_ssize_t i = 0; i < n; i++)
         dst[i] = (uint32_t)src[i];
+}
+
+CLONES static void narrow_32_to16(const uint32_t *src, uint16_t *dst, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        dst[i] = (uint16_t)src[i];
 }
 
 CLONES static void narrow_to16(const uint64_t *src, uint16_t *dst, Py_ssize_t n)
@@ -277,9 +287,57 @@ done:
     return out;
 }
 
+static PyObject *from_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "from_list(ids, narrow) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *seq = args[0];
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+        PyErr_SetString(PyExc_TypeError, "from_list: a list or tuple is required");
+        return NULL;
+    }
+    int narrow = PyObject_IsTrue(args[1]);
+    if (narrow < 0)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out == NULL)
+        return NULL;
+    uint32_t *dst = (uint32_t *)PyBytes_AS_STRING(out);
+    uint32_t any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        int overflow;
+        long long v;
+        if (!PyLong_Check(item))
+            goto other;  /* not an int: the caller's path reports it */
+        v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || v < 0 || v > 0xFFFFFFFFLL)
+            goto other;  /* out of range: likewise */
+        dst[i] = (uint32_t)v;
+        any |= (uint32_t)v;
+    }
+    if (narrow && n && any <= 0xFFFF) {
+        PyObject *small = PyBytes_FromStringAndSize(NULL, n * 2);
+        if (small != NULL)
+            narrow_32_to16(dst, (uint16_t *)PyBytes_AS_STRING(small), n);
+        Py_DECREF(out);
+        return small;
+    }
+    return out;
+other:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"pack18", (PyCFunction)(void (*)(void))pack18, METH_FASTCALL, "Pack ids[start:stop] (whole groups of 4 below 2**18) into 9 bytes a group."},
     {"unpack18", unpack18, METH_VARARGS, "Token ids start..stop-1 of packed data, as uint32 bytes."},
+    {"from_list", (PyCFunction)(void (*)(void))from_list, METH_FASTCALL,
+     "A list or tuple of ints as uint32 (or uint16: narrow, all < 2**16) bytes; None for a non-int or out-of-range item."},
     {"narrow64", (PyCFunction)(void (*)(void))narrow64, METH_FASTCALL,
      "Native 64-bit ints as uint16 (narrow, all < 2**16) or uint32 bytes; None if any is outside [0, 2**32)."},
     {"reversed_runs", reversed_runs, METH_O,

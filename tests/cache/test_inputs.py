@@ -155,13 +155,15 @@ def test_int64_inputs_out_of_range_fail_in_both_key_widths(value, narrow):
         as_token_array(value, "token_ids", narrow=narrow)
 
 
-def test_int64_inputs_convert_the_same_without_the_c_helper(monkeypatch):
-    """array('q') and numpy int64 queries go through one C pass when the helper is built, else
-    through numpy: the same arrays and the same errors either way."""
+def test_int64_and_list_inputs_convert_the_same_without_the_c_helper(monkeypatch):
+    """array('q'), numpy int64 and list/tuple queries go through one C pass when the helper is
+    built, else through numpy or ``array``: the same arrays and the same errors either way."""
     from prefixkv.cache import _checks
 
     cases = [array("q", [1, 2, 3]), array("q", [1, 70_000]), np.array([5, 2**32 - 1]),
-             array("q", [1, -1]), array("q", [2**32]), np.array([-3, 4])]
+             array("q", [1, -1]), array("q", [2**32]), np.array([-3, 4]),
+             [1, 2, 3], (1, 70_000), [], [True, 2**32 - 1], [np.int64(3), 4], [1, -1],
+             [2**32], [1, "a"], [2.0], [2**70]]
 
     def convert(x, narrow):
         try:
@@ -175,3 +177,6 @@ def test_int64_inputs_convert_the_same_without_the_c_helper(monkeypatch):
     assert [convert(x, n) for x in cases for n in (False, True)] == with_c
     assert with_c[1] == ("H", [1, 2, 3]) and with_c[2] == ("I", [1, 70_000])
     assert "non-negative" in with_c[6] and "2**32" in with_c[8]
+    assert with_c[13] == ("H", [1, 2, 3]) and with_c[14] == ("I", [1, 70_000])
+    assert with_c[19] == ("I", [1, 2**32 - 1]) and with_c[21] == ("H", [3, 4])
+    assert "ints" in with_c[26] and "ints" in with_c[28]
