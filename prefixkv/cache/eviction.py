@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from prefixkv.cache._native import keypack as _keypack  # None: the Python path
-
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.held_ids import BULK, BlockIds, new_ids
 from prefixkv.cache.policies import EvictionPolicy

@@ -20,10 +20,9 @@ from types import MappingProxyType
 from typing import TypeAlias, cast
 
 from prefixkv.cache._checks import check_tokens
+from prefixkv.cache._native import keypack as _keypack  # None: the Python path
 from prefixkv.cache.forest import EntryState
 from prefixkv.cache.held_ids import BlockIds
-
-from prefixkv.cache._native import keypack as _keypack  # None: the Python path
 
 PACKED = _keypack is not None
 """Whether 18-bit packed keys are available (the C helper was built)."""
