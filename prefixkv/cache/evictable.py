@@ -172,7 +172,7 @@ class EvictableHeap:
             top = heap[0]  # key was asked since the settle above, so the epoch stands)
             nxt = top[-1]
             if nxt.in_heap and top[-3] == nxt.heap_ver and top[-2] == nxt.tick:
-                return entry, top[:-4] if self._flat > 0 else top[1]  # (self._key, inline)
+                return entry, self._key(top)
         return entry, self._key(self._heap[0]) if self._settle_top() else None
 
     def peek_key(self) -> Any | None:

@@ -270,8 +270,7 @@ class RadixForest:
         entry.blocks = _DETACHED
         parent = entry.parent
         assert parent is not None
-        key = entry.key  # (its first token, inline: one call fewer per evicted node)
-        first = key[0] | key[1] << 8 | (key[2] & 3) << 16 if type(key) is bytes else key[0]
+        first = first_token(entry.key)
         found = parent.children.pop(first)
         if found is not entry:
             rest = tuple(c for c in kids(found) if c is not entry)
@@ -326,7 +325,8 @@ class RadixForest:
 
     # -------------------------------------------------------------- inspection
     def memory_bytes(self) -> int:
-        """Nodes, their keys (2 or 4 bytes a token) and id arrays (4 bytes an id)."""
+        """Nodes, their keys (2, 2.25 packed, or 4 bytes a token) and id arrays (4 bytes an
+        id)."""
         return (self._num_entries * _NODE_BYTES
                 + int(self._cached_tokens * _TOKEN_BYTES[self._code])
                 + self._cached_tokens // self._bs * 4)
