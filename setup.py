@@ -7,5 +7,9 @@ without one the install still succeeds and the radix tree keeps 4-byte keys abov
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("prefixkv.cache._keypack", ["prefixkv/cache/_keypack.c"],
-                             optional=True, extra_compile_args=["-O3"])])
+setup(ext_modules=[
+    Extension("prefixkv.cache._keypack", ["prefixkv/cache/_keypack.c"],
+              optional=True, extra_compile_args=["-O3"]),
+    Extension("prefixkv.runner._cpu_attn", ["prefixkv/runner/_cpu_attn.c"],
+              optional=True, extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
+])

@@ -5,8 +5,9 @@ handed to the model's forward as its ``attention`` callable (no global metadata)
 layer it (1) writes the new tokens' K/V into their slots, then (2) computes attention:
 
 * prefill chunks (several new tokens): per sequence, the new queries attend causally to all
-  keys at positions ``[0, start_pos + n)`` (cached prefix + the chunk itself), with torch
-  SDPA. The context is read in place when its blocks are one contiguous run (a view of the
+  keys at positions ``[0, start_pos + n)`` (cached prefix + the chunk itself). A float32 pool
+  on an AVX-512 CPU reads them in place through the block table in the C kernel
+  (``cpu_attention.py``); otherwise torch SDPA does: the context is read in place when its blocks are one contiguous run (a view of the
   pool, no copy), gathered through the block table otherwise. A short chunk gets one SDPA call
   with a mask built once per step (additive, in the KV dtype, on CPU); on CPU a long chunk on a
   cached prefix runs as two unmasked flash calls, the prefix and the chunk causally over its
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prefixkv.runner import cpu_attention
 from prefixkv.runner.kv_pool import KVPool
 
 
@@ -41,6 +43,7 @@ class _Prefill:
     first_block: int | None  # context [0, start_pos + q_len) is blocks first_block, +1, ...
     blocks: torch.Tensor | None  # else the block ids to gather (None when start_pos == 0)
     mask: torch.Tensor | None  # [q_len, ctx]; None: start_pos == 0, or the two-call split
+    table: torch.Tensor | None = None  # the C kernel's block ids (then nothing above is used)
 
 
 @dataclass(slots=True)
@@ -82,6 +85,7 @@ class PagedAttention:
         bs = pool.block_size
         slots: list[int] = []
         self._prefills: list[_Prefill] = []
+        kernel = cpu_attention.usable(pool.kv, pool.head_dim)
         dec_rows: list[int] = []
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
@@ -95,7 +99,11 @@ class PagedAttention:
                 dec_tables.append(needed)
                 dec_lens.append(ctx)
             else:
-                self._prefills.append(_prefill(row, n, start, needed, bs, pool.kv))
+                self._prefills.append(
+                    _Prefill(row, n, start, None, None, None, torch.tensor(needed))
+                    if kernel
+                    else _prefill(row, n, start, needed, bs, pool.kv)
+                )
             row += n
         self.num_tokens = row
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
@@ -117,6 +125,9 @@ class PagedAttention:
         out = torch.empty_like(q)
         for p in self._prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
+            if p.table is not None:
+                cpu_attention.prefill(out[rows], q[rows], k_cache, v_cache, p.table, p.start_pos)
+                continue
             # SDPA gets 4-D [1, heads, len, D] views: 3-D inputs miss the fused CPU kernel.
             qs = q[rows].transpose(0, 1)[None]
             ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]

@@ -1,0 +1,348 @@
+/* prefixkv.runner._cpu_attn: causal prefill attention over the paged KV pool, on CPU, float32.
+ *
+ * One call computes, for one sequence, the attention of its n_q new queries (positions
+ * start .. start + n_q - 1) over every key at positions [0, start + n_q), reading K and V in
+ * place through the sequence's block table (no gather, no mask tensor). GQA: query head h
+ * reads KV head h / (n_heads / n_kv_heads). It is a flash-attention loop (online softmax, in
+ * base 2) written for AVX-512: keys in tiles of 64, transposed once per tile into a small
+ * buffer, scores for four query rows at a time in 16 vector accumulators, P x V the same way.
+ * Work is split into tasks (KV head x block of positions, heaviest first) that ``threads``
+ * threads (the caller's plus threads - 1 started here, the GIL released) take in turn.
+ *
+ * supported() -> bool
+ *     whether this CPU and build run the kernel (x86-64 with AVX-512F/DQ, GCC or Clang).
+ * prefill(q, q_st, q_sh, o, o_st, o_sh, k, v, blk_st, tok_st, table, n_q, start, n_heads,
+ *         n_kv_heads, head_dim, block_size, scale, threads) -> None
+ *     q, o, k, v, table: addresses (int) of float32 queries / outputs and the layer's K / V
+ *     pool, and of the int64 block table; *_st / *_sh: strides in elements (row, head; the
+ *     head dimension is contiguous everywhere, KV heads adjacent within a token). The caller
+ *     (prefixkv/runner/cpu_attention.py) checks every shape, stride and dtype: this module
+ *     trusts them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define HAVE_KERNEL 1
+#include <immintrin.h>
+#include <omp.h>
+#else
+#define HAVE_KERNEL 0
+#endif
+
+#define KT 64   /* keys per tile */
+#define MR 4    /* query rows per micro-tile */
+#define MAX_DIM 256
+
+#if HAVE_KERNEL
+
+#define AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+
+typedef struct {
+    const float *q, *k, *v;
+    float *o;
+    long q_st, q_sh, o_st, o_sh, blk_st, tok_st;
+    const int64_t *table;
+    long n_q, start, n_heads, n_kv, dim, bs, rep, pb, n_pblocks, n_tasks;
+    float scale2;  /* softmax scale x log2(e): scores in base 2 */
+    float *kt_all; /* K transposed, [n_kv][n_tiles][dim][KT], filled in phase 1 */
+    long n_tiles;
+} job_t;
+
+static const float zero_row[MAX_DIM] __attribute__((aligned(64)));
+
+/* 2**x for x >= -126 (smaller x clamps there; -inf included): x = n + f, |f| <= 1/2,
+ * 2**f by its degree-7 Taylor polynomial (relative error below 1e-8), scaled by 2**n. */
+AVX512 static inline __m512 exp2_ps(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059840e-5f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-4f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+typedef struct {
+    float *qs, *os, *m, *l, *p;
+    const float *kt;
+    const float *vrow[KT];
+} scratch_t;
+
+/* Scores of MR rows (qrow[r], D floats each, pre-scaled) against the tile kt [D][KT]; then the
+ * online-softmax update of m / l / o for each row with ``valid[r]`` leading keys (0..KT). */
+AVX512 static void scores_softmax(const job_t *J, scratch_t *S, float *const qrow[MR],
+                                  float *const orow[MR], float *mr[MR], float *lr[MR],
+                                  const int valid[MR])
+{
+    __m512 acc[MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < 4; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    for (long d = 0; d < J->dim; d++) {
+        const float *kd = S->kt + d * KT;
+        __m512 k0 = _mm512_load_ps(kd), k1 = _mm512_load_ps(kd + 16);
+        __m512 k2 = _mm512_load_ps(kd + 32), k3 = _mm512_load_ps(kd + 48);
+        for (int r = 0; r < MR; r++) {
+            __m512 b = _mm512_set1_ps(qrow[r][d]);
+            acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);
+        }
+    }
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < MR; r++) {
+        __mmask16 keep[4];
+        __m512 mx = ninf;
+        for (int c = 0; c < 4; c++) {
+            int n = valid[r] - 16 * c;
+            keep[c] = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+            acc[r][c] = _mm512_mask_mov_ps(ninf, keep[c], acc[r][c]);
+            mx = _mm512_max_ps(mx, acc[r][c]);
+        }
+        float m_old = *mr[r], m_new = fmaxf(m_old, _mm512_reduce_max_ps(mx));
+        __m512 mv = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+        float *pr = S->p + r * KT;
+        for (int c = 0; c < 4; c++) {
+            __m512 e = _mm512_maskz_mov_ps(keep[c], exp2_ps(_mm512_sub_ps(acc[r][c], mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_store_ps(pr + 16 * c, e);
+        }
+        if (m_new > m_old) { /* rescale what was summed under the old maximum */
+            float alpha = exp2f(m_old - m_new);
+            *lr[r] *= alpha;
+            __m512 av = _mm512_set1_ps(alpha);
+            for (long d = 0; d < J->dim; d += 16)
+                _mm512_store_ps(orow[r] + d, _mm512_mul_ps(av, _mm512_load_ps(orow[r] + d)));
+            *mr[r] = m_new;
+        }
+        *lr[r] += _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* o[r] += p[r] x V for the tile's ``nk`` keys, 64 columns at a time. */
+AVX512 static void accumulate_pv(const job_t *J, scratch_t *S, float *const orow[MR], long nk)
+{
+    for (long d0 = 0; d0 < J->dim; d0 += 64) {
+        int nv = (int)((J->dim - d0) / 16 < 4 ? (J->dim - d0) / 16 : 4);
+        __m512 acc[MR][4];
+        for (int r = 0; r < MR; r++)
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = c < nv ? _mm512_load_ps(orow[r] + d0 + 16 * c) : _mm512_setzero_ps();
+        if (nv == 4) {
+            for (long j = 0; j < nk; j++) {
+                const float *vj = S->vrow[j] + d0;
+                __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+                __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+                for (int r = 0; r < MR; r++) {
+                    __m512 b = _mm512_set1_ps(S->p[r * KT + j]);
+                    acc[r][0] = _mm512_fmadd_ps(b, v0, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(b, v1, acc[r][1]);
+                    acc[r][2] = _mm512_fmadd_ps(b, v2, acc[r][2]);
+                    acc[r][3] = _mm512_fmadd_ps(b, v3, acc[r][3]);
+                }
+            }
+        } else {
+            for (long j = 0; j < nk; j++) {
+                const float *vj = S->vrow[j] + d0;
+                for (int r = 0; r < MR; r++) {
+                    __m512 b = _mm512_set1_ps(S->p[r * KT + j]);
+                    for (int c = 0; c < nv; c++)
+                        acc[r][c] = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj + 16 * c), acc[r][c]);
+                }
+            }
+        }
+        for (int r = 0; r < MR; r++)
+            for (int c = 0; c < nv; c++)
+                _mm512_store_ps(orow[r] + d0 + 16 * c, acc[r][c]);
+    }
+}
+
+static inline const float *kv_row(const job_t *J, const float *base, long pos, long g)
+{
+    return base + J->table[pos / J->bs] * J->blk_st + (pos % J->bs) * J->tok_st + g * J->dim;
+}
+
+/* One task: KV head g, positions [p0, p0 + np) of every query head reading it. */
+AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
+{
+    long g = task % J->n_kv, pblock = J->n_pblocks - 1 - task / J->n_kv;
+    long p0 = pblock * J->pb, np = J->n_q - p0 < J->pb ? J->n_q - p0 : J->pb;
+    long rows = J->rep * np, D = J->dim;
+    for (long hh = 0; hh < J->rep; hh++)
+        for (long i = 0; i < np; i++) {
+            const float *src = J->q + (p0 + i) * J->q_st + (g * J->rep + hh) * J->q_sh;
+            float *dst = S->qs + (hh * np + i) * D;
+            for (long d = 0; d < D; d++)
+                dst[d] = src[d] * J->scale2;
+        }
+    memset(S->qs + rows * D, 0, MR * D * sizeof(float)); /* the padding rows of a micro-tile */
+    memset(S->os, 0, (rows + MR) * D * sizeof(float));
+    for (long r = 0; r < rows + MR; r++) {
+        S->m[r] = -INFINITY;
+        S->l[r] = 0.0f;
+    }
+    long kend = J->start + p0 + np; /* keys [0, kend) */
+    for (long j0 = 0; j0 < kend; j0 += KT) {
+        long nk = kend - j0 < KT ? kend - j0 : KT;
+        S->kt = J->kt_all + (g * J->n_tiles + j0 / KT) * D * KT;
+        for (long j = 0; j < nk; j++)
+            S->vrow[j] = kv_row(J, J->v, j0 + j, g);
+        for (long hh = 0; hh < J->rep; hh++)
+            for (long i = 0; i < np; i += MR) {
+                long first_pos = J->start + p0 + i; /* the micro-tile's first query position */
+                if (j0 > first_pos + MR - 1 || j0 > J->start + p0 + np - 1)
+                    continue; /* every row of it is before this tile */
+                float *qrow[MR], *orow[MR], *mr[MR], *lr[MR];
+                int valid[MR];
+                for (int r = 0; r < MR; r++) {
+                    long row = i + r < np ? hh * np + i + r : rows + r;
+                    long lim = first_pos + (i + r < np ? r : 0) - j0 + 1; /* keys <= position */
+                    valid[r] = (int)(lim < 0 ? 0 : lim > nk ? nk : lim);
+                    qrow[r] = S->qs + row * D;
+                    orow[r] = S->os + row * D;
+                    mr[r] = S->m + row;
+                    lr[r] = S->l + row;
+                }
+                scores_softmax(J, S, qrow, orow, mr, lr, valid);
+                accumulate_pv(J, S, orow, nk);
+            }
+    }
+    for (long hh = 0; hh < J->rep; hh++)
+        for (long i = 0; i < np; i++) {
+            long row = hh * np + i;
+            float inv = 1.0f / S->l[row];
+            float *dst = J->o + (p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
+            for (long d = 0; d < D; d++)
+                dst[d] = S->os[row * D + d] * inv;
+        }
+}
+
+/* Phase 1 task: tile ``t`` of KV head ``g`` transposed into kt_all (zero past the last key). */
+static void pack_tile(const job_t *J, long task)
+{
+    long g = task / J->n_tiles, t = task % J->n_tiles, D = J->dim, ctx = J->start + J->n_q;
+    float *kt = J->kt_all + task * D * KT;
+    for (long j = 0; j < KT; j++) {
+        long pos = t * KT + j;
+        const float *kr = pos < ctx ? kv_row(J, J->k, pos, g) : zero_row;
+        for (long d = 0; d < D; d++)
+            kt[d * KT + j] = kr[d];
+    }
+}
+
+/* Both phases on the caller's OpenMP team: the runtime torch already runs (its libgomp is
+ * loaded first and shares the soname), so the threads are the ones torch's kernels just used. */
+static int run_job(job_t *J, int threads)
+{
+    long n_pack = J->n_kv * J->n_tiles, rows = J->rep * J->pb + MR, D = J->dim;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < n_pack; t++)
+            pack_tile(J, t);
+        scratch_t S;
+        S.qs = aligned_alloc(64, rows * D * sizeof(float));
+        S.os = aligned_alloc(64, rows * D * sizeof(float));
+        S.p = aligned_alloc(64, MR * KT * sizeof(float));
+        S.m = malloc(rows * sizeof(float));
+        S.l = malloc(rows * sizeof(float));
+        int ok = S.qs && S.os && S.p && S.m && S.l;
+        failed |= !ok;
+#pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < J->n_tasks; t++)
+            if (ok)
+                run_task(J, &S, t);
+        free(S.qs); free(S.os); free(S.p); free(S.m); free(S.l);
+    }
+    return failed;
+}
+
+static int cpu_ok(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")
+           && __builtin_cpu_supports("fma");
+}
+
+#endif /* HAVE_KERNEL */
+
+static PyObject *supported(PyObject *self, PyObject *noargs)
+{
+#if HAVE_KERNEL
+    if (cpu_ok())
+        Py_RETURN_TRUE;
+#endif
+    Py_RETURN_FALSE;
+}
+
+static PyObject *prefill(PyObject *self, PyObject *args)
+{
+#if HAVE_KERNEL
+    unsigned long long q, o, k, v, table;
+    long q_st, q_sh, o_st, o_sh, blk_st, tok_st, n_q, start, n_heads, n_kv, dim, bs, threads;
+    double scale;
+    if (!PyArg_ParseTuple(args, "KllKllKKllKlllllldl", &q, &q_st, &q_sh, &o, &o_st, &o_sh, &k,
+                          &v, &blk_st, &tok_st, &table, &n_q, &start, &n_heads, &n_kv, &dim,
+                          &bs, &scale, &threads))
+        return NULL;
+    if (!cpu_ok() || n_q < 1 || start < 0 || n_kv < 1 || n_heads % n_kv || dim % 16
+        || dim > MAX_DIM || bs < 1 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "prefill: unsupported arguments");
+        return NULL;
+    }
+    job_t J = {.q = (const float *)q, .k = (const float *)k, .v = (const float *)v,
+               .o = (float *)o, .q_st = q_st, .q_sh = q_sh, .o_st = o_st, .o_sh = o_sh,
+               .blk_st = blk_st, .tok_st = tok_st, .table = (const int64_t *)table, .n_q = n_q,
+               .start = start, .n_heads = n_heads, .n_kv = n_kv, .dim = dim, .bs = bs,
+               .rep = n_heads / n_kv, .scale2 = (float)(scale * 1.4426950408889634)};
+    /* Blocks of 32 positions; smaller when that leaves fewer than 4 tasks a thread. */
+    J.pb = 32;
+    while (J.pb > MR && n_kv * ((n_q + J.pb - 1) / J.pb) < 4 * threads)
+        J.pb /= 2;
+    J.n_pblocks = (n_q + J.pb - 1) / J.pb;
+    J.n_tasks = J.n_pblocks * n_kv;
+    J.n_tiles = (start + n_q + KT - 1) / KT;
+    J.kt_all = aligned_alloc(64, n_kv * J.n_tiles * dim * KT * sizeof(float));
+    if (!J.kt_all)
+        return PyErr_NoMemory();
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = run_job(&J, (int)(threads < J.n_tasks ? threads : J.n_tasks));
+    Py_END_ALLOW_THREADS
+    free(J.kt_all);
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+#else
+    PyErr_SetString(PyExc_RuntimeError, "prefill: not built for this platform");
+    return NULL;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"supported", supported, METH_NOARGS, "Whether this CPU and build run the kernel."},
+    {"prefill", prefill, METH_VARARGS, "Causal prefill attention of one sequence over the paged pool (float32)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_cpu_attn", "Causal prefill attention over the paged KV pool (CPU, float32, AVX-512).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__cpu_attn(void)
+{
+    return PyModule_Create(&module);
+}

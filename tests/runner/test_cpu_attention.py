@@ -1,0 +1,204 @@
+"""The C prefill-attention kernel (prefixkv/runner/_cpu_attn.c) against dense SDPA attention,
+alone and inside PagedAttention, and its switches."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+
+from prefixkv.runner import KVPool, PagedAttention, cpu_attention
+
+from test_paged_attention import dense
+
+needs_kernel = pytest.mark.skipif(not cpu_attention.BUILT, reason="C kernel not built / no AVX-512")
+
+
+def _avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512f" in flags and " avx512dq" in flags
+
+
+def test_the_kernel_is_built_where_it_can_run():
+    """`pip install -e .` builds prefixkv.runner._cpu_attn where a compiler is present: on an
+    x86-64 AVX-512 CPU an optional build that silently failed would cost 1.5x on prefill."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not (shutil.which(cc) or shutil.which("gcc")):
+        pytest.skip("no C compiler here: prefill keeps torch SDPA")
+    if platform.machine() != "x86_64" or not _avx512():
+        pytest.skip("not an AVX-512 x86-64 CPU: prefill keeps torch SDPA")
+    assert cpu_attention.BUILT, "the C kernel was not built: run `pip install -e .`"
+
+
+def _pool(num_blocks: int, bs: int, kv_heads: int, d: int, gen: torch.Generator) -> KVPool:
+    pool = KVPool(
+        num_layers=1, num_blocks=num_blocks, block_size=bs, num_kv_heads=kv_heads, head_dim=d,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    pool.kv.normal_(generator=gen)
+    return pool
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "bs", "start", "n"),
+    [
+        (4, 2, 64, 16, 0, 1),  # one query, nothing cached
+        (4, 2, 64, 16, 0, 7),  # fewer rows than a micro-tile
+        (4, 2, 64, 1, 5, 33),  # block size 1
+        (9, 3, 64, 16, 130, 70),  # SmolLM2's heads, a cached prefix ending inside a block
+        (8, 8, 128, 16, 20, 50),  # no GQA, 128-wide heads (P x V in two column chunks)
+        (4, 1, 32, 3, 100, 5),  # MQA, odd block size, 32-wide heads
+        (6, 2, 80, 16, 40, 40),  # 80-wide heads (a 16-column chunk)
+        (2, 1, 256, 8, 64, 64),  # the widest head the kernel takes; tiles end at the context
+        (4, 2, 64, 16, 1000, 130),  # many key tiles, several position blocks
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_dense_attention(heads, kv_heads, d, bs, start, n, threads):
+    """Causal attention of ``n`` queries at positions ``start..`` over a scrambled block table,
+    queries a strided view (as the model's fused q/k/v gives), output written in place."""
+    gen = torch.Generator().manual_seed(n + start)
+    nb = -(-(start + n) // bs)
+    pool = _pool(2 * nb + 3, bs, kv_heads, d, gen)
+    table = torch.randperm(2 * nb + 3, generator=gen)[:nb]
+    k_cache, v_cache = pool.layer(0)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    q = qkv[:, : heads * d].view(n, heads, d)
+    out = torch.full((n, heads, d), float("nan"))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_attention.prefill(out, q, k_cache, v_cache, table, start)
+    finally:
+        torch.set_num_threads(saved)
+    k = k_cache[table].flatten(0, 1)[: start + n]
+    v = v_cache[table].flatten(0, 1)[: start + n]
+    torch.testing.assert_close(out, dense(q, k, v), atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_large_scores_do_not_overflow():
+    """Scores far beyond exp's range (about +-1e3): the online softmax keeps its running
+    maximum, so the result stays finite, and as close to a float64 reference as SDPA's is
+    (scores that large carry float32 rounding of ~1e-3 that exp amplifies in both)."""
+    gen = torch.Generator().manual_seed(1)
+    pool = _pool(8, 16, 1, 64, gen)
+    pool.kv.mul_(30.0)
+    k_cache, v_cache = pool.layer(0)
+    table = torch.arange(8)
+    q = torch.randn(100, 2, 64, generator=gen) * 30.0
+    out = torch.empty_like(q)
+    cpu_attention.prefill(out, q, k_cache, v_cache, table, 20)
+    k, v = k_cache.flatten(0, 1)[:120], v_cache.flatten(0, 1)[:120]
+    assert torch.isfinite(out).all()
+    exact = dense(q.double(), k.double(), v.double())
+    sdpa_err = (dense(q, k, v).double() - exact).abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= 1.5 * sdpa_err + 1e-6
+
+
+@needs_kernel
+def test_bad_arguments_raise_before_the_kernel_reads_memory():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = _pool(4, 16, 2, 64, gen).layer(0)
+    q = torch.randn(10, 4, 64)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="table covers 32 positions, needs 40"):
+        cpu_attention.prefill(out, q, k_cache, v_cache, torch.arange(2), 30)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_attention.prefill(out, q, k_cache, v_cache, torch.arange(4, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_attention.prefill(torch.empty(10, 4, 32), q, k_cache, v_cache, torch.arange(4), 0)
+    with pytest.raises(ValueError, match="does not fit the pool"):
+        cpu_attention.prefill(
+            torch.empty(10, 3, 64), torch.randn(10, 3, 64), k_cache, v_cache, torch.arange(4), 0
+        )
+
+
+@needs_kernel
+@pytest.mark.parametrize("enabled", [True, False])
+def test_paged_attention_takes_the_kernel_for_prefills_only(enabled, monkeypatch):
+    """One step with decodes, a fresh prefill and chunks on cached prefixes, kernel on and off:
+    the same results (against dense attention) either way."""
+    monkeypatch.setattr(cpu_attention, "ENABLED", enabled)
+    heads, kv_heads, d, bs = 4, 2, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    pool = _pool(64, bs, kv_heads, d, gen)
+    pool.kv.zero_()
+    starts, lens = [40, 0, 17, 100], [1, 37, 6, 20]
+    ids = torch.randperm(64, generator=gen).tolist()
+    tables, full_k, full_v = [], [], []
+    for s, n in zip(starts, lens, strict=True):
+        nb = -(-(s + n) // bs)
+        tables.append(ids[:nb])
+        ids = ids[nb:]
+        full_k.append(torch.randn(s + n, kv_heads, d, generator=gen))
+        full_v.append(torch.randn(s + n, kv_heads, d, generator=gen))
+        if s:
+            PagedAttention(pool, start_positions=[0], query_lens=[s], block_tables=[tables[-1]])(
+                0, torch.zeros(s, heads, d), full_k[-1][:s], full_v[-1][:s]
+            )
+    attn = PagedAttention(pool, start_positions=starts, query_lens=lens, block_tables=tables)
+    assert [p.table is not None for p in attn._prefills] == [enabled] * 3
+    qs = [torch.randn(n, heads, d, generator=gen) for n in lens]
+    out = attn(
+        0,
+        torch.cat(qs),
+        torch.cat([k[s:] for k, s in zip(full_k, starts, strict=True)]),
+        torch.cat([v[s:] for v, s in zip(full_v, starts, strict=True)]),
+    )
+    rows = 0
+    for q, k, v in zip(qs, full_k, full_v, strict=True):
+        torch.testing.assert_close(out[rows : rows + len(q)], dense(q, k, v), atol=2e-5, rtol=0)
+        rows += len(q)
+
+
+def test_bf16_pools_and_narrow_heads_keep_sdpa():
+    gen = torch.Generator().manual_seed(0)
+    assert not cpu_attention.usable(torch.zeros(2, 1, 4, 16, 2, 64, dtype=torch.bfloat16), 64)
+    assert not cpu_attention.usable(torch.zeros(2, 1, 4, 16, 2, 8), 8)
+    assert not cpu_attention.usable(torch.zeros(2, 1, 4, 16, 2, 512), 512)
+    assert cpu_attention.usable(_pool(4, 16, 2, 64, gen).kv, 64) == cpu_attention.ENABLED
+
+
+def test_the_environment_switch_turns_the_kernel_off():
+    code = "from prefixkv.runner import cpu_attention as c; print(c.ENABLED, c.BUILT)"
+    env = {**os.environ, "PREFIXKV_CPU_ATTENTION": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["False", str(cpu_attention.BUILT)], out.stderr
+
+
+@needs_kernel
+def test_the_demo_model_gives_the_same_logits_and_tokens_with_the_kernel(monkeypatch):
+    """A cold 300-token prefill, a warm 40-token chunk on it and greedy decode steps of the demo
+    model, kernel on and off: logits within 1e-4, the same greedy token at every step."""
+    from prefixkv.models.demo import ensure_demo_model
+    from prefixkv.runner.model_runner import ModelRunner, RunItem
+
+    runner = ModelRunner(ensure_demo_model(), dtype="float32", num_kv_blocks=64)
+    prompt = [(37 * i) % 250 + 3 for i in range(340)]
+    table = list(range(1, 40))
+
+    def run(enabled: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(cpu_attention, "ENABLED", enabled)
+        logits = [runner.execute([RunItem(prompt[:300], 0, table)])]
+        logits.append(runner.execute([RunItem(prompt[300:], 300, table)]))
+        for pos in range(340, 350):
+            tok = int(logits[-1].argmax())
+            logits.append(runner.execute([RunItem([tok], pos, table)]))
+        return logits
+
+    on, off = run(True), run(False)
+    for a, b in zip(on, off, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        assert int(a.argmax()) == int(b.argmax())
