@@ -47,10 +47,12 @@ typedef struct {
     float *o;
     long q_st, q_sh, o_st, o_sh, blk_st, tok_st;
     const int64_t *table;
-    long n_q, start, n_heads, n_kv, dim, bs, rep, pb, n_pblocks, n_tasks;
+    long n_q, start, n_heads, n_kv, dim, bs, rep, pb, n_pblocks, n_split, n_tasks;
     float scale2;  /* softmax scale x log2(e): scores in base 2 */
     float *kt_all; /* K transposed, [n_kv][n_tiles][dim][KT], filled in phase 1 */
     long n_tiles;
+    float *parts;   /* n_split > 1: per task, o [rows][dim], m [rows], l [rows] */
+    long part_size; /* floats per task in parts */
 } job_t;
 
 static const float zero_row[MAX_DIM] __attribute__((aligned(64)));
@@ -174,10 +176,14 @@ static inline const float *kv_row(const job_t *J, const float *base, long pos, l
     return base + J->table[pos / J->bs] * J->blk_st + (pos % J->bs) * J->tok_st + g * J->dim;
 }
 
-/* One task: KV head g, positions [p0, p0 + np) of every query head reading it. */
+/* One task: KV head g, positions [p0, p0 + np) of every query head reading it, over key split
+ * ks of n_split (the tiles of keys [0, start + p0 + np) cut into n_split runs). With one split
+ * the result goes to the output; otherwise the unnormalized o and m / l go to the task's part
+ * (merged by merge_splits). */
 AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
 {
-    long g = task % J->n_kv, pblock = J->n_pblocks - 1 - task / J->n_kv;
+    long ks = task % J->n_split, g = (task / J->n_split) % J->n_kv;
+    long pblock = J->n_pblocks - 1 - task / (J->n_split * J->n_kv);
     long p0 = pblock * J->pb, np = J->n_q - p0 < J->pb ? J->n_q - p0 : J->pb;
     long rows = J->rep * np, D = J->dim;
     for (long hh = 0; hh < J->rep; hh++)
@@ -194,7 +200,8 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
         S->l[r] = 0.0f;
     }
     long kend = J->start + p0 + np; /* keys [0, kend) */
-    for (long j0 = 0; j0 < kend; j0 += KT) {
+    long n_t = (kend + KT - 1) / KT, t0 = ks * n_t / J->n_split, t1 = (ks + 1) * n_t / J->n_split;
+    for (long j0 = t0 * KT; j0 < t1 * KT && j0 < kend; j0 += KT) {
         long nk = kend - j0 < KT ? kend - j0 : KT;
         S->kt = J->kt_all + (g * J->n_tiles + j0 / KT) * D * KT;
         for (long j = 0; j < nk; j++)
@@ -202,7 +209,7 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
         for (long hh = 0; hh < J->rep; hh++)
             for (long i = 0; i < np; i += MR) {
                 long first_pos = J->start + p0 + i; /* the micro-tile's first query position */
-                if (j0 > first_pos + MR - 1 || j0 > J->start + p0 + np - 1)
+                if (j0 > first_pos + MR - 1)
                     continue; /* every row of it is before this tile */
                 float *qrow[MR], *orow[MR], *mr[MR], *lr[MR];
                 int valid[MR];
@@ -219,6 +226,13 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
                 accumulate_pv(J, S, orow, nk);
             }
     }
+    if (J->n_split > 1) {
+        float *part = J->parts + task * J->part_size;
+        memcpy(part, S->os, rows * D * sizeof(float));
+        memcpy(part + rows * D, S->m, rows * sizeof(float));
+        memcpy(part + rows * (D + 1), S->l, rows * sizeof(float));
+        return;
+    }
     for (long hh = 0; hh < J->rep; hh++)
         for (long i = 0; i < np; i++) {
             long row = hh * np + i;
@@ -229,16 +243,78 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
         }
 }
 
+/* The n_split parts of (KV head, position block) ``item`` into the output: each row's parts
+ * weighted by 2**(m_s - max m) (a split with no key for the row has m = -inf, weight 0). */
+static void merge_splits(const job_t *J, long item)
+{
+    long g = item % J->n_kv, pblock = J->n_pblocks - 1 - item / J->n_kv;
+    long p0 = pblock * J->pb, np = J->n_q - p0 < J->pb ? J->n_q - p0 : J->pb;
+    long rows = J->rep * np, D = J->dim;
+    const float *parts = J->parts + item * J->n_split * J->part_size;
+    for (long row = 0; row < rows; row++) {
+        float top = -INFINITY, total = 0.0f, w[64];
+        for (long s = 0; s < J->n_split; s++)
+            top = fmaxf(top, parts[s * J->part_size + rows * D + row]);
+        for (long s = 0; s < J->n_split; s++) {
+            const float *ps = parts + s * J->part_size;
+            w[s] = exp2f(ps[rows * D + row] - top);
+            total += w[s] * ps[rows * (D + 1) + row];
+        }
+        long hh = row / np, i = row % np;
+        float *dst = J->o + (p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
+        for (long d = 0; d < D; d++) {
+            float acc = 0.0f;
+            for (long s = 0; s < J->n_split; s++)
+                acc += w[s] * parts[s * J->part_size + row * D + d];
+            dst[d] = acc / total;
+        }
+    }
+}
+
+/* 16 keys (rows[j], 16 floats from column d0 each) into kt[(d0 + d) * KT + j]: a 16 x 16
+ * transpose in registers (unpack ps, unpack pd, two rounds of 128-bit lane shuffles). */
+AVX512 static void transpose16(const float *const rows[16], long d0, float *kt)
+{
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_loadu_ps(rows[i] + d0);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + c], lane L: rows 4i..4i+3 at column 4L + c */
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 1]), e = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, e));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, e));
+    }
+    for (int c = 0; c < 4; c++) { /* column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        __m512 v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        __m512 v2 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+        __m512 v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        __m512 v4 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+        _mm512_store_ps(kt + (d0 + c) * KT, _mm512_shuffle_f32x4(v1, v3, 0x88));
+        _mm512_store_ps(kt + (d0 + 4 + c) * KT, _mm512_shuffle_f32x4(v2, v4, 0x88));
+        _mm512_store_ps(kt + (d0 + 8 + c) * KT, _mm512_shuffle_f32x4(v1, v3, 0xdd));
+        _mm512_store_ps(kt + (d0 + 12 + c) * KT, _mm512_shuffle_f32x4(v2, v4, 0xdd));
+    }
+}
+
 /* Phase 1 task: tile ``t`` of KV head ``g`` transposed into kt_all (zero past the last key). */
-static void pack_tile(const job_t *J, long task)
+AVX512 static void pack_tile(const job_t *J, long task)
 {
     long g = task / J->n_tiles, t = task % J->n_tiles, D = J->dim, ctx = J->start + J->n_q;
     float *kt = J->kt_all + task * D * KT;
-    for (long j = 0; j < KT; j++) {
-        long pos = t * KT + j;
-        const float *kr = pos < ctx ? kv_row(J, J->k, pos, g) : zero_row;
-        for (long d = 0; d < D; d++)
-            kt[d * KT + j] = kr[d];
+    for (long j0 = 0; j0 < KT; j0 += 16) {
+        const float *rows[16];
+        for (long j = 0; j < 16; j++) {
+            long pos = t * KT + j0 + j;
+            rows[j] = pos < ctx ? kv_row(J, J->k, pos, g) : zero_row;
+        }
+        for (long d0 = 0; d0 < D; d0 += 16)
+            transpose16(rows, d0, kt + j0);
     }
 }
 
@@ -247,6 +323,7 @@ static void pack_tile(const job_t *J, long task)
 static int run_job(job_t *J, int threads)
 {
     long n_pack = J->n_kv * J->n_tiles, rows = J->rep * J->pb + MR, D = J->dim;
+    long n_items = J->n_kv * J->n_pblocks;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -266,6 +343,11 @@ static int run_job(job_t *J, int threads)
             if (ok)
                 run_task(J, &S, t);
         free(S.qs); free(S.os); free(S.p); free(S.m); free(S.l);
+        if (J->n_split > 1) {
+#pragma omp for schedule(static)
+            for (long item = 0; item < n_items; item++)
+                merge_splits(J, item);
+        }
     }
     return failed;
 }
@@ -308,21 +390,36 @@ static PyObject *prefill(PyObject *self, PyObject *args)
                .blk_st = blk_st, .tok_st = tok_st, .table = (const int64_t *)table, .n_q = n_q,
                .start = start, .n_heads = n_heads, .n_kv = n_kv, .dim = dim, .bs = bs,
                .rep = n_heads / n_kv, .scale2 = (float)(scale * 1.4426950408889634)};
-    /* Blocks of 32 positions; smaller when that leaves fewer than 4 tasks a thread. */
+    /* Blocks of 32 positions. Fewer than 4 tasks a thread: split the keys (each split 2+
+     * tiles; short chunks on long prefixes, a warm request), then shrink the blocks. */
+    long want = 4 * threads;
     J.pb = 32;
-    while (J.pb > MR && n_kv * ((n_q + J.pb - 1) / J.pb) < 4 * threads)
+    J.n_pblocks = (n_q + J.pb - 1) / J.pb;
+    long first_tiles = (start + (n_q < J.pb ? n_q : J.pb) + KT - 1) / KT;
+    J.n_split = (want + n_kv * J.n_pblocks - 1) / (n_kv * J.n_pblocks);
+    if (J.n_split > first_tiles / 2)
+        J.n_split = first_tiles / 2 > 1 ? first_tiles / 2 : 1;
+    if (J.n_split > 64)
+        J.n_split = 64;
+    while (J.pb > MR && n_kv * J.n_split * ((n_q + J.pb - 1) / J.pb) < want)
         J.pb /= 2;
     J.n_pblocks = (n_q + J.pb - 1) / J.pb;
-    J.n_tasks = J.n_pblocks * n_kv;
+    J.n_tasks = J.n_pblocks * n_kv * J.n_split;
     J.n_tiles = (start + n_q + KT - 1) / KT;
     J.kt_all = aligned_alloc(64, n_kv * J.n_tiles * dim * KT * sizeof(float));
-    if (!J.kt_all)
+    J.part_size = J.rep * J.pb * (dim + 2);
+    J.parts = J.n_split > 1 ? malloc(J.n_tasks * J.part_size * sizeof(float)) : NULL;
+    if (!J.kt_all || (J.n_split > 1 && !J.parts)) {
+        free(J.kt_all);
+        free(J.parts);
         return PyErr_NoMemory();
+    }
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = run_job(&J, (int)(threads < J.n_tasks ? threads : J.n_tasks));
     Py_END_ALLOW_THREADS
     free(J.kt_all);
+    free(J.parts);
     if (failed)
         return PyErr_NoMemory();
     Py_RETURN_NONE;

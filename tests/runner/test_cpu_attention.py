@@ -62,6 +62,9 @@ def _pool(num_blocks: int, bs: int, kv_heads: int, d: int, gen: torch.Generator)
         (6, 2, 80, 16, 40, 40),  # 80-wide heads (a 16-column chunk)
         (2, 1, 256, 8, 64, 64),  # the widest head the kernel takes; tiles end at the context
         (4, 2, 64, 16, 1000, 130),  # many key tiles, several position blocks
+        (4, 2, 64, 16, 1000, 20),  # a short chunk on a long prefix: keys split, parts merged
+        (4, 1, 64, 16, 200, 100),  # split keys and several position blocks
+        (9, 3, 64, 1, 2000, 30),  # SmolLM2's warm request at block size 1
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
