@@ -1,4 +1,4 @@
-/* prefixkv.runner._cpu_attn: causal prefill attention over the paged KV pool, on CPU, float32.
+/* prefixkv.runner._cpu_attn: causal prefill attention over the paged KV pool, on CPU.
  *
  * One call computes, for one sequence, the attention of its n_q new queries (positions
  * start .. start + n_q - 1) over every key at positions [0, start + n_q), reading K and V in
@@ -9,12 +9,16 @@
  * Work is split into tasks (KV head x block of positions, heaviest first) that ``threads``
  * threads (the caller's plus threads - 1 started here, the GIL released) take in turn.
  *
+ * Arithmetic is float32; bfloat16 tensors are widened on load (K into its transposed tiles, V
+ * into a float32 copy, once per call) and the output rounded to nearest even.
+ *
  * supported() -> bool
  *     whether this CPU and build run the kernel (x86-64 with AVX-512F/DQ, GCC or Clang).
  * prefill(q, q_st, q_sh, o, o_st, o_sh, k, v, blk_st, tok_st, table, n_q, start, n_heads,
- *         n_kv_heads, head_dim, block_size, scale, threads) -> None
- *     q, o, k, v, table: addresses (int) of float32 queries / outputs and the layer's K / V
- *     pool, and of the int64 block table; *_st / *_sh: strides in elements (row, head; the
+ *         n_kv_heads, head_dim, block_size, scale, threads, bf16) -> None
+ *     q, o, k, v, table: addresses (int) of the queries / outputs and the layer's K / V pool
+ *     (all float32, or all bfloat16 when ``bf16``), and of the int64 block table; *_st /
+ *     *_sh: strides in elements (row, head; the
  *     head dimension is contiguous everywhere, KV heads adjacent within a token). The caller
  *     (prefixkv/runner/cpu_attention.py) checks every shape, stride and dtype: this module
  *     trusts them.
@@ -43,14 +47,16 @@
 #define AVX512 __attribute__((target("avx512f,avx512dq,fma")))
 
 typedef struct {
-    const float *q, *k, *v;
-    float *o;
+    const void *q, *k, *v; /* float32, or bfloat16 when bf16 (then o too) */
+    void *o;
+    int bf16;
     long q_st, q_sh, o_st, o_sh, blk_st, tok_st;
     const int64_t *table;
     long n_q, start, n_heads, n_kv, dim, bs, rep, pb, n_pblocks, n_split, n_tasks;
     float scale2;  /* softmax scale x log2(e): scores in base 2 */
     float *kt_all; /* K transposed, [n_kv][n_tiles][dim][KT], filled in phase 1 */
     long n_tiles;
+    float *v_all;   /* bf16: V in float32, [n_kv][n_tiles * KT][dim], filled in phase 1 */
     float *parts;   /* n_split > 1: per task, o [rows][dim], m [rows], l [rows] */
     long part_size; /* floats per task in parts */
 } job_t;
@@ -113,7 +119,8 @@ AVX512 static void scores_softmax(const job_t *J, scratch_t *S, float *const qro
             acc[r][c] = _mm512_mask_mov_ps(ninf, keep[c], acc[r][c]);
             mx = _mm512_max_ps(mx, acc[r][c]);
         }
-        float m_old = *mr[r], m_new = fmaxf(m_old, _mm512_reduce_max_ps(mx));
+        float m_old = *mr[r], m_tile = _mm512_reduce_max_ps(mx);
+        float m_new = m_tile > m_old ? m_tile : m_old;
         __m512 mv = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
         float *pr = S->p + r * KT;
         for (int c = 0; c < 4; c++) {
@@ -171,9 +178,44 @@ AVX512 static void accumulate_pv(const job_t *J, scratch_t *S, float *const orow
     }
 }
 
-static inline const float *kv_row(const job_t *J, const float *base, long pos, long g)
+static inline const void *kv_row(const job_t *J, const void *base, long pos, long g)
 {
-    return base + J->table[pos / J->bs] * J->blk_st + (pos % J->bs) * J->tok_st + g * J->dim;
+    long at = J->table[pos / J->bs] * J->blk_st + (pos % J->bs) * J->tok_st + g * J->dim;
+    return (const char *)base + at * (J->bf16 ? 2 : 4);
+}
+
+static inline float load1(const void *p, long i, int bf16)
+{
+    if (!bf16)
+        return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Round to the nearest bfloat16, ties to even (NaN stays NaN), as torch does. */
+static inline void store1(void *p, long i, float f, int bf16)
+{
+    if (!bf16) {
+        ((float *)p)[i] = f;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        bits |= 0x00400000u;
+    else
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+}
+
+AVX512 static inline __m512 load16(const void *p, long i, int bf16)
+{
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* One task: KV head g, positions [p0, p0 + np) of every query head reading it, over key split
@@ -188,10 +230,10 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
     long rows = J->rep * np, D = J->dim;
     for (long hh = 0; hh < J->rep; hh++)
         for (long i = 0; i < np; i++) {
-            const float *src = J->q + (p0 + i) * J->q_st + (g * J->rep + hh) * J->q_sh;
+            long at = (p0 + i) * J->q_st + (g * J->rep + hh) * J->q_sh;
             float *dst = S->qs + (hh * np + i) * D;
             for (long d = 0; d < D; d++)
-                dst[d] = src[d] * J->scale2;
+                dst[d] = load1(J->q, at + d, J->bf16) * J->scale2;
         }
     memset(S->qs + rows * D, 0, MR * D * sizeof(float)); /* the padding rows of a micro-tile */
     memset(S->os, 0, (rows + MR) * D * sizeof(float));
@@ -205,7 +247,8 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
         long nk = kend - j0 < KT ? kend - j0 : KT;
         S->kt = J->kt_all + (g * J->n_tiles + j0 / KT) * D * KT;
         for (long j = 0; j < nk; j++)
-            S->vrow[j] = kv_row(J, J->v, j0 + j, g);
+            S->vrow[j] = J->bf16 ? J->v_all + (g * J->n_tiles * KT + j0 + j) * D
+                                 : (const float *)kv_row(J, J->v, j0 + j, g);
         for (long hh = 0; hh < J->rep; hh++)
             for (long i = 0; i < np; i += MR) {
                 long first_pos = J->start + p0 + i; /* the micro-tile's first query position */
@@ -237,9 +280,9 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
         for (long i = 0; i < np; i++) {
             long row = hh * np + i;
             float inv = 1.0f / S->l[row];
-            float *dst = J->o + (p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
+            long at = (p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
             for (long d = 0; d < D; d++)
-                dst[d] = S->os[row * D + d] * inv;
+                store1(J->o, at + d, S->os[row * D + d] * inv, J->bf16);
         }
 }
 
@@ -261,23 +304,23 @@ static void merge_splits(const job_t *J, long item)
             total += w[s] * ps[rows * (D + 1) + row];
         }
         long hh = row / np, i = row % np;
-        float *dst = J->o + (p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
+        long at = (p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
         for (long d = 0; d < D; d++) {
             float acc = 0.0f;
             for (long s = 0; s < J->n_split; s++)
                 acc += w[s] * parts[s * J->part_size + row * D + d];
-            dst[d] = acc / total;
+            store1(J->o, at + d, acc / total, J->bf16);
         }
     }
 }
 
 /* 16 keys (rows[j], 16 floats from column d0 each) into kt[(d0 + d) * KT + j]: a 16 x 16
  * transpose in registers (unpack ps, unpack pd, two rounds of 128-bit lane shuffles). */
-AVX512 static void transpose16(const float *const rows[16], long d0, float *kt)
+AVX512 static void transpose16(const void *const rows[16], long d0, float *kt, int bf16)
 {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; i++)
-        r[i] = _mm512_loadu_ps(rows[i] + d0);
+        r[i] = load16(rows[i], d0, bf16);
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -302,19 +345,26 @@ AVX512 static void transpose16(const float *const rows[16], long d0, float *kt)
     }
 }
 
-/* Phase 1 task: tile ``t`` of KV head ``g`` transposed into kt_all (zero past the last key). */
+/* Phase 1 task: tile ``t`` of KV head ``g`` transposed into kt_all (zero past the last key);
+ * bf16: its values into v_all as float32 too. */
 AVX512 static void pack_tile(const job_t *J, long task)
 {
     long g = task / J->n_tiles, t = task % J->n_tiles, D = J->dim, ctx = J->start + J->n_q;
     float *kt = J->kt_all + task * D * KT;
     for (long j0 = 0; j0 < KT; j0 += 16) {
-        const float *rows[16];
+        const void *rows[16];
         for (long j = 0; j < 16; j++) {
             long pos = t * KT + j0 + j;
             rows[j] = pos < ctx ? kv_row(J, J->k, pos, g) : zero_row;
         }
         for (long d0 = 0; d0 < D; d0 += 16)
-            transpose16(rows, d0, kt + j0);
+            transpose16(rows, d0, kt + j0, J->bf16);
+    }
+    for (long j = 0; J->bf16 && j < KT && t * KT + j < ctx; j++) {
+        const void *src = kv_row(J, J->v, t * KT + j, g);
+        float *dst = J->v_all + (g * J->n_tiles * KT + t * KT + j) * D;
+        for (long d0 = 0; d0 < D; d0 += 16)
+            _mm512_storeu_ps(dst + d0, load16(src, d0, 1));
     }
 }
 
@@ -376,17 +426,18 @@ static PyObject *prefill(PyObject *self, PyObject *args)
     unsigned long long q, o, k, v, table;
     long q_st, q_sh, o_st, o_sh, blk_st, tok_st, n_q, start, n_heads, n_kv, dim, bs, threads;
     double scale;
-    if (!PyArg_ParseTuple(args, "KllKllKKllKlllllldl", &q, &q_st, &q_sh, &o, &o_st, &o_sh, &k,
+    int bf16;
+    if (!PyArg_ParseTuple(args, "KllKllKKllKlllllldlp", &q, &q_st, &q_sh, &o, &o_st, &o_sh, &k,
                           &v, &blk_st, &tok_st, &table, &n_q, &start, &n_heads, &n_kv, &dim,
-                          &bs, &scale, &threads))
+                          &bs, &scale, &threads, &bf16))
         return NULL;
     if (!cpu_ok() || n_q < 1 || start < 0 || n_kv < 1 || n_heads % n_kv || dim % 16
         || dim > MAX_DIM || bs < 1 || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "prefill: unsupported arguments");
         return NULL;
     }
-    job_t J = {.q = (const float *)q, .k = (const float *)k, .v = (const float *)v,
-               .o = (float *)o, .q_st = q_st, .q_sh = q_sh, .o_st = o_st, .o_sh = o_sh,
+    job_t J = {.q = (const void *)q, .k = (const void *)k, .v = (const void *)v,
+               .o = (void *)o, .bf16 = bf16, .q_st = q_st, .q_sh = q_sh, .o_st = o_st, .o_sh = o_sh,
                .blk_st = blk_st, .tok_st = tok_st, .table = (const int64_t *)table, .n_q = n_q,
                .start = start, .n_heads = n_heads, .n_kv = n_kv, .dim = dim, .bs = bs,
                .rep = n_heads / n_kv, .scale2 = (float)(scale * 1.4426950408889634)};
@@ -409,9 +460,11 @@ static PyObject *prefill(PyObject *self, PyObject *args)
     J.kt_all = aligned_alloc(64, n_kv * J.n_tiles * dim * KT * sizeof(float));
     J.part_size = J.rep * J.pb * (dim + 2);
     J.parts = J.n_split > 1 ? malloc(J.n_tasks * J.part_size * sizeof(float)) : NULL;
-    if (!J.kt_all || (J.n_split > 1 && !J.parts)) {
+    J.v_all = bf16 ? malloc(n_kv * J.n_tiles * KT * dim * sizeof(float)) : NULL;
+    if (!J.kt_all || (J.n_split > 1 && !J.parts) || (bf16 && !J.v_all)) {
         free(J.kt_all);
         free(J.parts);
+        free(J.v_all);
         return PyErr_NoMemory();
     }
     int failed;
@@ -420,6 +473,7 @@ static PyObject *prefill(PyObject *self, PyObject *args)
     Py_END_ALLOW_THREADS
     free(J.kt_all);
     free(J.parts);
+    free(J.v_all);
     if (failed)
         return PyErr_NoMemory();
     Py_RETURN_NONE;

@@ -7,5 +7,5 @@ def prefill(
     o: int, o_st: int, o_sh: int,
     k: int, v: int, blk_st: int, tok_st: int,
     table: int, n_q: int, start: int, n_heads: int, n_kv_heads: int, head_dim: int,
-    block_size: int, scale: float, threads: int, /,
+    block_size: int, scale: float, threads: int, bf16: bool, /,
 ) -> None: ...

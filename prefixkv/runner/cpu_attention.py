@@ -1,7 +1,8 @@
 """The optional C kernel for causal prefill attention on CPU (``_cpu_attn.c``).
 
 ``setup.py`` builds ``prefixkv.runner._cpu_attn`` where a C compiler with OpenMP is present. It
-computes one prefill chunk's attention in float32 over the paged pool *in place* (through the
+computes one prefill chunk's attention (float32 arithmetic; float32 or bfloat16 tensors) over
+the paged pool *in place* (through the
 block table: no gathered context, no mask tensor), as a flash-attention loop for AVX-512 CPUs,
 on torch's own OpenMP threads (its ``libgomp`` is loaded first, so the extension shares that
 runtime and never oversubscribes the cores). On the machines measured it runs SmolLM2's
@@ -9,8 +10,8 @@ runtime and never oversubscribes the cores). On the machines measured it runs Sm
 (``docs/benchmarks.md``, issue 16).
 
 :func:`usable` says whether a pool's prefills can take it: the module built, an AVX-512 CPU, a
-contiguous float32 CPU pool, a head size that is a multiple of 16 up to 256. Anything else keeps
-torch's SDPA (``attention.py``).
+contiguous float32 or bfloat16 CPU pool, a head size that is a multiple of 16 up to 256.
+Anything else keeps torch's SDPA (``attention.py``).
 ``PREFIXKV_CPU_ATTENTION=0`` in the environment turns the kernel off for the process (A/B runs,
 debugging); ``ENABLED`` is the same switch for code and tests.
 """
@@ -33,6 +34,7 @@ ENABLED = BUILT and os.environ.get("PREFIXKV_CPU_ATTENTION", "1") != "0"
 """Whether prefill chunks take the kernel (when :func:`usable`); tests and benchmarks flip it."""
 
 _MAX_DIM = 256
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def usable(kv: torch.Tensor, head_dim: int) -> bool:
@@ -41,7 +43,7 @@ def usable(kv: torch.Tensor, head_dim: int) -> bool:
     return (
         ENABLED
         and kv.device.type == "cpu"
-        and kv.dtype == torch.float32
+        and kv.dtype in _DTYPES
         and kv.is_contiguous()
         and head_dim % 16 == 0
         and head_dim <= _MAX_DIM
@@ -71,8 +73,11 @@ def prefill(
         q = q.contiguous()
     if heads % kv_heads or k_cache.shape[3] != d or k_cache.stride(2) != d or k_cache.stride(3) != 1:
         raise ValueError(f"q {tuple(q.shape)} does not fit the pool {tuple(k_cache.shape)}")
-    if out.shape != q.shape or out.stride(2) != 1 or out.dtype != torch.float32:
-        raise ValueError(f"out must be a float32 {tuple(q.shape)} tensor, got {tuple(out.shape)}")
+    dtype = k_cache.dtype
+    if dtype not in _DTYPES or q.dtype != dtype:
+        raise ValueError(f"q and the pool must be float32 or bfloat16 alike: {q.dtype}, {dtype}")
+    if out.shape != q.shape or out.stride(2) != 1 or out.dtype != dtype:
+        raise ValueError(f"out must be a {dtype} {tuple(q.shape)} tensor, got {tuple(out.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if table.dtype != torch.int64 or not table.is_contiguous():
@@ -84,4 +89,5 @@ def prefill(
         out.data_ptr(), out.stride(0), out.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
         table.data_ptr(), n, start, heads, kv_heads, d, bs, d**-0.5, torch.get_num_threads(),
+        dtype == torch.bfloat16,
     )  # fmt: skip

@@ -40,12 +40,15 @@ def test_the_kernel_is_built_where_it_can_run():
     assert cpu_attention.BUILT, "the C kernel was not built: run `pip install -e .`"
 
 
-def _pool(num_blocks: int, bs: int, kv_heads: int, d: int, gen: torch.Generator) -> KVPool:
+def _pool(
+    num_blocks: int, bs: int, kv_heads: int, d: int, gen: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+) -> KVPool:
     pool = KVPool(
         num_layers=1, num_blocks=num_blocks, block_size=bs, num_kv_heads=kv_heads, head_dim=d,
-        dtype=torch.float32, device=torch.device("cpu"),
+        dtype=dtype, device=torch.device("cpu"),
     )  # fmt: skip
-    pool.kv.normal_(generator=gen)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))
     return pool
 
 
@@ -68,26 +71,32 @@ def _pool(num_blocks: int, bs: int, kv_heads: int, d: int, gen: torch.Generator)
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_dense_attention(heads, kv_heads, d, bs, start, n, threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_dense_attention(heads, kv_heads, d, bs, start, n, threads, dtype):
     """Causal attention of ``n`` queries at positions ``start..`` over a scrambled block table,
-    queries a strided view (as the model's fused q/k/v gives), output written in place."""
+    queries a strided view (as the model's fused q/k/v gives), output written in place; bf16
+    against float32 attention over the same bf16 values (only the output's rounding apart)."""
     gen = torch.Generator().manual_seed(n + start)
     nb = -(-(start + n) // bs)
-    pool = _pool(2 * nb + 3, bs, kv_heads, d, gen)
+    pool = _pool(2 * nb + 3, bs, kv_heads, d, gen, dtype)
     table = torch.randperm(2 * nb + 3, generator=gen)[:nb]
     k_cache, v_cache = pool.layer(0)
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     q = qkv[:, : heads * d].view(n, heads, d)
-    out = torch.full((n, heads, d), float("nan"))
+    out = torch.full((n, heads, d), float("nan"), dtype=dtype)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         cpu_attention.prefill(out, q, k_cache, v_cache, table, start)
     finally:
         torch.set_num_threads(saved)
-    k = k_cache[table].flatten(0, 1)[: start + n]
-    v = v_cache[table].flatten(0, 1)[: start + n]
-    torch.testing.assert_close(out, dense(q, k, v), atol=2e-5, rtol=1e-5)
+    k = k_cache[table].flatten(0, 1)[: start + n].float()
+    v = v_cache[table].flatten(0, 1)[: start + n].float()
+    expected = dense(q.float(), k, v)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    else:  # the float32 result rounded to bf16: within half a bf16 step (2**-9 relative)
+        torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=2**-8)
 
 
 @needs_kernel
@@ -122,6 +131,8 @@ def test_bad_arguments_raise_before_the_kernel_reads_memory():
         cpu_attention.prefill(out, q, k_cache, v_cache, torch.arange(4, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="out must be"):
         cpu_attention.prefill(torch.empty(10, 4, 32), q, k_cache, v_cache, torch.arange(4), 0)
+    with pytest.raises(ValueError, match="float32 or bfloat16 alike"):
+        cpu_attention.prefill(out, q.bfloat16(), k_cache, v_cache, torch.arange(4), 0)
     with pytest.raises(ValueError, match="does not fit the pool"):
         cpu_attention.prefill(
             torch.empty(10, 3, 64), torch.randn(10, 3, 64), k_cache, v_cache, torch.arange(4), 0
@@ -130,13 +141,14 @@ def test_bad_arguments_raise_before_the_kernel_reads_memory():
 
 @needs_kernel
 @pytest.mark.parametrize("enabled", [True, False])
-def test_paged_attention_takes_the_kernel_for_prefills_only(enabled, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_takes_the_kernel_for_prefills_only(enabled, dtype, monkeypatch):
     """One step with decodes, a fresh prefill and chunks on cached prefixes, kernel on and off:
-    the same results (against dense attention) either way."""
+    the same results (against dense attention over the pool's values) either way."""
     monkeypatch.setattr(cpu_attention, "ENABLED", enabled)
     heads, kv_heads, d, bs = 4, 2, 64, 16
     gen = torch.Generator().manual_seed(3)
-    pool = _pool(64, bs, kv_heads, d, gen)
+    pool = _pool(64, bs, kv_heads, d, gen, dtype)
     pool.kv.zero_()
     starts, lens = [40, 0, 17, 100], [1, 37, 6, 20]
     ids = torch.randperm(64, generator=gen).tolist()
@@ -145,33 +157,36 @@ def test_paged_attention_takes_the_kernel_for_prefills_only(enabled, monkeypatch
         nb = -(-(s + n) // bs)
         tables.append(ids[:nb])
         ids = ids[nb:]
-        full_k.append(torch.randn(s + n, kv_heads, d, generator=gen))
-        full_v.append(torch.randn(s + n, kv_heads, d, generator=gen))
+        full_k.append(torch.randn(s + n, kv_heads, d, generator=gen).to(dtype))
+        full_v.append(torch.randn(s + n, kv_heads, d, generator=gen).to(dtype))
         if s:
             PagedAttention(pool, start_positions=[0], query_lens=[s], block_tables=[tables[-1]])(
-                0, torch.zeros(s, heads, d), full_k[-1][:s], full_v[-1][:s]
+                0, torch.zeros(s, heads, d, dtype=dtype), full_k[-1][:s], full_v[-1][:s]
             )
     attn = PagedAttention(pool, start_positions=starts, query_lens=lens, block_tables=tables)
     assert [p.table is not None for p in attn._prefills] == [enabled] * 3
-    qs = [torch.randn(n, heads, d, generator=gen) for n in lens]
+    qs = [torch.randn(n, heads, d, generator=gen).to(dtype) for n in lens]
     out = attn(
         0,
         torch.cat(qs),
         torch.cat([k[s:] for k, s in zip(full_k, starts, strict=True)]),
         torch.cat([v[s:] for v, s in zip(full_v, starts, strict=True)]),
     )
-    rows = 0
+    rows, tol = 0, {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
     for q, k, v in zip(qs, full_k, full_v, strict=True):
-        torch.testing.assert_close(out[rows : rows + len(q)], dense(q, k, v), atol=2e-5, rtol=0)
+        expected = dense(q.float(), k.float(), v.float())
+        torch.testing.assert_close(out[rows : rows + len(q)].float(), expected, atol=tol, rtol=0)
         rows += len(q)
 
 
-def test_bf16_pools_and_narrow_heads_keep_sdpa():
+def test_other_dtypes_and_narrow_heads_keep_sdpa():
     gen = torch.Generator().manual_seed(0)
-    assert not cpu_attention.usable(torch.zeros(2, 1, 4, 16, 2, 64, dtype=torch.bfloat16), 64)
+    assert not cpu_attention.usable(torch.zeros(2, 1, 4, 16, 2, 64, dtype=torch.float16), 64)
     assert not cpu_attention.usable(torch.zeros(2, 1, 4, 16, 2, 8), 8)
     assert not cpu_attention.usable(torch.zeros(2, 1, 4, 16, 2, 512), 512)
-    assert cpu_attention.usable(_pool(4, 16, 2, 64, gen).kv, 64) == cpu_attention.ENABLED
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = _pool(4, 16, 2, 64, gen, dtype)
+        assert cpu_attention.usable(pool.kv, 64) == cpu_attention.ENABLED
 
 
 def test_the_environment_switch_turns_the_kernel_off():
