@@ -86,6 +86,10 @@ class ModelSettings:
     threads: int | None = field(default=None, metadata=_meta(
         "torch CPU threads", shown="physical cores, or fewer if OMP_NUM_THREADS says so",
         kind="int"))
+    tune_malloc: bool = field(default=True, metadata=_meta(
+        "CPU: keep freed activations in glibc's heap (mmap threshold 512 MiB, trim threshold "
+        "1 GiB; process-wide, as vLLM preloads tcmalloc): about 11% faster prefill",
+        kind="bool"))
     max_model_len: int | None = field(default=None, metadata=_meta(
         "context length", shown="the model's max_position_embeddings", kind="int",
         group="vllm"))
@@ -101,6 +105,8 @@ class ModelSettings:
         if self.quantization is not None:
             _check_choice(self, "quantization", QUANTIZATIONS)
         _check_int(self, "threads", 1, optional=True)
+        if not isinstance(self.tune_malloc, bool):
+            raise ValueError(f"tune_malloc must be a bool, got {self.tune_malloc!r}")
         _check_int(self, "max_model_len", 1, optional=True)
         _check_int(self, "seed", 0)
 

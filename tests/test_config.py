@@ -56,6 +56,7 @@ def test_unknown_name_is_a_type_error_naming_it() -> None:
     ({"max_num_batched_tokens": "many"}, "max_num_batched_tokens"),
     ({"schedule_policy": "random"}, "schedule_policy"),
     ({"threads": 0}, "threads"),
+    ({"tune_malloc": "yes"}, "tune_malloc"),
     ({"max_model_len": 0}, "max_model_len"),
     ({"seed": -1}, "seed"),
     ({"device": 3}, "device"),

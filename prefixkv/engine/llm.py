@@ -23,6 +23,7 @@ from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.models.loader import load_tokenizer
 from prefixkv.models.tokenizer import Tokenizer
+from prefixkv.runner import cpu_malloc
 from prefixkv.runner.model_runner import ModelRunner
 
 Messages = Sequence[Mapping[str, Any]]
@@ -61,6 +62,8 @@ def build_engine(
                          kv_cache_memory_bytes=c.kv_cache_memory, device=m.device, dtype=m.dtype,
                          max_model_len=m.max_model_len, tokenizer=m.tokenizer, threads=m.threads,
                          quantization=m.quantization)
+    if m.tune_malloc and runner.device.type == "cpu":
+        cpu_malloc.tune()  # process-wide (runner/cpu_malloc.py)
     tokenizer = load_tokenizer(path if m.tokenizer is None else m.tokenizer)
     if m.chat_template is not None:
         tokenizer = _with_template(tokenizer, m.chat_template)
