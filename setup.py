@@ -1,8 +1,10 @@
-"""Build hook for the optional C helper; everything else is in pyproject.toml.
+"""Build hook for the optional C extensions; everything else is in pyproject.toml.
 
-``prefixkv.cache._keypack`` (18-bit packed radix keys) is built when a C compiler is present;
-without one the install still succeeds and the radix tree keeps 4-byte keys above 2**16
-(``prefixkv.cache.radix_keys.PACKED`` says which).
+Both are built when a C compiler is present; without one the install still succeeds:
+``prefixkv.cache._keypack`` (18-bit packed radix keys; without it the radix tree keeps 4-byte
+keys above 2**16, ``prefixkv.cache.radix_node.PACKED`` says which) and
+``prefixkv.runner._cpu_attn`` (the AVX-512 prefill-attention kernel, OpenMP; without it
+prefill attention is torch SDPA, ``prefixkv.runner.cpu_attention.BUILT`` says which).
 """
 
 from setuptools import Extension, setup
