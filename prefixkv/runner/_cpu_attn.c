@@ -46,19 +46,29 @@
 
 #define AVX512 __attribute__((target("avx512f,avx512dq,fma")))
 
+typedef struct { /* one sequence of the call: a prefill chunk, or a decode (n_q = 1) */
+    long q0, n_q, start;    /* its queries: rows q0 .. q0 + n_q - 1, positions start .. */
+    const int64_t *table;   /* its block ids */
+    long pb, n_pblocks, n_split, n_tiles;
+    long task0, pack0, item0;  /* its first task, K-tile task and merge item in the job */
+    int shared;             /* K tiles transposed once into kt (several position blocks read
+                               them); otherwise each task transposes the tiles it reads */
+    float *kt, *v_all;      /* shared: K as [n_kv][n_tiles][dim][KT]; bf16: V as float32 */
+    float *parts;           /* n_split > 1: per task, o [rows][dim], m [rows], l [rows] */
+    long part_size;         /* floats per task in parts */
+} seq_t;
+
 typedef struct {
     const void *q, *k, *v; /* float32, or bfloat16 when bf16 (then o too) */
     void *o;
     int bf16;
     long q_st, q_sh, o_st, o_sh, blk_st, tok_st;
-    const int64_t *table;
-    long n_q, start, n_heads, n_kv, dim, bs, rep, pb, n_pblocks, n_split, n_tasks;
-    float scale2;  /* softmax scale x log2(e): scores in base 2 */
-    float *kt_all; /* K transposed, [n_kv][n_tiles][dim][KT], filled in phase 1 */
-    long n_tiles;
-    float *v_all;   /* bf16: V in float32, [n_kv][n_tiles * KT][dim], filled in phase 1 */
-    float *parts;   /* n_split > 1: per task, o [rows][dim], m [rows], l [rows] */
-    long part_size; /* floats per task in parts */
+    long n_heads, n_kv, dim, bs, rep;
+    float scale2; /* softmax scale x log2(e): scores in base 2 */
+    seq_t *seqs;
+    long n_tasks, n_pack, n_items, max_rows;
+    long *task_seq, *pack_seq, *item_seq; /* the sequence of each task / K tile / merge item */
+    float *buf_kt, *buf_va, *buf_parts;   /* the sequences' kt / v_all / parts, one block each */
 } job_t;
 
 static const float zero_row[MAX_DIM] __attribute__((aligned(64)));
@@ -83,6 +93,7 @@ AVX512 static inline __m512 exp2_ps(__m512 x)
 
 typedef struct {
     float *qs, *os, *m, *l, *p;
+    float *kt_own, *v_own; /* a task's own K tile (and bf16 V rows) when not shared */
     const float *kt;
     const float *vrow[KT];
 } scratch_t;
@@ -178,10 +189,20 @@ AVX512 static void accumulate_pv(const job_t *J, scratch_t *S, float *const orow
     }
 }
 
-static inline const void *kv_row(const job_t *J, const void *base, long pos, long g)
+/* Rows of positions pos0 .. pos0 + n - 1 (KV head g) of ``base``: one division, then blocks
+ * stepped through (a division per key cost as much as the arithmetic on it for decodes). */
+static void tile_rows(const job_t *J, const seq_t *sq, const void *base, long pos0, long n,
+                      long g, const void **rows)
 {
-    long at = J->table[pos / J->bs] * J->blk_st + (pos % J->bs) * J->tok_st + g * J->dim;
-    return (const char *)base + at * (J->bf16 ? 2 : 4);
+    long blk = pos0 / J->bs, off = pos0 % J->bs, es = J->bf16 ? 2 : 4;
+    for (long j = 0; j < n; j++) {
+        rows[j] = (const char *)base
+                  + (sq->table[blk] * J->blk_st + off * J->tok_st + g * J->dim) * es;
+        if (++off == J->bs) {
+            off = 0;
+            blk++;
+        }
+    }
 }
 
 static inline float load1(const void *p, long i, int bf16)
@@ -218,102 +239,6 @@ AVX512 static inline __m512 load16(const void *p, long i, int bf16)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* One task: KV head g, positions [p0, p0 + np) of every query head reading it, over key split
- * ks of n_split (the tiles of keys [0, start + p0 + np) cut into n_split runs). With one split
- * the result goes to the output; otherwise the unnormalized o and m / l go to the task's part
- * (merged by merge_splits). */
-AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
-{
-    long ks = task % J->n_split, g = (task / J->n_split) % J->n_kv;
-    long pblock = J->n_pblocks - 1 - task / (J->n_split * J->n_kv);
-    long p0 = pblock * J->pb, np = J->n_q - p0 < J->pb ? J->n_q - p0 : J->pb;
-    long rows = J->rep * np, D = J->dim;
-    for (long hh = 0; hh < J->rep; hh++)
-        for (long i = 0; i < np; i++) {
-            long at = (p0 + i) * J->q_st + (g * J->rep + hh) * J->q_sh;
-            float *dst = S->qs + (hh * np + i) * D;
-            for (long d = 0; d < D; d++)
-                dst[d] = load1(J->q, at + d, J->bf16) * J->scale2;
-        }
-    memset(S->qs + rows * D, 0, MR * D * sizeof(float)); /* the padding rows of a micro-tile */
-    memset(S->os, 0, (rows + MR) * D * sizeof(float));
-    for (long r = 0; r < rows + MR; r++) {
-        S->m[r] = -INFINITY;
-        S->l[r] = 0.0f;
-    }
-    long kend = J->start + p0 + np; /* keys [0, kend) */
-    long n_t = (kend + KT - 1) / KT, t0 = ks * n_t / J->n_split, t1 = (ks + 1) * n_t / J->n_split;
-    for (long j0 = t0 * KT; j0 < t1 * KT && j0 < kend; j0 += KT) {
-        long nk = kend - j0 < KT ? kend - j0 : KT;
-        S->kt = J->kt_all + (g * J->n_tiles + j0 / KT) * D * KT;
-        for (long j = 0; j < nk; j++)
-            S->vrow[j] = J->bf16 ? J->v_all + (g * J->n_tiles * KT + j0 + j) * D
-                                 : (const float *)kv_row(J, J->v, j0 + j, g);
-        for (long hh = 0; hh < J->rep; hh++)
-            for (long i = 0; i < np; i += MR) {
-                long first_pos = J->start + p0 + i; /* the micro-tile's first query position */
-                if (j0 > first_pos + MR - 1)
-                    continue; /* every row of it is before this tile */
-                float *qrow[MR], *orow[MR], *mr[MR], *lr[MR];
-                int valid[MR];
-                for (int r = 0; r < MR; r++) {
-                    long row = i + r < np ? hh * np + i + r : rows + r;
-                    long lim = first_pos + (i + r < np ? r : 0) - j0 + 1; /* keys <= position */
-                    valid[r] = (int)(lim < 0 ? 0 : lim > nk ? nk : lim);
-                    qrow[r] = S->qs + row * D;
-                    orow[r] = S->os + row * D;
-                    mr[r] = S->m + row;
-                    lr[r] = S->l + row;
-                }
-                scores_softmax(J, S, qrow, orow, mr, lr, valid);
-                accumulate_pv(J, S, orow, nk);
-            }
-    }
-    if (J->n_split > 1) {
-        float *part = J->parts + task * J->part_size;
-        memcpy(part, S->os, rows * D * sizeof(float));
-        memcpy(part + rows * D, S->m, rows * sizeof(float));
-        memcpy(part + rows * (D + 1), S->l, rows * sizeof(float));
-        return;
-    }
-    for (long hh = 0; hh < J->rep; hh++)
-        for (long i = 0; i < np; i++) {
-            long row = hh * np + i;
-            float inv = 1.0f / S->l[row];
-            long at = (p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
-            for (long d = 0; d < D; d++)
-                store1(J->o, at + d, S->os[row * D + d] * inv, J->bf16);
-        }
-}
-
-/* The n_split parts of (KV head, position block) ``item`` into the output: each row's parts
- * weighted by 2**(m_s - max m) (a split with no key for the row has m = -inf, weight 0). */
-static void merge_splits(const job_t *J, long item)
-{
-    long g = item % J->n_kv, pblock = J->n_pblocks - 1 - item / J->n_kv;
-    long p0 = pblock * J->pb, np = J->n_q - p0 < J->pb ? J->n_q - p0 : J->pb;
-    long rows = J->rep * np, D = J->dim;
-    const float *parts = J->parts + item * J->n_split * J->part_size;
-    for (long row = 0; row < rows; row++) {
-        float top = -INFINITY, total = 0.0f, w[64];
-        for (long s = 0; s < J->n_split; s++)
-            top = fmaxf(top, parts[s * J->part_size + rows * D + row]);
-        for (long s = 0; s < J->n_split; s++) {
-            const float *ps = parts + s * J->part_size;
-            w[s] = exp2f(ps[rows * D + row] - top);
-            total += w[s] * ps[rows * (D + 1) + row];
-        }
-        long hh = row / np, i = row % np;
-        long at = (p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
-        for (long d = 0; d < D; d++) {
-            float acc = 0.0f;
-            for (long s = 0; s < J->n_split; s++)
-                acc += w[s] * parts[s * J->part_size + row * D + d];
-            store1(J->o, at + d, acc / total, J->bf16);
-        }
-    }
-}
-
 /* 16 keys (rows[j], 16 floats from column d0 each) into kt[(d0 + d) * KT + j]: a 16 x 16
  * transpose in registers (unpack ps, unpack pd, two rounds of 128-bit lane shuffles). */
 AVX512 static void transpose16(const void *const rows[16], long d0, float *kt, int bf16)
@@ -345,59 +270,178 @@ AVX512 static void transpose16(const void *const rows[16], long d0, float *kt, i
     }
 }
 
-/* Phase 1 task: tile ``t`` of KV head ``g`` transposed into kt_all (zero past the last key);
- * bf16: its values into v_all as float32 too. */
-AVX512 static void pack_tile(const job_t *J, long task)
+/* Tile ``t`` (keys t*KT ..) of KV head ``g`` of a sequence transposed into ``kt`` [dim][KT]
+ * (zero past the last key); bf16: its V rows into ``v`` [KT][dim] as float32 too. */
+AVX512 static void pack_tile(const job_t *J, const seq_t *sq, long g, long t, float *kt,
+                             float *v)
 {
-    long g = task / J->n_tiles, t = task % J->n_tiles, D = J->dim, ctx = J->start + J->n_q;
-    float *kt = J->kt_all + task * D * KT;
-    for (long j0 = 0; j0 < KT; j0 += 16) {
-        const void *rows[16];
-        for (long j = 0; j < 16; j++) {
-            long pos = t * KT + j0 + j;
-            rows[j] = pos < ctx ? kv_row(J, J->k, pos, g) : zero_row;
-        }
+    long D = J->dim, ctx = sq->start + sq->n_q, nk = ctx - t * KT < KT ? ctx - t * KT : KT;
+    const void *rows[KT];
+    tile_rows(J, sq, J->k, t * KT, nk, g, rows);
+    for (long j = nk; j < KT; j++)
+        rows[j] = zero_row;
+    for (long j0 = 0; j0 < KT; j0 += 16)
         for (long d0 = 0; d0 < D; d0 += 16)
-            transpose16(rows, d0, kt + j0, J->bf16);
-    }
-    for (long j = 0; J->bf16 && j < KT && t * KT + j < ctx; j++) {
-        const void *src = kv_row(J, J->v, t * KT + j, g);
-        float *dst = J->v_all + (g * J->n_tiles * KT + t * KT + j) * D;
-        for (long d0 = 0; d0 < D; d0 += 16)
-            _mm512_storeu_ps(dst + d0, load16(src, d0, 1));
+            transpose16(rows + j0, d0, kt + j0, J->bf16);
+    if (J->bf16) {
+        tile_rows(J, sq, J->v, t * KT, nk, g, rows);
+        for (long j = 0; j < nk; j++)
+            for (long d0 = 0; d0 < D; d0 += 16)
+                _mm512_storeu_ps(v + j * D + d0, load16(rows[j], d0, 1));
     }
 }
 
-/* Both phases on the caller's OpenMP team: the runtime torch already runs (its libgomp is
+/* Phase 1: K tile ``task`` of the job (a shared sequence's (head, tile)). */
+static void pack_shared(const job_t *J, long task)
+{
+    const seq_t *sq = J->seqs + J->pack_seq[task];
+    long local = task - sq->pack0, g = local / sq->n_tiles, t = local % sq->n_tiles;
+    pack_tile(J, sq, g, t, sq->kt + local * J->dim * KT,
+              J->bf16 ? sq->v_all + (g * sq->n_tiles + t) * KT * J->dim : NULL);
+}
+
+/* One task: KV head g, positions [p0, p0 + np) of every query head reading it, over key split
+ * ks of n_split (the tiles of keys [0, start + p0 + np) cut into n_split runs), for one
+ * sequence. With one split the result goes to the output; otherwise the unnormalized o and
+ * m / l go to the task's part (merged by merge_splits). */
+AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
+{
+    const seq_t *sq = J->seqs + J->task_seq[task];
+    long local = task - sq->task0;
+    long ks = local % sq->n_split, g = (local / sq->n_split) % J->n_kv;
+    long pblock = sq->n_pblocks - 1 - local / (sq->n_split * J->n_kv);
+    long p0 = pblock * sq->pb, np = sq->n_q - p0 < sq->pb ? sq->n_q - p0 : sq->pb;
+    long rows = J->rep * np, D = J->dim, start = sq->start;
+    for (long hh = 0; hh < J->rep; hh++)
+        for (long i = 0; i < np; i++) {
+            long at = (sq->q0 + p0 + i) * J->q_st + (g * J->rep + hh) * J->q_sh;
+            float *dst = S->qs + (hh * np + i) * D;
+            for (long d = 0; d < D; d++)
+                dst[d] = load1(J->q, at + d, J->bf16) * J->scale2;
+        }
+    memset(S->qs + rows * D, 0, MR * D * sizeof(float)); /* the padding rows of a micro-tile */
+    memset(S->os, 0, (rows + MR) * D * sizeof(float));
+    for (long r = 0; r < rows + MR; r++) {
+        S->m[r] = -INFINITY;
+        S->l[r] = 0.0f;
+    }
+    long kend = start + p0 + np; /* keys [0, kend) */
+    long n_t = (kend + KT - 1) / KT, t0 = ks * n_t / sq->n_split, t1 = (ks + 1) * n_t / sq->n_split;
+    for (long j0 = t0 * KT; j0 < t1 * KT && j0 < kend; j0 += KT) {
+        long nk = kend - j0 < KT ? kend - j0 : KT, t = j0 / KT;
+        const float *vbase = NULL; /* bf16: the tile's V rows as float32 */
+        if (sq->shared) {
+            S->kt = sq->kt + (g * sq->n_tiles + t) * D * KT;
+            vbase = J->bf16 ? sq->v_all + (g * sq->n_tiles + t) * KT * D : NULL;
+        } else {
+            pack_tile(J, sq, g, t, S->kt_own, S->v_own);
+            S->kt = S->kt_own;
+            vbase = S->v_own;
+        }
+        if (J->bf16)
+            for (long j = 0; j < nk; j++)
+                S->vrow[j] = vbase + j * D;
+        else
+            tile_rows(J, sq, J->v, j0, nk, g, (const void **)S->vrow);
+        for (long hh = 0; hh < J->rep; hh++)
+            for (long i = 0; i < np; i += MR) {
+                long first_pos = start + p0 + i; /* the micro-tile's first query position */
+                if (j0 > first_pos + MR - 1)
+                    continue; /* every row of it is before this tile */
+                float *qrow[MR], *orow[MR], *mr[MR], *lr[MR];
+                int valid[MR];
+                for (int r = 0; r < MR; r++) {
+                    long row = i + r < np ? hh * np + i + r : rows + r;
+                    long lim = first_pos + (i + r < np ? r : 0) - j0 + 1; /* keys <= position */
+                    valid[r] = (int)(lim < 0 ? 0 : lim > nk ? nk : lim);
+                    qrow[r] = S->qs + row * D;
+                    orow[r] = S->os + row * D;
+                    mr[r] = S->m + row;
+                    lr[r] = S->l + row;
+                }
+                scores_softmax(J, S, qrow, orow, mr, lr, valid);
+                accumulate_pv(J, S, orow, nk);
+            }
+    }
+    if (sq->n_split > 1) {
+        float *part = sq->parts + local * sq->part_size;
+        memcpy(part, S->os, rows * D * sizeof(float));
+        memcpy(part + rows * D, S->m, rows * sizeof(float));
+        memcpy(part + rows * (D + 1), S->l, rows * sizeof(float));
+        return;
+    }
+    for (long hh = 0; hh < J->rep; hh++)
+        for (long i = 0; i < np; i++) {
+            long row = hh * np + i;
+            float inv = 1.0f / S->l[row];
+            long at = (sq->q0 + p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
+            for (long d = 0; d < D; d++)
+                store1(J->o, at + d, S->os[row * D + d] * inv, J->bf16);
+        }
+}
+
+/* The n_split parts of merge item ``item`` (a sequence's (KV head, position block)) into the
+ * output: each row's parts weighted by 2**(m_s - max m) (a split with no key for the row has
+ * m = -inf, weight 0). */
+static void merge_splits(const job_t *J, long item)
+{
+    const seq_t *sq = J->seqs + J->item_seq[item];
+    long local = item - sq->item0, g = local % J->n_kv;
+    long pblock = sq->n_pblocks - 1 - local / J->n_kv;
+    long p0 = pblock * sq->pb, np = sq->n_q - p0 < sq->pb ? sq->n_q - p0 : sq->pb;
+    long rows = J->rep * np, D = J->dim, ps_size = sq->part_size;
+    const float *parts = sq->parts + local * sq->n_split * ps_size;
+    for (long row = 0; row < rows; row++) {
+        float top = -INFINITY, total = 0.0f, w[64];
+        for (long s = 0; s < sq->n_split; s++) {
+            float m = parts[s * ps_size + rows * D + row];
+            top = m > top ? m : top;
+        }
+        for (long s = 0; s < sq->n_split; s++) {
+            const float *ps = parts + s * ps_size;
+            w[s] = exp2f(ps[rows * D + row] - top);
+            total += w[s] * ps[rows * (D + 1) + row];
+        }
+        long hh = row / np, i = row % np;
+        long at = (sq->q0 + p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
+        for (long d = 0; d < D; d++) {
+            float acc = 0.0f;
+            for (long s = 0; s < sq->n_split; s++)
+                acc += w[s] * parts[s * ps_size + row * D + d];
+            store1(J->o, at + d, acc / total, J->bf16);
+        }
+    }
+}
+
+/* The phases on the caller's OpenMP team: the runtime torch already runs (its libgomp is
  * loaded first and shares the soname), so the threads are the ones torch's kernels just used. */
 static int run_job(job_t *J, int threads)
 {
-    long n_pack = J->n_kv * J->n_tiles, rows = J->rep * J->pb + MR, D = J->dim;
-    long n_items = J->n_kv * J->n_pblocks;
+    long rows = J->max_rows + MR, D = J->dim;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (long t = 0; t < n_pack; t++)
-            pack_tile(J, t);
+        for (long t = 0; t < J->n_pack; t++)
+            pack_shared(J, t);
         scratch_t S;
         S.qs = aligned_alloc(64, rows * D * sizeof(float));
         S.os = aligned_alloc(64, rows * D * sizeof(float));
         S.p = aligned_alloc(64, MR * KT * sizeof(float));
+        S.kt_own = aligned_alloc(64, D * KT * sizeof(float));
+        S.v_own = aligned_alloc(64, D * KT * sizeof(float));
         S.m = malloc(rows * sizeof(float));
         S.l = malloc(rows * sizeof(float));
-        int ok = S.qs && S.os && S.p && S.m && S.l;
+        int ok = S.qs && S.os && S.p && S.kt_own && S.v_own && S.m && S.l;
         failed |= !ok;
 #pragma omp for schedule(dynamic, 1)
         for (long t = 0; t < J->n_tasks; t++)
             if (ok)
                 run_task(J, &S, t);
-        free(S.qs); free(S.os); free(S.p); free(S.m); free(S.l);
-        if (J->n_split > 1) {
-#pragma omp for schedule(static)
-            for (long item = 0; item < n_items; item++)
-                merge_splits(J, item);
-        }
+        free(S.qs); free(S.os); free(S.p); free(S.kt_own); free(S.v_own); free(S.m); free(S.l);
+#pragma omp for schedule(dynamic, 4)
+        for (long item = 0; item < J->n_items; item++)
+            merge_splits(J, item);
     }
     return failed;
 }
@@ -420,77 +464,136 @@ static PyObject *supported(PyObject *self, PyObject *noargs)
     Py_RETURN_FALSE;
 }
 
-static PyObject *prefill(PyObject *self, PyObject *args)
+#if HAVE_KERNEL
+/* Plan the sequences' tasks: blocks of 32 positions; with fewer than 4 tasks a thread in all,
+ * split keys (each split 2+ tiles: short chunks on long prefixes, decodes), then shrink the
+ * blocks. Then the buffers: shared K tiles for sequences with several position blocks, parts
+ * for split ones. Returns 0, or -1 when out of memory (everything freed). */
+static int plan(job_t *J, const int64_t *info, long n_seqs, const int64_t *tables, long threads)
+{
+    long want = 6 * threads, base = 0, D = J->dim;
+    for (long s = 0; s < n_seqs; s++)
+        base += J->n_kv * ((info[4 * s + 1] + 31) / 32);
+    long f = base >= want ? 1 : (want + base - 1) / base;
+    long kt_floats = 0, part_floats = 0;
+    J->n_tasks = J->n_pack = J->n_items = J->max_rows = 0;
+    for (long s = 0; s < n_seqs; s++) {
+        seq_t *sq = J->seqs + s;
+        const int64_t *x = info + 4 * s;
+        sq->q0 = x[0], sq->n_q = x[1], sq->start = x[2], sq->table = tables + x[3];
+        long first_tiles = (sq->start + (sq->n_q < 32 ? sq->n_q : 32) + KT - 1) / KT;
+        sq->n_split = f < first_tiles / 2 ? f : first_tiles / 2 > 1 ? first_tiles / 2 : 1;
+        if (sq->n_split > 64)
+            sq->n_split = 64;
+        sq->pb = 32;
+        while (sq->pb > MR && sq->n_split * ((sq->n_q + sq->pb - 1) / sq->pb) < f)
+            sq->pb /= 2;
+        sq->n_pblocks = (sq->n_q + sq->pb - 1) / sq->pb;
+        sq->n_tiles = (sq->start + sq->n_q + KT - 1) / KT;
+        sq->shared = sq->n_pblocks > 1;
+        sq->part_size = J->rep * sq->pb * (D + 2);
+        sq->task0 = J->n_tasks;
+        sq->pack0 = J->n_pack;
+        sq->item0 = J->n_items;
+        J->n_tasks += sq->n_pblocks * J->n_kv * sq->n_split;
+        J->n_pack += sq->shared ? J->n_kv * sq->n_tiles : 0;
+        J->n_items += sq->n_split > 1 ? sq->n_pblocks * J->n_kv : 0;
+        kt_floats += sq->shared ? J->n_kv * sq->n_tiles * KT * D : 0;
+        part_floats += sq->n_split > 1 ? sq->n_pblocks * J->n_kv * sq->n_split * sq->part_size : 0;
+        if (J->rep * sq->pb > J->max_rows)
+            J->max_rows = J->rep * sq->pb;
+    }
+    float *kt = kt_floats ? aligned_alloc(64, kt_floats * sizeof(float)) : NULL;
+    float *va = kt_floats && J->bf16 ? aligned_alloc(64, kt_floats * sizeof(float)) : NULL;
+    float *parts = part_floats ? malloc(part_floats * sizeof(float)) : NULL;
+    long *index = malloc((J->n_tasks + J->n_pack + J->n_items + 1) * sizeof(long));
+    if ((kt_floats && !kt) || (kt_floats && J->bf16 && !va) || (part_floats && !parts) || !index) {
+        free(kt); free(va); free(parts); free(index);
+        return -1;
+    }
+    J->buf_kt = kt, J->buf_va = va, J->buf_parts = parts;
+    J->task_seq = index;
+    J->pack_seq = index + J->n_tasks;
+    J->item_seq = J->pack_seq + J->n_pack;
+    for (long s = 0; s < n_seqs; s++) {
+        seq_t *sq = J->seqs + s;
+        sq->kt = sq->shared ? kt : NULL;
+        sq->v_all = sq->shared && J->bf16 ? va : NULL;
+        sq->parts = sq->n_split > 1 ? parts : NULL;
+        long n_t = sq->n_pblocks * J->n_kv * sq->n_split;
+        for (long t = 0; t < n_t; t++)
+            J->task_seq[sq->task0 + t] = s;
+        for (long t = 0; sq->shared && t < J->n_kv * sq->n_tiles; t++)
+            J->pack_seq[sq->pack0 + t] = s;
+        for (long t = 0; sq->n_split > 1 && t < sq->n_pblocks * J->n_kv; t++)
+            J->item_seq[sq->item0 + t] = s;
+        if (sq->shared) {
+            kt += J->n_kv * sq->n_tiles * KT * D;
+            va = va ? va + J->n_kv * sq->n_tiles * KT * D : NULL;
+        }
+        if (sq->n_split > 1)
+            parts += n_t * sq->part_size;
+    }
+    return 0;
+}
+
+#endif
+
+static PyObject *attend(PyObject *self, PyObject *args)
 {
 #if HAVE_KERNEL
-    unsigned long long q, o, k, v, table;
-    long q_st, q_sh, o_st, o_sh, blk_st, tok_st, n_q, start, n_heads, n_kv, dim, bs, threads;
+    unsigned long long q, o, k, v, info, tables;
+    long q_st, q_sh, o_st, o_sh, blk_st, tok_st, n_seqs, n_heads, n_kv, dim, bs, threads;
     double scale;
     int bf16;
-    if (!PyArg_ParseTuple(args, "KllKllKKllKlllllldlp", &q, &q_st, &q_sh, &o, &o_st, &o_sh, &k,
-                          &v, &blk_st, &tok_st, &table, &n_q, &start, &n_heads, &n_kv, &dim,
+    if (!PyArg_ParseTuple(args, "KllKllKKllKlKlllldlp", &q, &q_st, &q_sh, &o, &o_st, &o_sh, &k,
+                          &v, &blk_st, &tok_st, &info, &n_seqs, &tables, &n_heads, &n_kv, &dim,
                           &bs, &scale, &threads, &bf16))
         return NULL;
-    if (!cpu_ok() || n_q < 1 || start < 0 || n_kv < 1 || n_heads % n_kv || dim % 16
-        || dim > MAX_DIM || bs < 1 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "prefill: unsupported arguments");
+    const int64_t *x = (const int64_t *)info;
+    int bad = !cpu_ok() || n_seqs < 1 || n_kv < 1 || n_heads % n_kv || dim % 16 || dim > MAX_DIM
+              || bs < 1 || threads < 1;
+    for (long s = 0; !bad && s < n_seqs; s++)
+        bad = x[4 * s] < 0 || x[4 * s + 1] < 1 || x[4 * s + 2] < 0 || x[4 * s + 3] < 0;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "attend: unsupported arguments");
         return NULL;
     }
     job_t J = {.q = (const void *)q, .k = (const void *)k, .v = (const void *)v,
                .o = (void *)o, .bf16 = bf16, .q_st = q_st, .q_sh = q_sh, .o_st = o_st, .o_sh = o_sh,
-               .blk_st = blk_st, .tok_st = tok_st, .table = (const int64_t *)table, .n_q = n_q,
-               .start = start, .n_heads = n_heads, .n_kv = n_kv, .dim = dim, .bs = bs,
-               .rep = n_heads / n_kv, .scale2 = (float)(scale * 1.4426950408889634)};
-    /* Blocks of 32 positions. Fewer than 4 tasks a thread: split the keys (each split 2+
-     * tiles; short chunks on long prefixes, a warm request), then shrink the blocks. */
-    long want = 4 * threads;
-    J.pb = 32;
-    J.n_pblocks = (n_q + J.pb - 1) / J.pb;
-    long first_tiles = (start + (n_q < J.pb ? n_q : J.pb) + KT - 1) / KT;
-    J.n_split = (want + n_kv * J.n_pblocks - 1) / (n_kv * J.n_pblocks);
-    if (J.n_split > first_tiles / 2)
-        J.n_split = first_tiles / 2 > 1 ? first_tiles / 2 : 1;
-    if (J.n_split > 64)
-        J.n_split = 64;
-    while (J.pb > MR && n_kv * J.n_split * ((n_q + J.pb - 1) / J.pb) < want)
-        J.pb /= 2;
-    J.n_pblocks = (n_q + J.pb - 1) / J.pb;
-    J.n_tasks = J.n_pblocks * n_kv * J.n_split;
-    J.n_tiles = (start + n_q + KT - 1) / KT;
-    J.kt_all = aligned_alloc(64, n_kv * J.n_tiles * dim * KT * sizeof(float));
-    J.part_size = J.rep * J.pb * (dim + 2);
-    J.parts = J.n_split > 1 ? malloc(J.n_tasks * J.part_size * sizeof(float)) : NULL;
-    J.v_all = bf16 ? malloc(n_kv * J.n_tiles * KT * dim * sizeof(float)) : NULL;
-    if (!J.kt_all || (J.n_split > 1 && !J.parts) || (bf16 && !J.v_all)) {
-        free(J.kt_all);
-        free(J.parts);
-        free(J.v_all);
+               .blk_st = blk_st, .tok_st = tok_st, .n_heads = n_heads, .n_kv = n_kv, .dim = dim,
+               .bs = bs, .rep = n_heads / n_kv, .scale2 = (float)(scale * 1.4426950408889634)};
+    J.seqs = malloc(n_seqs * sizeof(seq_t));
+    if (!J.seqs || plan(&J, x, n_seqs, (const int64_t *)tables, threads)) {
+        free(J.seqs);
         return PyErr_NoMemory();
     }
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = run_job(&J, (int)(threads < J.n_tasks ? threads : J.n_tasks));
     Py_END_ALLOW_THREADS
-    free(J.kt_all);
-    free(J.parts);
-    free(J.v_all);
+    free(J.task_seq);
+    free(J.buf_kt);
+    free(J.buf_va);
+    free(J.buf_parts);
+    free(J.seqs);
     if (failed)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
 #else
-    PyErr_SetString(PyExc_RuntimeError, "prefill: not built for this platform");
+    PyErr_SetString(PyExc_RuntimeError, "attend: not built for this platform");
     return NULL;
 #endif
 }
 
 static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU and build run the kernel."},
-    {"prefill", prefill, METH_VARARGS, "Causal prefill attention of one sequence over the paged pool (float32)."},
+    {"attend", attend, METH_VARARGS, "Causal attention of a step's sequences over the paged pool."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_cpu_attn", "Causal prefill attention over the paged KV pool (CPU, float32, AVX-512).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_cpu_attn", "Causal attention over the paged KV pool (CPU, float32 / bf16, AVX-512).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__cpu_attn(void)

@@ -4,10 +4,12 @@ A :class:`PagedAttention` is built per step from the sequences' positions and bl
 handed to the model's forward as its ``attention`` callable (no global metadata). For every
 layer it (1) writes the new tokens' K/V into their slots, then (2) computes attention:
 
+* with a float32 or bf16 pool on an AVX-512 CPU, the whole step (every prefill chunk and
+  decode) is one call of the C kernel per layer (``cpu_attention.py``), reading each
+  sequence's keys in place through its block table. Otherwise, the torch paths below:
 * prefill chunks (several new tokens): per sequence, the new queries attend causally to all
-  keys at positions ``[0, start_pos + n)`` (cached prefix + the chunk itself). A float32 pool
-  on an AVX-512 CPU reads them in place through the block table in the C kernel
-  (``cpu_attention.py``); otherwise torch SDPA does: the context is read in place when its blocks are one contiguous run (a view of the
+  keys at positions ``[0, start_pos + n)`` (cached prefix + the chunk itself), with torch
+  SDPA: the context is read in place when its blocks are one contiguous run (a view of the
   pool, no copy), gathered through the block table otherwise. A short chunk gets one SDPA call
   with a mask built once per step (additive, in the KV dtype, on CPU); on CPU a long chunk on a
   cached prefix runs as two unmasked flash calls, the prefix and the chunk causally over its
@@ -43,7 +45,6 @@ class _Prefill:
     first_block: int | None  # context [0, start_pos + q_len) is blocks first_block, +1, ...
     blocks: torch.Tensor | None  # else the block ids to gather (None when start_pos == 0)
     mask: torch.Tensor | None  # [q_len, ctx]; None: start_pos == 0, or the two-call split
-    table: torch.Tensor | None = None  # the C kernel's block ids (then nothing above is used)
 
 
 @dataclass(slots=True)
@@ -86,31 +87,34 @@ class PagedAttention:
         slots: list[int] = []
         self._prefills: list[_Prefill] = []
         kernel = cpu_attention.usable(pool.kv, pool.head_dim)
-        dec_rows: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
+        in_kernel: list[tuple[int, int, int, list[int]]] = []
+        decodes: list[tuple[int, list[int], int]] = []
         row = 0
         for start, n, table in zip(start_positions, query_lens, block_tables, strict=True):
             ctx = start + n
             needed = list(table[: (ctx + bs - 1) // bs])
             slots.extend(needed[p // bs] * bs + p % bs for p in range(start, ctx))
             if n == 1:
-                dec_rows.append(row)
-                dec_tables.append(needed)
-                dec_lens.append(ctx)
+                decodes.append((row, needed, ctx))
+            elif kernel:
+                in_kernel.append((row, n, start, needed))
             else:
-                self._prefills.append(
-                    _Prefill(row, n, start, None, None, None, torch.tensor(needed))
-                    if kernel
-                    else _prefill(row, n, start, needed, bs, pool.kv)
-                )
+                self._prefills.append(_prefill(row, n, start, needed, bs, pool.kv))
             row += n
         self.num_tokens = row
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        self._decodes = [
-            _decode_batch(group, device, row, bs)
-            for group in _group_by_length(list(zip(dec_rows, dec_tables, dec_lens, strict=True)))
-        ]
+        groups = []
+        for group in _group_by_length(decodes):
+            # a group that shares a long cached prefix reads it once on the torch path; the
+            # kernel would read it once per sequence (0.93x measured, docs/benchmarks.md)
+            if kernel and cpu_attention.DECODES and not _shared_blocks(group, bs):
+                in_kernel.extend((r, 1, n - 1, blocks) for r, blocks, n in group)
+            else:
+                groups.append(group)
+        self._decodes = [_decode_batch(group, device, row, bs) for group in groups]
+        self._kernel = (
+            cpu_attention.batch(in_kernel, bs, pool.num_blocks) if in_kernel else None
+        )  # the C kernel's sequences: usually the whole step
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -120,14 +124,14 @@ class PagedAttention:
         heads_kv, dim = k.shape[1], k.shape[2]
         k_cache.view(-1, heads_kv, dim).index_copy_(0, self.slot_mapping, k)
         v_cache.view(-1, heads_kv, dim).index_copy_(0, self.slot_mapping, v)
-        if not self._prefills and len(self._decodes) == 1 and self._decodes[0].rows is None:
+        if (not self._prefills and self._kernel is None and len(self._decodes) == 1
+                and self._decodes[0].rows is None):
             return _decode_attention(self._decodes[0], q, k_cache, v_cache)  # all rows, in order
         out = torch.empty_like(q)
+        if self._kernel is not None:
+            cpu_attention.attend(out, q, k_cache, v_cache, self._kernel)
         for p in self._prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            if p.table is not None:
-                cpu_attention.prefill(out[rows], q[rows], k_cache, v_cache, p.table, p.start_pos)
-                continue
             # SDPA gets 4-D [1, heads, len, D] views: 3-D inputs miss the fused CPU kernel.
             qs = q[rows].transpose(0, 1)[None]
             ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]

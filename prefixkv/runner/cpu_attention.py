@@ -1,24 +1,28 @@
-"""The optional C kernel for causal prefill attention on CPU (``_cpu_attn.c``).
+"""The optional C attention kernel for CPU (``_cpu_attn.c``).
 
-``setup.py`` builds ``prefixkv.runner._cpu_attn`` where a C compiler with OpenMP is present. It
-computes one prefill chunk's attention (float32 arithmetic; float32 or bfloat16 tensors) over
-the paged pool *in place* (through the
-block table: no gathered context, no mask tensor), as a flash-attention loop for AVX-512 CPUs,
-on torch's own OpenMP threads (its ``libgomp`` is loaded first, so the extension shares that
-runtime and never oversubscribes the cores). On the machines measured it runs SmolLM2's
-2,030-token causal prefill attention about 2.5x faster than torch's CPU flash kernel
-(``docs/benchmarks.md``, issue 16).
+``setup.py`` builds ``prefixkv.runner._cpu_attn`` where a C compiler with OpenMP is present.
+One call computes a whole step's causal attention, prefill chunks and decodes alike, over the
+paged pool *in place* (through each sequence's block ids: no gathered context, no padding, no
+mask tensor): a flash-attention loop for AVX-512 CPUs, float32 arithmetic on float32 or
+bfloat16 tensors, on torch's own OpenMP threads (its ``libgomp`` is loaded first, so the
+extension shares that runtime and never oversubscribes the cores). On the machine measured it
+runs SmolLM2's 2,030-token causal prefill attention about 2.5x faster than torch's CPU flash
+kernel (``docs/benchmarks.md``, issue 16).
 
-:func:`usable` says whether a pool's prefills can take it: the module built, an AVX-512 CPU, a
-contiguous float32 or bfloat16 CPU pool, a head size that is a multiple of 16 up to 256.
-Anything else keeps torch's SDPA (``attention.py``).
+:func:`usable` says whether a pool can take it: the module built, an AVX-512 CPU, a contiguous
+float32 or bfloat16 CPU pool, a head size that is a multiple of 16 up to 256. Anything else
+keeps torch's SDPA (``attention.py``). :func:`batch` turns a step's sequences into the
+kernel's arrays once (checking every id against the pool), :func:`attend` runs one layer.
 ``PREFIXKV_CPU_ATTENTION=0`` in the environment turns the kernel off for the process (A/B runs,
-debugging); ``ENABLED`` is the same switch for code and tests.
+debugging); ``ENABLED`` is the same switch for code and tests, ``DECODES`` keeps decodes on
+the torch path when False.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +36,9 @@ BUILT = _kernel is not None and _kernel.supported()
 
 ENABLED = BUILT and os.environ.get("PREFIXKV_CPU_ATTENTION", "1") != "0"
 """Whether prefill chunks take the kernel (when :func:`usable`); tests and benchmarks flip it."""
+
+DECODES = True
+"""Decodes take the kernel too (reading their context in place: no gather, no padding)."""
 
 _MAX_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -50,24 +57,56 @@ def usable(kv: torch.Tensor, head_dim: int) -> bool:
     )
 
 
-def prefill(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    table: torch.Tensor,
-    start: int,
-) -> None:
-    """Write into ``out`` ``[n, Hq, D]`` the causal attention of queries ``q`` ``[n, Hq, D]``
-    (positions ``start .. start + n - 1``) over keys/values ``[0, start + n)`` of the pool
-    ``k_cache`` / ``v_cache`` ``[N, bs, Hkv, D]`` read through ``table`` (int64 block ids,
-    ``ceil((start + n) / bs)`` of them), scale ``D ** -0.5``.
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A step's sequences for :func:`attend`, built once per step by :func:`batch`."""
 
-    The caller has checked :func:`usable` and guarantees the table's ids are in range and its
-    positions' K/V already written (``PagedAttention`` does both). Shapes and strides are
-    checked here, since the kernel reads raw addresses.
+    info: torch.Tensor  # int64 [S, 4]: first row, queries, start position, offset in tables
+    tables: torch.Tensor  # int64: every sequence's block ids, one after another
+    rows: int  # rows of q / out the sequences cover
+    num_blocks: int  # the pool's block count the ids were checked against
+
+
+def batch(
+    seqs: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int, num_blocks: int
+) -> Batch:
+    """``seqs``: per sequence ``(first row, queries, start position, block ids)``; its queries
+    are rows ``first row ..`` of q at positions ``start ..``, and its ids cover ``[0, start +
+    queries)``. ``ValueError`` for anything the kernel could not read safely."""
+    info: list[int] = []
+    ids: list[int] = []
+    rows = 0
+    for row, n, start, blocks in seqs:
+        if row < 0 or n < 1 or start < 0:
+            raise ValueError(f"bad sequence (row {row}, queries {n}, start {start})")
+        need = -(-(start + n) // block_size)
+        if len(blocks) < need:
+            raise ValueError(f"{len(blocks)} blocks cover {len(blocks) * block_size} positions, "
+                             f"need {start + n}")
+        info += (row, n, start, len(ids))
+        ids.extend(blocks[:need])
+        rows = max(rows, row + n)
+    if not info:
+        raise ValueError("no sequences")
+    if ids and not 0 <= min(ids) <= max(ids) < num_blocks:
+        raise ValueError(f"block ids must be in [0, {num_blocks})")
+    return Batch(torch.tensor(info, dtype=torch.int64).view(-1, 4), torch.tensor(ids, dtype=torch.int64),
+                 rows, num_blocks)
+
+
+def attend(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: Batch
+) -> None:
+    """Write into ``out`` ``[T, Hq, D]`` the causal attention of each sequence of ``b`` (its
+    queries' rows of ``q`` ``[T, Hq, D]``) over the keys/values ``[0, start + queries)`` of the
+    pool ``k_cache`` / ``v_cache`` ``[N, bs, Hkv, D]``, read through its block ids; scale ``D **
+    -0.5``. Rows no sequence covers are left as they are.
+
+    The caller has checked :func:`usable` and written every position's K/V
+    (``PagedAttention`` does both); shapes and strides are checked here, since the kernel
+    reads raw addresses.
     """
-    n, heads, d = q.shape
+    rows, heads, d = q.shape
     bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -80,14 +119,28 @@ def prefill(
         raise ValueError(f"out must be a {dtype} {tuple(q.shape)} tensor, got {tuple(out.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if table.dtype != torch.int64 or not table.is_contiguous():
-        raise ValueError("table must be a contiguous int64 tensor")
-    if table.numel() * bs < start + n:
-        raise ValueError(f"table covers {table.numel() * bs} positions, needs {start + n}")
-    _kernel.prefill(
+    if b.rows > rows or b.num_blocks != k_cache.shape[0]:
+        raise ValueError(f"the batch covers {b.rows} rows of {b.num_blocks} blocks; q has {rows}"
+                         f" rows, the pool {k_cache.shape[0]} blocks")
+    _kernel.attend(
         q.data_ptr(), q.stride(0), q.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-        table.data_ptr(), n, start, heads, kv_heads, d, bs, d**-0.5, torch.get_num_threads(),
-        dtype == torch.bfloat16,
+        b.info.data_ptr(), b.info.shape[0], b.tables.data_ptr(),
+        heads, kv_heads, d, bs, d**-0.5, torch.get_num_threads(), dtype == torch.bfloat16,
     )  # fmt: skip
+
+
+def prefill(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: Sequence[int] | torch.Tensor,
+    start: int,
+) -> None:
+    """One sequence: :func:`attend` for queries ``q`` ``[n, Hq, D]`` at positions ``start ..``
+    over blocks ``table``, into ``out``."""
+    ids = table.tolist() if isinstance(table, torch.Tensor) else list(table)
+    attend(out, q, k_cache, v_cache,
+           batch([(0, q.shape[0], start, ids)], k_cache.shape[1], k_cache.shape[0]))

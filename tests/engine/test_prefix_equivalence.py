@@ -83,8 +83,9 @@ def test_decodes_on_a_long_shared_prefix_equal_the_uncached_ones(
 ) -> None:
     """Eight requests on a cached 400-token system prompt decode together, reading the shared
     blocks once per step (the runner's shared-prefix path: 7 x 400 copies saved, above its
-    2,400); greedy tokens equal those of the same requests without a cache, where every
-    sequence attends over its own copy."""
+    2,400; taken over the C kernel's decodes too); greedy tokens equal those of the same
+    requests without a cache, where every sequence attends over its own copy (in the kernel
+    where it is built)."""
     system = helpers.tokens(3, 400)
     prompts = [system + helpers.tokens(200 + i, 2 + i) for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

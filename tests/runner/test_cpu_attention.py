@@ -125,10 +125,15 @@ def test_bad_arguments_raise_before_the_kernel_reads_memory():
     k_cache, v_cache = _pool(4, 16, 2, 64, gen).layer(0)
     q = torch.randn(10, 4, 64)
     out = torch.empty_like(q)
-    with pytest.raises(ValueError, match="table covers 32 positions, needs 40"):
+    with pytest.raises(ValueError, match="2 blocks cover 32 positions, need 40"):
         cpu_attention.prefill(out, q, k_cache, v_cache, torch.arange(2), 30)
-    with pytest.raises(ValueError, match="int64"):
-        cpu_attention.prefill(out, q, k_cache, v_cache, torch.arange(4, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 4\)"):
+        cpu_attention.prefill(out, q, k_cache, v_cache, [4], 0)
+    with pytest.raises(ValueError, match="queries 0"):
+        cpu_attention.batch([(0, 0, 5, [0])], 16, 4)
+    with pytest.raises(ValueError, match="covers 12 rows"):
+        b = cpu_attention.batch([(2, 10, 0, [0])], 16, 4)
+        cpu_attention.attend(out, q, k_cache, v_cache, b)
     with pytest.raises(ValueError, match="out must be"):
         cpu_attention.prefill(torch.empty(10, 4, 32), q, k_cache, v_cache, torch.arange(4), 0)
     with pytest.raises(ValueError, match="float32 or bfloat16 alike"):
@@ -140,12 +145,14 @@ def test_bad_arguments_raise_before_the_kernel_reads_memory():
 
 
 @needs_kernel
-@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("mode", ["all", "prefills", "off"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_takes_the_kernel_for_prefills_only(enabled, dtype, monkeypatch):
-    """One step with decodes, a fresh prefill and chunks on cached prefixes, kernel on and off:
-    the same results (against dense attention over the pool's values) either way."""
-    monkeypatch.setattr(cpu_attention, "ENABLED", enabled)
+def test_paged_attention_runs_the_step_in_the_kernel(mode, dtype, monkeypatch):
+    """One step with a decode, a fresh prefill and chunks on cached prefixes: every sequence
+    in one kernel call, the prefills only (decodes on the torch path), or none; the same
+    results (against dense attention over the pool's values) every way."""
+    monkeypatch.setattr(cpu_attention, "ENABLED", mode != "off")
+    monkeypatch.setattr(cpu_attention, "DECODES", mode == "all")
     heads, kv_heads, d, bs = 4, 2, 64, 16
     gen = torch.Generator().manual_seed(3)
     pool = _pool(64, bs, kv_heads, d, gen, dtype)
@@ -164,7 +171,9 @@ def test_paged_attention_takes_the_kernel_for_prefills_only(enabled, dtype, monk
                 0, torch.zeros(s, heads, d, dtype=dtype), full_k[-1][:s], full_v[-1][:s]
             )
     attn = PagedAttention(pool, start_positions=starts, query_lens=lens, block_tables=tables)
-    assert [p.table is not None for p in attn._prefills] == [enabled] * 3
+    in_kernel = [] if attn._kernel is None else sorted(attn._kernel.info[:, 1].tolist())
+    assert in_kernel == sorted({"all": lens, "prefills": lens[1:], "off": []}[mode])
+    assert len(attn._decodes) == (mode != "all")
     qs = [torch.randn(n, heads, d, generator=gen).to(dtype) for n in lens]
     out = attn(
         0,

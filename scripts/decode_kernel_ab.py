@@ -1,0 +1,49 @@
+"""Decode steps with the C attention kernel against the torch path (gathered context + SDPA,
+the shared-prefix read), in one process: one ModelRunner on SmolLM2-135M-Instruct,
+``cpu_attention.DECODES`` flipped between alternating rounds (same tokens, same block
+tables), medians. Usage (from the repo root):
+    PYTHONPATH=. python scripts/decode_kernel_ab.py [threads] [rounds] [dtype]
+Cases: batch 1 at contexts 100 / 2,000 / 4,000, batch 8 at 100 (own prompts), batch 8 on one
+cached 2,000-token prefix (shared blocks) with 16 own tokens each.
+"""
+import statistics, sys, time
+from prefixkv.models.catalog import ensure_model
+from prefixkv.runner import cpu_attention
+from prefixkv.runner.model_runner import ModelRunner, RunItem
+
+threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
+assert cpu_attention.BUILT, "the C kernel is not built here"
+r = ModelRunner(ensure_model("smollm2-135m-instruct"), threads=threads, dtype=dtype,
+                num_kv_blocks=2400)
+bs = r.block_size
+
+def setup(batch, ctx, shared):
+    """Block tables with ``ctx`` tokens written per sequence; shared: one prefix for all."""
+    nb = -(-(ctx + 64) // bs)
+    if shared:
+        prefix = list(range(1, 1 + ctx // bs))
+        r.execute([RunItem([9] * (ctx // bs * bs), 0, prefix)])
+        tables = [prefix + list(range(1000 + 20 * b, 1020 + 20 * b)) for b in range(batch)]
+        start = ctx // bs * bs
+        r.execute([RunItem([7 + b] * 16, start, t) for b, t in enumerate(tables)])
+        return tables, start + 16
+    tables = [list(range(1 + b * nb, 1 + (b + 1) * nb)) for b in range(batch)]
+    r.execute([RunItem([5 + b] * ctx, 0, t) for b, t in enumerate(tables)])
+    return tables, ctx
+
+for name, batch, ctx, shared in [("b1 ctx 100", 1, 100, False), ("b1 ctx 2000", 1, 2000, False),
+                                 ("b1 ctx 4000", 1, 4000, False), ("b8 ctx 100", 8, 100, False),
+                                 ("b8 on a shared 2000", 8, 2000, True)]:
+    tables, pos = setup(batch, ctx, shared)
+    t = {True: [], False: []}
+    for rnd in range(rounds):
+        for on in (False, True):
+            cpu_attention.DECODES = on
+            for s in range(8):
+                items = [RunItem([3], pos + s, tb) for tb in tables]
+                t0 = time.perf_counter(); r.execute(items); t[on].append(time.perf_counter() - t0)
+    off, on = statistics.median(t[False]) * 1e3, statistics.median(t[True]) * 1e3
+    print(f"{dtype} {name}: torch path {off:.2f} ms  kernel {on:.2f} ms  speedup {off / on:.2f}x",
+          flush=True)
