@@ -13,5 +13,6 @@ setup(ext_modules=[
     Extension("prefixkv.cache._keypack", ["prefixkv/cache/_keypack.c"],
               optional=True, extra_compile_args=["-O3"]),
     Extension("prefixkv.runner._cpu_attn", ["prefixkv/runner/_cpu_attn.c"],
-              optional=True, extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
+              depends=["prefixkv/runner/_cpu_attn_tile.h"], optional=True,
+              extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
 ])
