@@ -1,10 +1,11 @@
 """Build hook for the optional C extensions; everything else is in pyproject.toml.
 
-Both are built when a C compiler is present; without one the install still succeeds:
+All three are built when a C compiler is present; without one the install still succeeds:
 ``prefixkv.cache._keypack`` (18-bit packed radix keys; without it the radix tree keeps 4-byte
 keys above 2**16, ``prefixkv.cache.radix_node.PACKED`` says which) and
 ``prefixkv.runner._cpu_attn`` (the AVX-512 prefill-attention kernel, OpenMP; without it
-prefill attention is torch SDPA, ``prefixkv.runner.cpu_attention.BUILT`` says which).
+prefill attention is torch SDPA, ``prefixkv.runner.cpu_attention.BUILT`` says which) and
+``prefixkv.models._cpu_ops`` (fused RMSNorm / SwiGLU / RoPE; ``prefixkv.models.cpu_ops.BUILT``).
 """
 
 from setuptools import Extension, setup
@@ -14,5 +15,7 @@ setup(ext_modules=[
               optional=True, extra_compile_args=["-O3"]),
     Extension("prefixkv.runner._cpu_attn", ["prefixkv/runner/_cpu_attn.c"],
               depends=["prefixkv/runner/_cpu_attn_tile.h"], optional=True,
+              extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
+    Extension("prefixkv.models._cpu_ops", ["prefixkv/models/_cpu_ops.c"], optional=True,
               extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
 ])

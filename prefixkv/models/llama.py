@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixkv.models import cpu_ops
 from prefixkv.models.config import ModelConfig
 from prefixkv.models.cpu_pack import pack_weight, packed_linear
 
@@ -80,9 +81,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:  # same products, one pass fewer
+            fused = cpu_ops.rms_norm(x, self.weight, self.eps) if x.dim() == 2 else None
+            if fused is not None:
+                return fused
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``x += residual`` (in place: ``x`` becomes the residual stream), then the norm of
+        ``x``; one pass in C where it fits (``cpu_ops.py``)."""
+        if x.dtype == self.weight.dtype == torch.float32:
+            fused = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+            if fused is not None:
+                return fused
+        out: torch.Tensor = self(x.add_(residual))
+        return out
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -108,12 +122,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` (HF's RoPE) for ``x`` ``[T, H, D]``, as a new tensor.
+    """``x * cos + rotate_half(x) * sin`` (HF's RoPE) for ``x`` ``[T, H, D]``: in place in C
+    where ``cpu_ops.rope_`` fits (float32 CPU), as a new tensor otherwise.
 
     The halves of ``cos``/``sin`` are equal (``cat(freqs, freqs)``), so the rotation is two
     half-width products subtracted / added in place: the same roundings as HF's expression
     (``a + (-b) * s == a - b * s`` exactly) without its negated and concatenated copies.
     """
+    if x.dim() == 3 and cpu_ops.rope_(x, cos, sin) is not None:
+        return x  # rotated in place, in C (cpu_ops.py)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     sin_half = sin[..., :half]
@@ -216,8 +233,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        result: torch.Tensor = self.down_proj(F.silu(gate).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        act = cpu_ops.silu_mul(gate_up, self.intermediate_size)  # one pass in C where it fits
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate).mul_(up)
+        result: torch.Tensor = self.down_proj(act)
         return result
 
 
@@ -235,8 +256,9 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         # the sublayers' outputs are fresh tensors: the residual is added into them in place
-        x = self.self_attn(self.input_layernorm(x), cos, sin, attention).add_(x)
-        result: torch.Tensor = self.mlp(self.post_attention_layernorm(x)).add_(x)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        normed = self.post_attention_layernorm.add_forward(h, x)  # h += x, then its norm
+        result: torch.Tensor = self.mlp(normed).add_(h)
         return result
 
 

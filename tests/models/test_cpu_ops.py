@@ -1,0 +1,123 @@
+"""The fused C elementwise steps (prefixkv/models/_cpu_ops.c) against torch's expressions, their
+fall-backs, and the model with them on and off."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixkv.models import cpu_ops
+from prefixkv.models.llama import apply_rope
+
+needs_ops = pytest.mark.skipif(not cpu_ops.BUILT, reason="C ops not built / no AVX-512")
+
+
+def test_the_ops_are_built_where_they_can_run():
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not (shutil.which(cc) or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the decoder keeps torch's ops")
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    if platform.machine() != "x86_64" or " avx512f" not in flags or " avx512dq" not in flags:
+        pytest.skip("not an AVX-512 x86-64 CPU")
+    assert cpu_ops.BUILT, "the C ops were not built: run `pip install -e .`"
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 7, 3000])  # one thread / over the team
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(rows, with_residual):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen) * 3
+    w = torch.randn(96, generator=gen)
+    res = torch.randn(rows, 96, generator=gen) if with_residual else None
+    stream = x + res if res is not None else x.clone()
+    expected = F.rms_norm(stream, (96,), w, 1e-6)
+    got = cpu_ops.rms_norm(x, w, 1e-6, res)
+    assert got is not None
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x, stream, atol=0, rtol=0)  # the residual went into x in place
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 5, 2000])
+def test_silu_mul_matches_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 48, generator=gen) * 6  # exp's clamps reached at the tails
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.split(48, dim=-1)
+    got = cpu_ops.silu_mul(gate_up, 48)
+    assert got is not None
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 9, 1500])
+def test_rope_in_place_matches_torch(rows, monkeypatch):
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 7 * 64, generator=gen)
+    x = qkv[:, : 5 * 64].view(rows, 5, 64)  # q and k heads of a fused qkv row, strided
+    freqs = torch.randn(rows, 32, generator=gen) * 10
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    expected = apply_rope(x.clone(), cos, sin)
+    monkeypatch.setattr(cpu_ops, "ENABLED", True)
+    v_before = qkv[:, 5 * 64 :].clone()
+    got = apply_rope(x, cos, sin)
+    assert got.data_ptr() == x.data_ptr()  # in place
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 5 * 64 :], v_before)  # nothing past the rotated heads touched
+
+
+def test_what_does_not_fit_falls_back_untouched(monkeypatch):
+    x = torch.randn(4, 40)  # width not a multiple of 16
+    assert cpu_ops.rms_norm(x, torch.ones(40), 1e-6) is None
+    assert cpu_ops.silu_mul(torch.randn(4, 80), 40) is None
+    assert cpu_ops.rms_norm(torch.randn(4, 64, dtype=torch.bfloat16), torch.ones(64), 1e-6) is None
+    y = torch.randn(3, 2, 48)  # 48-wide heads: halves not a multiple of 16
+    assert cpu_ops.rope_(y, torch.ones(3, 1, 48), torch.zeros(3, 1, 48)) is None
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    assert cpu_ops.rms_norm(torch.randn(4, 64), torch.ones(64), 1e-6) is None
+
+
+@needs_ops
+def test_the_demo_model_gives_the_same_tokens_with_the_ops(monkeypatch):
+    """Greedy decoding of the demo model (prefill, warm chunk, decode steps) with the fused ops
+    on and off: logits within 1e-4 and the same token at every step."""
+    from prefixkv.models.demo import ensure_demo_model
+    from prefixkv.runner.model_runner import ModelRunner, RunItem
+
+    runner = ModelRunner(ensure_demo_model(), dtype="float32", num_kv_blocks=64)
+    prompt = [(29 * i) % 250 + 3 for i in range(200)]
+
+    def run(enabled: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(cpu_ops, "ENABLED", enabled)
+        logits = [runner.execute([RunItem(prompt[:170], 0, list(range(1, 30)))])]
+        logits.append(runner.execute([RunItem(prompt[170:], 170, list(range(1, 30)))]))
+        for pos in range(200, 210):
+            tok = int(logits[-1].argmax())
+            logits.append(runner.execute([RunItem([tok], pos, list(range(1, 30)))]))
+        return logits
+
+    on, off = run(True), run(False)
+    for a, b in zip(on, off, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        assert int(a.argmax()) == int(b.argmax())
+
+
+def test_the_environment_switch_turns_the_ops_off():
+    code = "from prefixkv.models import cpu_ops as c; print(c.ENABLED, c.BUILT)"
+    env = {**os.environ, "PREFIXKV_CPU_OPS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["False", str(cpu_ops.BUILT)], out.stderr
