@@ -35,18 +35,19 @@ BUILT = _kernel is not None and _kernel.supported()
 """The extension is built and this CPU runs it (x86-64 with AVX-512F/DQ)."""
 
 ENABLED = BUILT and os.environ.get("PREFIXKV_CPU_ATTENTION", "1") != "0"
-"""Whether prefill chunks take the kernel (when :func:`usable`); tests and benchmarks flip it."""
+"""Whether steps take the kernel (when :func:`usable`); tests and benchmarks flip it."""
 
 DECODES = True
-"""Decodes take the kernel too (reading their context in place: no gather, no padding)."""
+"""Decodes take the kernel too (reading their context in place: no gather, no padding), except
+a group sharing a long cached prefix, which the torch path reads once (``attention.py``)."""
 
 _MAX_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def usable(kv: torch.Tensor, head_dim: int) -> bool:
-    """Whether prefill chunks over the pool tensor ``kv`` (``KVPool.kv``: contiguous, heads of
-    ``head_dim`` innermost) can run in the kernel (module docstring); False keeps SDPA."""
+    """Whether attention over the pool tensor ``kv`` (``KVPool.kv``: contiguous, heads of
+    ``head_dim`` innermost) can run in the kernel (module docstring); False keeps torch."""
     return (
         ENABLED
         and kv.device.type == "cpu"
