@@ -20,6 +20,12 @@ from prefixkv.models.llama import apply_rope
 needs_ops = pytest.mark.skipif(not cpu_ops.BUILT, reason="C ops not built / no AVX-512")
 
 
+@pytest.fixture
+def ops_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C path on, whatever PREFIXKV_CPU_OPS says for the test process."""
+    monkeypatch.setattr(cpu_ops, "ENABLED", True)
+
+
 def test_the_ops_are_built_where_they_can_run():
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if not (shutil.which(cc) or shutil.which("gcc")):
@@ -36,7 +42,7 @@ def test_the_ops_are_built_where_they_can_run():
 @needs_ops
 @pytest.mark.parametrize("rows", [1, 7, 3000])  # one thread / over the team
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_torch(rows, with_residual):
+def test_rms_norm_matches_torch(rows, with_residual, ops_on):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen) * 3
     w = torch.randn(96, generator=gen)
@@ -51,7 +57,7 @@ def test_rms_norm_matches_torch(rows, with_residual):
 
 @needs_ops
 @pytest.mark.parametrize("rows", [1, 5, 2000])
-def test_silu_mul_matches_torch(rows):
+def test_silu_mul_matches_torch(rows, ops_on):
     gen = torch.Generator().manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 48, generator=gen) * 6  # exp's clamps reached at the tails
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
