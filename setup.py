@@ -14,8 +14,10 @@ setup(ext_modules=[
     Extension("prefixkv.cache._keypack", ["prefixkv/cache/_keypack.c"],
               optional=True, extra_compile_args=["-O3"]),
     Extension("prefixkv.runner._cpu_attn", ["prefixkv/runner/_cpu_attn.c"],
-              depends=["prefixkv/runner/_cpu_attn_tile.h"], optional=True,
+              depends=["prefixkv/runner/_cpu_attn_tile.h", "prefixkv/models/_avx512.h"],
+              include_dirs=["prefixkv/models"], optional=True,
               extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
-    Extension("prefixkv.models._cpu_ops", ["prefixkv/models/_cpu_ops.c"], optional=True,
+    Extension("prefixkv.models._cpu_ops", ["prefixkv/models/_cpu_ops.c"],
+              depends=["prefixkv/models/_avx512.h"], optional=True,
               extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
 ])

@@ -29,7 +29,7 @@
 #define HAVE_OPS 1
 #include <immintrin.h>
 #include <omp.h>
-#define AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+#include "_avx512.h"
 #else
 #define HAVE_OPS 0
 #endif
@@ -43,23 +43,12 @@ static int cpu_ok(void)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 }
 
-/* e**x for float32 (x clamped to [-87, 88]): 2**(x log2 e) by n + f, |f| <= 1/2, a degree-7
- * polynomial for 2**f (relative error below 1e-7), scaled by 2**n. */
+/* e**x for float32: 2**(x log2 e) by exp2_ps (x above 88 clamped there, below about -87.3 to
+ * 2**-126). */
 AVX512 static inline __m512 exp_ps(__m512 x)
 {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059840e-5f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-4f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    return exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)));
 }
 
 AVX512 static void rms_row(float *x, const float *res, float *out, const float *w, long dim,

@@ -1,28 +1,30 @@
-/* prefixkv.runner._cpu_attn: causal prefill attention over the paged KV pool, on CPU.
+/* prefixkv.runner._cpu_attn: a step's causal attention over the paged KV pool, on CPU.
  *
- * One call computes, for one sequence, the attention of its n_q new queries (positions
- * start .. start + n_q - 1) over every key at positions [0, start + n_q), reading K and V in
- * place through the sequence's block table (no gather, no mask tensor). GQA: query head h
- * reads KV head h / (n_heads / n_kv_heads). It is a flash-attention loop (online softmax, in
- * base 2) written for AVX-512: keys in tiles of 64, transposed once per tile into a small
- * buffer, scores for four query rows at a time in 16 vector accumulators, P x V the same way.
- * Work is split into tasks (KV head x block of positions, heaviest first) that ``threads``
- * threads (the caller's plus threads - 1 started here, the GIL released) take in turn.
+ * One call computes, for every sequence of a step (a prefill chunk, or a decode with one
+ * query), the attention of its n_q new queries (positions start .. start + n_q - 1) over every
+ * key at positions [0, start + n_q), reading K and V in place through the sequence's block ids
+ * (no gather, no padding, no mask tensor). GQA: query head h reads KV head h / (n_heads /
+ * n_kv_heads). It is a flash-attention loop (online softmax, in base 2) written for AVX-512:
+ * keys in tiles of 64, transposed into a small buffer (once per call when several position
+ * blocks read a tile, per task otherwise), scores for four query rows at a time in 16 vector
+ * accumulators, P x V the same way. Work is split into tasks (sequence x KV head x block of
+ * positions x key split, heaviest first; split keys merged by log-sum-exp) that torch's OpenMP
+ * team takes in turn, the GIL released.
  *
  * The arithmetic on one tile is in _cpu_attn_tile.h; this file plans the tasks and runs them.
  * Arithmetic is float32; bfloat16 tensors are widened on load (K into its transposed tiles, V
- * into a float32 copy, once per call) and the output rounded to nearest even.
+ * into a float32 copy) and the output rounded to nearest even.
  *
  * supported() -> bool
  *     whether this CPU and build run the kernel (x86-64 with AVX-512F/DQ, GCC or Clang).
- * prefill(q, q_st, q_sh, o, o_st, o_sh, k, v, blk_st, tok_st, table, n_q, start, n_heads,
- *         n_kv_heads, head_dim, block_size, scale, threads, bf16) -> None
- *     q, o, k, v, table: addresses (int) of the queries / outputs and the layer's K / V pool
- *     (all float32, or all bfloat16 when ``bf16``), and of the int64 block table; *_st /
- *     *_sh: strides in elements (row, head; the
- *     head dimension is contiguous everywhere, KV heads adjacent within a token). The caller
- *     (prefixkv/runner/cpu_attention.py) checks every shape, stride and dtype: this module
- *     trusts them.
+ * attend(q, q_st, q_sh, o, o_st, o_sh, k, v, blk_st, tok_st, info, n_seqs, tables, n_heads,
+ *        n_kv_heads, head_dim, block_size, scale, threads, bf16) -> None
+ *     q, o, k, v: addresses (int) of the queries / outputs and the layer's K / V pool (all
+ *     float32, or all bfloat16 when ``bf16``); *_st / *_sh: strides in elements (row, head;
+ *     the head dimension is contiguous everywhere, KV heads adjacent within a token). info:
+ *     int64 [n_seqs][4] (first row, queries, start position, offset of its ids in tables);
+ *     tables: int64 block ids. The caller (prefixkv/runner/cpu_attention.py) checks every
+ *     shape, stride, id and dtype: this module trusts them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,7 +47,7 @@
 
 #if HAVE_KERNEL
 
-#define AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+#include "_avx512.h" /* prefixkv/models/: the AVX512 attribute, exp2_ps */
 
 typedef struct { /* one sequence of the call: a prefill chunk, or a decode (n_q = 1) */
     long q0, n_q, start;    /* its queries: rows q0 .. q0 + n_q - 1, positions start .. */
@@ -64,7 +66,7 @@ typedef struct {
     void *o;
     int bf16;
     long q_st, q_sh, o_st, o_sh, blk_st, tok_st;
-    long n_heads, n_kv, dim, bs, rep;
+    long n_kv, dim, bs, rep;
     float scale2; /* softmax scale x log2(e): scores in base 2 */
     seq_t *seqs;
     long n_tasks, n_pack, n_items, max_rows;
@@ -381,7 +383,7 @@ static PyObject *attend(PyObject *self, PyObject *args)
     }
     job_t J = {.q = (const void *)q, .k = (const void *)k, .v = (const void *)v,
                .o = (void *)o, .bf16 = bf16, .q_st = q_st, .q_sh = q_sh, .o_st = o_st, .o_sh = o_sh,
-               .blk_st = blk_st, .tok_st = tok_st, .n_heads = n_heads, .n_kv = n_kv, .dim = dim,
+               .blk_st = blk_st, .tok_st = tok_st, .n_kv = n_kv, .dim = dim,
                .bs = bs, .rep = n_heads / n_kv, .scale2 = (float)(scale * 1.4426950408889634)};
     J.seqs = malloc(n_seqs * sizeof(seq_t));
     if (!J.seqs || plan(&J, x, n_seqs, (const int64_t *)tables, threads)) {

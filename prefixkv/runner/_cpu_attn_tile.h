@@ -5,28 +5,11 @@
  * A tile's keys are transposed to kt [dim][KT] (transpose16); scores_softmax computes the
  * scores of MR query rows against it in 4 x 4 vector accumulators and updates each row's
  * online softmax (base 2); accumulate_pv adds P x V into the rows' outputs. load1 / store1 /
- * load16 read and write float32 or bfloat16 (widened on load, rounded to nearest even).
+ * load16 read and write float32 or bfloat16 (widened on load, rounded to nearest even). exp2_ps
+ * and the AVX512 attribute come from models/_avx512.h.
  */
 
 static const float zero_row[MAX_DIM] __attribute__((aligned(64)));
-
-/* 2**x for x >= -126 (smaller x clamps there; -inf included): x = n + f, |f| <= 1/2,
- * 2**f by its degree-7 Taylor polynomial (relative error below 1e-8), scaled by 2**n. */
-AVX512 static inline __m512 exp2_ps(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059840e-5f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-4f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 typedef struct {
     float *qs, *os, *m, *l, *p;
