@@ -4,11 +4,8 @@ fall-backs, and the model with them on and off."""
 from __future__ import annotations
 
 import os
-import platform
-import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 import torch
@@ -26,16 +23,7 @@ def ops_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_ops, "ENABLED", True)
 
 
-def test_the_ops_are_built_where_they_can_run():
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if not (shutil.which(cc) or shutil.which("gcc")):
-        pytest.skip("no C compiler here: the decoder keeps torch's ops")
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        flags = ""
-    if platform.machine() != "x86_64" or " avx512f" not in flags or " avx512dq" not in flags:
-        pytest.skip("not an AVX-512 x86-64 CPU")
+def test_the_ops_are_built_where_they_can_run(c_compiler, avx512_cpu):
     assert cpu_ops.BUILT, "the C ops were not built: run `pip install -e .`"
 
 

@@ -4,11 +4,8 @@ alone and inside PagedAttention, and its switches."""
 from __future__ import annotations
 
 import os
-import platform
-import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 import torch
@@ -20,23 +17,9 @@ from test_paged_attention import dense
 needs_kernel = pytest.mark.skipif(not cpu_attention.BUILT, reason="C kernel not built / no AVX-512")
 
 
-def _avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512f" in flags and " avx512dq" in flags
-
-
-def test_the_kernel_is_built_where_it_can_run():
+def test_the_kernel_is_built_where_it_can_run(c_compiler, avx512_cpu):
     """`pip install -e .` builds prefixkv.runner._cpu_attn where a compiler is present: on an
     x86-64 AVX-512 CPU an optional build that silently failed would cost 1.5x on prefill."""
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if not (shutil.which(cc) or shutil.which("gcc")):
-        pytest.skip("no C compiler here: prefill keeps torch SDPA")
-    if platform.machine() != "x86_64" or not _avx512():
-        pytest.skip("not an AVX-512 x86-64 CPU: prefill keeps torch SDPA")
     assert cpu_attention.BUILT, "the C kernel was not built: run `pip install -e .`"
 
 
