@@ -20,4 +20,7 @@ setup(ext_modules=[
     Extension("prefixkv.models._cpu_ops", ["prefixkv/models/_cpu_ops.c"],
               depends=["prefixkv/models/_avx512.h"], optional=True,
               extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
+    Extension("prefixkv.models._cpu_gemv", ["prefixkv/models/_cpu_gemv.c"],
+              depends=["prefixkv/models/_avx512.h"], optional=True,
+              extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
 ])

@@ -8,17 +8,25 @@ which ``torch.ops.mkldnn._linear_pointwise`` runs near bandwidth at batch 1 and
 compute-bound for prefill; with bfloat16 weights it uses the CPU's avx512_bf16 / AMX units.
 
 Ownership: a packed :class:`~prefixkv.models.llama.Linear` holds its weight once, as the
-packed copy in its plain ``packed`` attribute; its ``weight`` parameter becomes a ``meta``
+:class:`PackedWeight` in its plain ``packed`` attribute; its ``weight`` parameter becomes a ``meta``
 tensor (name, shape and dtype stay in the state dict; no data), so packing does not double
 the weight memory. Whatever reads weight values (the runner's model fingerprint) runs before
 packing. Packing is CPU-only and checked once per weight against ``F.linear``; when oneDNN is
 missing or disagrees, that weight keeps its plain tensor and stays on ``F.linear``.
+
+Decode rows (at most ``cpu_gemv.MAX_ROWS``) of a float32 weight go to a C loop that reads the
+same packed buffer (``cpu_gemv.py``: oneDNN reaches about 80% of the memory bandwidth there);
+the buffer's address is kept beside the tensor that owns it, in one :class:`PackedWeight`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from prefixkv.models import cpu_gemv
 
 PACK_BATCH_HINT = 8
 """Batch size oneDNN tunes the blocked layout for (any batch is accepted)."""
@@ -37,13 +45,30 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a weight packed by :func:`pack_weight`."""
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in oneDNN's layout: ``tensor`` owns the buffer; ``address`` is its data for the
+    C decode loop (``cpu_gemv``), 0 where that loop cannot read it; the weight is
+    ``[out_features, in_features]``."""
+
+    tensor: torch.Tensor
+    address: int
+    out_features: int
+    in_features: int
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a weight packed by :func:`pack_weight`: decode rows
+    through the C loop where it fits, oneDNN otherwise."""
+    if packed.address:
+        few = cpu_gemv.gemv(x, packed.address, packed.out_features, packed.in_features, bias)
+        if few is not None:
+            return few
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     return out
 
 
-def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
     """oneDNN-packed copy of a 2-D ``[out, in]`` CPU weight, or ``None`` when it cannot be used.
 
     The copy is verified on a probe input against ``F.linear``; a failure or mismatch returns
@@ -54,16 +79,17 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch
         return None
     with torch.inference_mode():
         try:
-            packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(
+            tensor: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(
                 weight.detach(), PACK_BATCH_HINT
             )
             probe = torch.linspace(-1.0, 1.0, 3 * weight.shape[1], dtype=torch.float32)
             probe = probe.view(3, -1).to(weight.dtype)
-            got = packed_linear(probe, packed, bias).float()
+            got = torch.ops.mkldnn._linear_pointwise(probe, tensor, bias, "none", [], "").float()
         except RuntimeError:
             return None
         want = F.linear(probe.float(), weight.float(), None if bias is None else bias.float())
     scale = want.abs().max().item() or 1.0
     if (got - want).abs().max().item() > _CHECK_TOL[weight.dtype] * scale:
         return None
-    return packed
+    address = cpu_gemv.packed_address(tensor, weight, bias)
+    return PackedWeight(tensor, address, weight.shape[0], weight.shape[1])

@@ -25,7 +25,7 @@ from torch import nn
 
 from prefixkv.models import cpu_ops
 from prefixkv.models.config import ModelConfig
-from prefixkv.models.cpu_pack import pack_weight, packed_linear
+from prefixkv.models.cpu_pack import PackedWeight, pack_weight, packed_linear
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D]``.
@@ -152,7 +152,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # a plain attribute: never in the state dict
+        self.packed: PackedWeight | None = None  # a plain attribute: never in the state dict
 
     def pack(self) -> bool:
         """Pack the loaded weight for the CPU matmul; ``False`` when it stays on ``F.linear``.
@@ -292,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         )
         # A plain attribute, not a buffer: it is derived from the config, never loaded.
         self._inv_freq = rope_inv_freq(config)
-        self._logits_packed: torch.Tensor | None = None  # tied embeddings: see pack_weights
+        self._logits_packed: PackedWeight | None = None  # tied embeddings: see pack_weights
 
     def pack_weights(self) -> int:
         """Pack every matmul weight for the CPU (:mod:`prefixkv.models.cpu_pack`), the output

@@ -116,6 +116,13 @@ class PagedAttention:
             cpu_attention.batch(in_kernel, bs, pool.num_blocks) if in_kernel else None
         )  # the C kernel's sequences: usually the whole step
 
+    def kernel_batch(self) -> cpu_attention.Batch | None:
+        """The C kernel's batch when it computes every sequence of the step (nothing on the
+        torch paths), else ``None``: what the per-step decode path (``cpu_decode.py``) needs."""
+        if self._prefills or self._decodes:
+            return None
+        return self._kernel
+
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:

@@ -107,10 +107,22 @@ def attend(
     (``PagedAttention`` does both); shapes and strides are checked here, since the kernel
     reads raw addresses.
     """
-    rows, heads, d = q.shape
-    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q.stride(2) != 1:
         q = q.contiguous()
+    check(out, q, k_cache, v_cache, b)
+    call(out, q, k_cache.data_ptr(), v_cache.data_ptr(), k_cache, b, torch.get_num_threads())
+
+
+def check(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: Batch
+) -> None:
+    """``ValueError`` unless :func:`call` may read ``q`` and ``b``'s blocks of the pool and write
+    ``out`` (the shapes, strides and dtypes :func:`attend` documents). It holds for every layer
+    of a pool whose ``(k, v)`` views share ``k_cache``'s shape and strides (``KVPool``)."""
+    rows, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    if q.stride(2) != 1:
+        raise ValueError("q's head dimension must be contiguous")
     if heads % kv_heads or k_cache.shape[3] != d or k_cache.stride(2) != d or k_cache.stride(3) != 1:
         raise ValueError(f"q {tuple(q.shape)} does not fit the pool {tuple(k_cache.shape)}")
     dtype = k_cache.dtype
@@ -123,12 +135,22 @@ def attend(
     if b.rows > rows or b.num_blocks != k_cache.shape[0]:
         raise ValueError(f"the batch covers {b.rows} rows of {b.num_blocks} blocks; q has {rows}"
                          f" rows, the pool {k_cache.shape[0]} blocks")
+
+
+def call(
+    out: torch.Tensor, q: torch.Tensor, k_addr: int, v_addr: int, pool_layer: torch.Tensor,
+    b: Batch, threads: int,
+) -> None:
+    """The kernel on ``q`` / ``out`` and one layer's K / V at ``k_addr`` / ``v_addr`` (views
+    shaped and strided like ``pool_layer``), with no checks: only after :func:`check` passed
+    for the same shapes, strides and dtypes (the per-step decode path checks once per step)."""
     _kernel.attend(
         q.data_ptr(), q.stride(0), q.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        k_addr, v_addr, pool_layer.stride(0), pool_layer.stride(1),
         b.info.data_ptr(), b.info.shape[0], b.tables.data_ptr(),
-        heads, kv_heads, d, bs, d**-0.5, torch.get_num_threads(), dtype == torch.bfloat16,
+        q.shape[1], pool_layer.shape[2], q.shape[2], pool_layer.shape[1], q.shape[2] ** -0.5,
+        threads, pool_layer.dtype == torch.bfloat16,
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from prefixkv.models.config import ModelConfig
 from prefixkv.models.llama import CausalLM
 from prefixkv.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
 from prefixkv.runner.attention import PagedAttention
+from prefixkv.runner.cpu_decode import CpuDecode
 from prefixkv.runner.kv_pool import KVPool
 from prefixkv.runner.kv_transfer import model_fingerprint
 
@@ -164,6 +165,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        # CPU float32: decode steps as raw C calls (cpu_decode.py); None where it cannot apply
+        self.cpu_decode = CpuDecode.build(self.model, self.kv_pool)
 
     def execute(self, items: list[RunItem]) -> torch.Tensor:
         """Compute ``items``' new tokens; float32 logits ``[len(items), vocab]`` of each last one.
@@ -198,7 +201,8 @@ class ModelRunner:
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, attention)
+        fast = self.cpu_decode.run(input_ids, pos, attention) if self.cpu_decode else None
+        hidden = self.model(input_ids, pos, attention) if fast is None else fast
         return hidden, list(accumulate(len(it.token_ids) for it in items))
 
     def copy_block_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:

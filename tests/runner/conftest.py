@@ -62,11 +62,14 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 @pytest.fixture
 def make_hf_model(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Module]]:
-    """``make_hf_model(arch, shard=False) -> (model_dir, hf_model)``; dir has a tokenizer too."""
+    """``make_hf_model(arch, shard=False, **config) -> (model_dir, hf_model)``; dir has a
+    tokenizer too; ``config`` overrides the tiny defaults (``COMMON``)."""
 
-    def make(arch: str, *, shard: bool = False, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    def make(
+        arch: str, *, shard: bool = False, seed: int = 0, **overrides: object
+    ) -> tuple[Path, torch.nn.Module]:
         cfg_name, model_name, extra = ARCHS[arch]
-        config = getattr(transformers, cfg_name)(**COMMON, **extra)
+        config = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
         torch.manual_seed(seed)
         model = getattr(transformers, model_name)(config).eval()
         _randomize(model, seed)

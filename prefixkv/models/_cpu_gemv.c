@@ -1,0 +1,191 @@
+/* prefixkv.models._cpu_gemv: y = x W^T (+ b) for a few rows of x, reading a oneDNN-packed
+ * float32 weight in place, on CPU, AVX-512.
+ *
+ * A decode step multiplies one row (or a few) by every weight of the model: the step is a
+ * stream of the weights through memory, and its speed is the bandwidth the multiply reaches.
+ * oneDNN's matmul for a packed weight reaches about 80% of what a plain AVX-512 loop does on
+ * such rows (docs/benchmarks.md, issue 16), so this loop takes the decode rows while oneDNN
+ * keeps prefill, where it is compute-bound and fast.
+ *
+ * The weight layout is oneDNN's for fp32 weights packed with a small batch hint:
+ * [ceil(N / 64)][K][64] floats, output n = 64 b + j of block b at [b][k][j], zero padding past
+ * N. The caller (cpu_gemv.py) checks the packed size and verifies the product against
+ * F.linear once per weight before using this path, so a different layout is never read.
+ * Per block: for each k, four 16-wide loads of W (64 outputs) times x[m, k] broadcast, into
+ * 4 x (up to 4 rows) accumulators; no horizontal reduction; the weight rows prefetched a few
+ * k ahead with the non-temporal hint. Rows beyond four run in groups of four over the same
+ * block while it is still in L2.
+ *
+ * supported() -> bool
+ *     whether this CPU and build run gemv (x86-64 with AVX-512F).
+ * gemv(w, n, k, x, x_st, y, y_st, b, rows, threads) -> None
+ *     y[r, :n] = x[r, :k] W^T (+ b[:n] when b != 0); strides in floats; 16-column strips of
+ *     the output split evenly over torch's OpenMP team (libgomp, shared by soname).
+ * Addresses are ints; the caller checks shapes, strides and sizes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define HAVE_GEMV 1
+#include <immintrin.h>
+#include <omp.h>
+#include "_avx512.h"
+#else
+#define HAVE_GEMV 0
+#endif
+
+#define ROWS 4   /* rows of x a pass over a block computes */
+#define BLOCK 64 /* outputs per packed block */
+#define PREFETCH 8 /* k-rows of a block prefetched ahead, non-temporal: the weights stream
+                      past the caches instead of evicting the activations, the KV and the
+                      interpreter's own data (decode steps 5-6% faster than without) */
+
+#if HAVE_GEMV
+static int cpu_ok(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}
+
+/* Up to four 16-output strips (nsub) of one packed block against `m` rows of x; `out` rows
+ * are `ys` apart, strips 16 apart. */
+AVX512 static inline void strips(const float *w, long k, const float *x, long xs, int m,
+                                 int nsub, float *out, long ys)
+{
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    if (nsub == 4) {
+        for (long i = 0; i < k; i++) {
+            const float *wi = w + i * BLOCK;
+            const char *ahead = (const char *)(wi + PREFETCH * BLOCK);
+            _mm_prefetch(ahead, _MM_HINT_NTA);
+            _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+            _mm_prefetch(ahead + 128, _MM_HINT_NTA);
+            _mm_prefetch(ahead + 192, _MM_HINT_NTA);
+            __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16);
+            __m512 w2 = _mm512_loadu_ps(wi + 32), w3 = _mm512_loadu_ps(wi + 48);
+            for (int r = 0; r < m; r++) {
+                __m512 xv = _mm512_set1_ps(x[r * xs + i]);
+                acc[r][0] = _mm512_fmadd_ps(w0, xv, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
+                acc[r][2] = _mm512_fmadd_ps(w2, xv, acc[r][2]);
+                acc[r][3] = _mm512_fmadd_ps(w3, xv, acc[r][3]);
+            }
+        }
+    } else {
+        for (long i = 0; i < k; i++) {
+            const float *wi = w + i * BLOCK;
+            for (int j = 0; j < nsub; j++) {
+                __m512 wv = _mm512_loadu_ps(wi + 16 * j);
+                for (int r = 0; r < m; r++)
+                    acc[r][j] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * xs + i]), acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < m; r++)
+        for (int j = 0; j < nsub; j++)
+            _mm512_storeu_ps(out + r * ys + 16 * j, acc[r][j]);
+}
+
+/* Constant row counts, so the compiler unrolls the row loops. */
+AVX512 static void strips_m(const float *w, long k, const float *x, long xs, int m, int nsub,
+                            float *out, long ys)
+{
+    switch (m) {
+    case 1: strips(w, k, x, xs, 1, nsub, out, ys); break;
+    case 2: strips(w, k, x, xs, 2, nsub, out, ys); break;
+    case 3: strips(w, k, x, xs, 3, nsub, out, ys); break;
+    default: strips(w, k, x, xs, 4, nsub, out, ys); break;
+    }
+}
+
+/* Output strips [s0, s1) (16 outputs each) for all rows. */
+AVX512 static void strip_range(const float *w, long n, long k, const float *x, long xs,
+                               float *y, long ys, const float *bias, long rows, long s0, long s1)
+{
+    float tmp[ROWS * BLOCK];
+    for (long s = s0; s < s1;) {
+        long blk = s / 4, sub = s % 4;
+        int nsub = (int)(4 - sub);
+        if (s + nsub > s1)
+            nsub = (int)(s1 - s);
+        long n0 = blk * BLOCK + sub * 16;
+        long width = n - n0 < 16L * nsub ? n - n0 : 16L * nsub;
+        const float *wb = w + blk * k * BLOCK + sub * 16;
+        for (long r0 = 0; r0 < rows; r0 += ROWS) {
+            int m = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
+            if (width == 16L * nsub) {
+                strips_m(wb, k, x + r0 * xs, xs, m, nsub, y + r0 * ys + n0, ys);
+            } else { /* the last block's padding: compute into tmp, copy what exists */
+                strips_m(wb, k, x + r0 * xs, xs, m, nsub, tmp, BLOCK);
+                for (int r = 0; r < m; r++)
+                    for (long j = 0; j < width; j++)
+                        y[(r0 + r) * ys + n0 + j] = tmp[r * BLOCK + j];
+            }
+            if (bias)
+                for (int r = 0; r < m; r++)
+                    for (long j = 0; j < width; j++)
+                        y[(r0 + r) * ys + n0 + j] += bias[n0 + j];
+        }
+        s += nsub;
+    }
+}
+#endif
+
+static PyObject *supported(PyObject *self, PyObject *unused)
+{
+#if HAVE_GEMV
+    return PyBool_FromLong(cpu_ok());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+static PyObject *gemv(PyObject *self, PyObject *args)
+{
+#if HAVE_GEMV
+    unsigned long long w, x, y, b;
+    long n, k, x_st, y_st, rows, threads;
+    if (!PyArg_ParseTuple(args, "KllKlKlKll", &w, &n, &k, &x, &x_st, &y, &y_st, &b, &rows,
+                          &threads))
+        return NULL;
+    if (!cpu_ok() || !w || !x || !y || n < 1 || k < 1 || rows < 1 || threads < 1
+        || x_st < k || y_st < n) {
+        PyErr_SetString(PyExc_ValueError, "gemv: unsupported arguments");
+        return NULL;
+    }
+    long nstrips = (n + 15) / 16;
+    int nt = nstrips >= 8 * threads ? (int)threads : 1;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        long t = omp_get_thread_num(), team = omp_get_num_threads();
+        strip_range((const float *)w, n, k, (const float *)x, x_st, (float *)y, y_st,
+                    (const float *)b, rows, nstrips * t / team, nstrips * (t + 1) / team);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+#else
+    PyErr_SetString(PyExc_RuntimeError, "not built for this platform");
+    return NULL;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"supported", supported, METH_NOARGS, "Whether this CPU and build run gemv."},
+    {"gemv", gemv, METH_VARARGS, "x W^T (+ b) for a few rows, W oneDNN-packed float32."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_cpu_gemv", "Few-row matmul on oneDNN-packed float32 weights (CPU, AVX-512).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__cpu_gemv(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,196 @@
+"""Decode steps on CPU without per-op dispatch: each layer as ten calls on raw addresses.
+
+A decode step of a small model is bound by streaming its weights (the C matmul,
+``models/cpu_gemv.py``, reaches the memory's bandwidth) plus the Python and dispatcher cost of
+the module path: about 20 torch ops, wrappers and module calls a layer, 60-65 us, 2 ms of
+SmolLM2's 11 ms step. This path runs the *same C functions* the module path reaches (the
+fused RMSNorm / RoPE / SwiGLU of ``models/cpu_ops.py``, ``cpu_gemv``'s matmul, the attention
+kernel of ``cpu_attention.py``) on the same values in the same order, so its hidden states
+equal the module path's bit for bit (``tests/runner/test_cpu_decode.py``); only the dispatch
+is gone: every weight's address is taken once (:meth:`CpuDecode.build`), the step's buffers
+and the attention's checks once per step, and a layer is ten C calls and two KV writes.
+
+When: float32 on CPU, the three C extensions built and on, a Llama-family model (Qwen3's
+q/k norms run as torch's ``rms_norm``, as in the module path) whose matmuls all have
+C-readable packed weights (``cpu_pack.PackedWeight.address``),
+at most ``cpu_gemv.MAX_ROWS`` new tokens, and a step whose every sequence the attention kernel
+takes (``PagedAttention.kernel_batch``). Otherwise :meth:`CpuDecode.run` returns ``None`` and
+the runner takes the module path. ``PREFIXKV_CPU_DECODE=0`` turns this path off.
+
+Ownership: a :class:`CpuDecode` holds addresses into the model's packed weights and norms and
+into the KV pool, and references to the tensors that own them (the model and the pool), so
+the addresses stay valid while it lives. The runner builds it after packing; nothing may
+reload the model's weights afterwards (a packed layer cannot be loaded again anyway).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefixkv.models import cpu_gemv, cpu_ops
+from prefixkv.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, Linear, RMSNorm
+from prefixkv.runner import cpu_attention
+from prefixkv.runner.attention import PagedAttention
+from prefixkv.runner.kv_pool import KVPool
+
+try:
+    from prefixkv.models import _cpu_gemv, _cpu_ops
+except ImportError:  # no compiler at install time: the module path only
+    _cpu_gemv = _cpu_ops = None  # type: ignore[assignment]
+
+ENABLED = os.environ.get("PREFIXKV_CPU_DECODE", "1") != "0"
+"""Whether decode steps take this path where it fits; tests and benchmarks flip it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Matmul:
+    address: int  # packed weight (cpu_gemv's layout)
+    n: int
+    k: int
+    bias: int  # 0: none
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    norm_in: int
+    norm_post: int
+    qkv: _Matmul
+    o: _Matmul
+    gate_up: _Matmul
+    down: _Matmul
+    q_norm: torch.Tensor | None  # Qwen3's per-head q / k RMSNorm weights (torch's op, as
+    k_norm: torch.Tensor | None  # the module path runs it on [T, H, D]); None: no q/k norm
+    k_rows: torch.Tensor  # the layer's K pool as [slots, Hkv, D] (index_copy_ target)
+    v_rows: torch.Tensor
+    k_addr: int
+    v_addr: int
+
+
+def _matmul(linear: Linear) -> _Matmul | None:
+    p = linear.packed
+    if p is None or not p.address:
+        return None
+    bias = linear.bias
+    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
+        return None
+    return _Matmul(p.address, p.out_features, p.in_features, 0 if bias is None else bias.data_ptr())
+
+
+def _norm(norm: RMSNorm, width: int) -> int:
+    w = norm.weight
+    ok = w.dtype == torch.float32 and w.is_contiguous() and w.shape == (width,)
+    return w.data_ptr() if ok else 0
+
+
+class CpuDecode:
+    """The per-layer addresses of one model and pool; :meth:`run` computes a decode step."""
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, layers: list[_Layer]) -> None:
+        cfg = model.config
+        self.model, self.pool, self.layers = model, pool, layers
+        self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.heads, self.kv_heads, self.dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.final_norm = _norm(model.model.norm, self.hidden)
+
+    @classmethod
+    def build(cls, model: object, pool: KVPool) -> CpuDecode | None:
+        """The path for ``model`` over ``pool``, or ``None`` where it does not apply (see the
+        module docstring); call it after ``pack_weights()``."""
+        if not (_cpu_gemv is not None and _cpu_ops is not None and cpu_gemv.ENABLED
+                and cpu_ops.ENABLED and isinstance(model, LlamaForCausalLM)):
+            return None
+        cfg = model.config
+        kv = pool.kv
+        if (kv.dtype != torch.float32 or kv.device.type != "cpu"
+                or not cpu_attention.usable(kv, cfg.head_dim) or cfg.head_dim % 32
+                or cfg.hidden_size % 16 or cfg.intermediate_size % 16
+                or model.model.embed_tokens.weight.dtype != torch.float32):
+            return None
+        layers = []
+        for i, layer in enumerate(model.model.layers):
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(attn, Attention) and isinstance(mlp, MLP)
+            qkv, o = _matmul(attn.qkv_proj), _matmul(attn.o_proj)
+            gate_up, down = _matmul(mlp.gate_up_proj), _matmul(mlp.down_proj)
+            norm_in = _norm(layer.input_layernorm, cfg.hidden_size)
+            norm_post = _norm(layer.post_attention_layernorm, cfg.hidden_size)
+            q_norm = None if attn.q_norm is None else attn.q_norm.weight
+            k_norm = None if attn.k_norm is None else attn.k_norm.weight
+            if (qkv is None or o is None or gate_up is None or down is None or not norm_in
+                    or not norm_post or (q_norm is None) != (k_norm is None)):
+                return None
+            if q_norm is not None and k_norm is not None and not all(
+                w.dtype == torch.float32 and w.shape == (cfg.head_dim,) for w in (q_norm, k_norm)
+            ):
+                return None
+            k_cache, v_cache = pool.layer(i)
+            rows = (-1, cfg.num_key_value_heads, cfg.head_dim)
+            layers.append(_Layer(
+                norm_in=norm_in, norm_post=norm_post, qkv=qkv, o=o, gate_up=gate_up, down=down,
+                q_norm=q_norm, k_norm=k_norm, k_rows=k_cache.view(rows), v_rows=v_cache.view(rows),
+                k_addr=k_cache.data_ptr(), v_addr=v_cache.data_ptr(),
+            ))
+        made = cls(model, pool, layers)
+        return made if made.final_norm else None
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention
+    ) -> torch.Tensor | None:
+        """Hidden states ``[T, hidden]`` (after the final norm) of a step, K/V written as the
+        module path writes them; ``None`` (nothing done) when the step does not fit."""
+        batch = attention.kernel_batch()
+        m = input_ids.shape[0]
+        if not (ENABLED and batch is not None and 0 < m <= cpu_gemv.MAX_ROWS):
+            return None
+        hid, inter, heads, kvh, dim = self.hidden, self.inter, self.heads, self.kv_heads, self.dim
+        q_size, kv_size = heads * dim, kvh * dim
+        width = q_size + 2 * kv_size
+        stream = self.model.model.embed_tokens(input_ids)  # [m, hid], fresh
+        cos, sin = self.model.rope(positions, torch.float32)  # [m, 1, dim], contiguous
+        other = torch.empty_like(stream)  # the residual stream alternates between the two
+        normed = torch.empty_like(stream)
+        qkv = torch.empty((m, width), dtype=torch.float32)
+        out = torch.empty((m, heads, dim), dtype=torch.float32)
+        gate_up = torch.empty((m, 2 * inter), dtype=torch.float32)
+        act = torch.empty((m, inter), dtype=torch.float32)
+        q = qkv[:, :q_size].view(m, heads, dim)
+        k_new = qkv[:, q_size : q_size + kv_size].view(m, kvh, dim)
+        v_new = qkv[:, q_size + kv_size :].view(m, kvh, dim)
+        k0, v0 = self.pool.layer(0)
+        cpu_attention.check(out, q, k0, v0, batch)  # once: every layer's views are alike
+        slots = attention.slot_mapping
+        threads = torch.get_num_threads()
+        gemv, rms, rope, silu = _cpu_gemv.gemv, _cpu_ops.rms_norm, _cpu_ops.rope, _cpu_ops.silu_mul
+        s_addr, o_addr, n_addr = stream.data_ptr(), other.data_ptr(), normed.data_ptr()
+        qkv_addr, out_addr = qkv.data_ptr(), out.data_ptr()
+        gu_addr, act_addr = gate_up.data_ptr(), act.data_ptr()
+        cos_addr, sin_addr = cos.data_ptr(), sin.data_ptr()
+        for i, L in enumerate(self.layers):
+            # the stream is in `stream` (+ `other` from layer 1 on: the MLP's output and the
+            # stream before it, added here as the module path adds them)
+            rms(s_addr, hid, o_addr if i else 0, hid, n_addr, hid, L.norm_in, m, hid, self.eps, threads)
+            mm = L.qkv
+            gemv(mm.address, mm.n, mm.k, n_addr, hid, qkv_addr, width, mm.bias, m, threads)
+            if L.q_norm is not None and L.k_norm is not None:
+                q.copy_(F.rms_norm(q, (dim,), L.q_norm, self.eps))
+                k_new.copy_(F.rms_norm(k_new, (dim,), L.k_norm, self.eps))
+            rope(qkv_addr, width, cos_addr, sin_addr, dim, m, heads + kvh, dim, threads)
+            L.k_rows.index_copy_(0, slots, k_new)
+            L.v_rows.index_copy_(0, slots, v_new)
+            cpu_attention.call(out, q, L.k_addr, L.v_addr, k0, batch, threads)
+            mm = L.o
+            gemv(mm.address, mm.n, mm.k, out_addr, q_size, o_addr, hid, mm.bias, m, threads)
+            rms(o_addr, hid, s_addr, hid, n_addr, hid, L.norm_post, m, hid, self.eps, threads)
+            mm = L.gate_up
+            gemv(mm.address, mm.n, mm.k, n_addr, hid, gu_addr, 2 * inter, mm.bias, m, threads)
+            silu(gu_addr, 2 * inter, act_addr, inter, m, inter, threads)
+            mm = L.down
+            gemv(mm.address, mm.n, mm.k, act_addr, inter, s_addr, hid, mm.bias, m, threads)
+        rms(s_addr, hid, o_addr, hid, n_addr, hid, self.final_norm, m, hid, self.eps, threads)
+        return normed
