@@ -18,9 +18,13 @@
  *
  * supported() -> bool
  *     whether this CPU and build run gemv (x86-64 with AVX-512F).
- * gemv(w, n, k, x, x_st, y, y_st, b, rows, threads) -> None
+ * gemv(w, n, k, kb, x, x_st, y, y_st, b, rows, threads) -> None
  *     y[r, :n] = x[r, :k] W^T (+ b[:n] when b != 0); strides in floats; 16-column strips of
- *     the output split evenly over torch's OpenMP team (libgomp, shared by soname).
+ *     the output split evenly over torch's OpenMP team (libgomp, shared by soname). The sum
+ *     over k runs in blocks of kb inputs, each from zero, added to the output block by block:
+ *     oneDNN's matmul sums in blocks too (512 or 1,024 inputs, by K), and the caller picks the
+ *     kb that gives oneDNN's floats exactly, so a row's result does not depend on whether a
+ *     step had few rows (this loop) or many (oneDNN): the prefix cache's outputs stay equal.
  * Addresses are ints; the caller checks shapes, strides and sizes.
  */
 #define PY_SSIZE_T_CLEAN
@@ -49,10 +53,10 @@ static int cpu_ok(void)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 }
 
-/* Up to four 16-output strips (nsub) of one packed block against `m` rows of x; `out` rows
- * are `ys` apart, strips 16 apart. */
+/* Up to four 16-output strips (nsub) of one packed block against `m` rows of x over `k`
+ * inputs; `out` rows are `ys` apart, strips 16 apart; add: out += the sums, else out = them. */
 AVX512 static inline void strips(const float *w, long k, const float *x, long xs, int m,
-                                 int nsub, float *out, long ys)
+                                 int nsub, float *out, long ys, int add)
 {
     __m512 acc[ROWS][4];
     for (int r = 0; r < ROWS; r++)
@@ -87,24 +91,35 @@ AVX512 static inline void strips(const float *w, long k, const float *x, long xs
         }
     }
     for (int r = 0; r < m; r++)
-        for (int j = 0; j < nsub; j++)
-            _mm512_storeu_ps(out + r * ys + 16 * j, acc[r][j]);
+        for (int j = 0; j < nsub; j++) {
+            float *o = out + r * ys + 16 * j;
+            _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), acc[r][j]) : acc[r][j]);
+        }
 }
 
 /* Constant row counts, so the compiler unrolls the row loops. */
 AVX512 static void strips_m(const float *w, long k, const float *x, long xs, int m, int nsub,
-                            float *out, long ys)
+                            float *out, long ys, int add)
 {
     switch (m) {
-    case 1: strips(w, k, x, xs, 1, nsub, out, ys); break;
-    case 2: strips(w, k, x, xs, 2, nsub, out, ys); break;
-    case 3: strips(w, k, x, xs, 3, nsub, out, ys); break;
-    default: strips(w, k, x, xs, 4, nsub, out, ys); break;
+    case 1: strips(w, k, x, xs, 1, nsub, out, ys, add); break;
+    case 2: strips(w, k, x, xs, 2, nsub, out, ys, add); break;
+    case 3: strips(w, k, x, xs, 3, nsub, out, ys, add); break;
+    default: strips(w, k, x, xs, 4, nsub, out, ys, add); break;
     }
 }
 
+/* The inputs in blocks of `kb`, each block's sums added to the output in turn: the order
+ * oneDNN's matmul adds them in, so that both give the same floats (see gemv below). */
+AVX512 static void blocked(const float *w, long k, long kb, const float *x, long xs, int m,
+                           int nsub, float *out, long ys)
+{
+    for (long k0 = 0; k0 < k; k0 += kb)
+        strips_m(w + k0 * BLOCK, k - k0 < kb ? k - k0 : kb, x + k0, xs, m, nsub, out, ys, k0 > 0);
+}
+
 /* Output strips [s0, s1) (16 outputs each) for all rows. */
-AVX512 static void strip_range(const float *w, long n, long k, const float *x, long xs,
+AVX512 static void strip_range(const float *w, long n, long k, long kb, const float *x, long xs,
                                float *y, long ys, const float *bias, long rows, long s0, long s1)
 {
     float tmp[ROWS * BLOCK];
@@ -119,9 +134,9 @@ AVX512 static void strip_range(const float *w, long n, long k, const float *x, l
         for (long r0 = 0; r0 < rows; r0 += ROWS) {
             int m = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
             if (width == 16L * nsub) {
-                strips_m(wb, k, x + r0 * xs, xs, m, nsub, y + r0 * ys + n0, ys);
+                blocked(wb, k, kb, x + r0 * xs, xs, m, nsub, y + r0 * ys + n0, ys);
             } else { /* the last block's padding: compute into tmp, copy what exists */
-                strips_m(wb, k, x + r0 * xs, xs, m, nsub, tmp, BLOCK);
+                blocked(wb, k, kb, x + r0 * xs, xs, m, nsub, tmp, BLOCK);
                 for (int r = 0; r < m; r++)
                     for (long j = 0; j < width; j++)
                         y[(r0 + r) * ys + n0 + j] = tmp[r * BLOCK + j];
@@ -149,11 +164,11 @@ static PyObject *gemv(PyObject *self, PyObject *args)
 {
 #if HAVE_GEMV
     unsigned long long w, x, y, b;
-    long n, k, x_st, y_st, rows, threads;
-    if (!PyArg_ParseTuple(args, "KllKlKlKll", &w, &n, &k, &x, &x_st, &y, &y_st, &b, &rows,
+    long n, k, kb, x_st, y_st, rows, threads;
+    if (!PyArg_ParseTuple(args, "KlllKlKlKll", &w, &n, &k, &kb, &x, &x_st, &y, &y_st, &b, &rows,
                           &threads))
         return NULL;
-    if (!cpu_ok() || !w || !x || !y || n < 1 || k < 1 || rows < 1 || threads < 1
+    if (!cpu_ok() || !w || !x || !y || n < 1 || k < 1 || kb < 1 || rows < 1 || threads < 1
         || x_st < k || y_st < n) {
         PyErr_SetString(PyExc_ValueError, "gemv: unsupported arguments");
         return NULL;
@@ -164,7 +179,7 @@ static PyObject *gemv(PyObject *self, PyObject *args)
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         long t = omp_get_thread_num(), team = omp_get_num_threads();
-        strip_range((const float *)w, n, k, (const float *)x, x_st, (float *)y, y_st,
+        strip_range((const float *)w, n, k, kb, (const float *)x, x_st, (float *)y, y_st,
                     (const float *)b, rows, nstrips * t / team, nstrips * (t + 1) / team);
     }
     Py_END_ALLOW_THREADS

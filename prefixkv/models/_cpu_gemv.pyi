@@ -3,6 +3,6 @@ is ``cpu_gemv.py``, which checks every argument: the function reads raw addresse
 
 def supported() -> bool: ...
 def gemv(
-    w: int, n: int, k: int, x: int, x_st: int, y: int, y_st: int, b: int, rows: int,
+    w: int, n: int, k: int, kb: int, x: int, x_st: int, y: int, y_st: int, b: int, rows: int,
     threads: int, /,
 ) -> None: ...

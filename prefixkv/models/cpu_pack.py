@@ -48,11 +48,12 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight in oneDNN's layout: ``tensor`` owns the buffer; ``address`` is its data for the
-    C decode loop (``cpu_gemv``), 0 where that loop cannot read it; the weight is
-    ``[out_features, in_features]``."""
+    C decode loop (``cpu_gemv``), 0 where that loop cannot read it, ``k_block`` the input
+    block its sums run in (oneDNN's); the weight is ``[out_features, in_features]``."""
 
     tensor: torch.Tensor
     address: int
+    k_block: int
     out_features: int
     in_features: int
 
@@ -61,7 +62,9 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` for a weight packed by :func:`pack_weight`: decode rows
     through the C loop where it fits, oneDNN otherwise."""
     if packed.address:
-        few = cpu_gemv.gemv(x, packed.address, packed.out_features, packed.in_features, bias)
+        few = cpu_gemv.gemv(
+            x, packed.address, packed.out_features, packed.in_features, packed.k_block, bias
+        )
         if few is not None:
             return few
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
@@ -91,5 +94,5 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     scale = want.abs().max().item() or 1.0
     if (got - want).abs().max().item() > _CHECK_TOL[weight.dtype] * scale:
         return None
-    address = cpu_gemv.packed_address(tensor, weight, bias)
-    return PackedWeight(tensor, address, weight.shape[0], weight.shape[1])
+    address, k_block = cpu_gemv.readable(tensor, weight, bias)
+    return PackedWeight(tensor, address, k_block, weight.shape[0], weight.shape[1])

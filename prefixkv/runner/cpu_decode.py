@@ -48,9 +48,7 @@ ENABLED = os.environ.get("PREFIXKV_CPU_DECODE", "1") != "0"
 
 @dataclass(frozen=True, slots=True)
 class _Matmul:
-    address: int  # packed weight (cpu_gemv's layout)
-    n: int
-    k: int
+    weight: tuple[int, int, int, int]  # the packed weight's address, n, k and k_block (gemv's)
     bias: int  # 0: none
 
 
@@ -70,14 +68,17 @@ class _Layer:
     v_addr: int
 
 
-def _matmul(linear: Linear) -> _Matmul | None:
+def _matmul(linear: object) -> _Matmul | None:
+    if not isinstance(linear, Linear):  # e.g. a 4-bit Int4Linear: not this path's
+        return None
     p = linear.packed
     if p is None or not p.address:
         return None
     bias = linear.bias
     if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
         return None
-    return _Matmul(p.address, p.out_features, p.in_features, 0 if bias is None else bias.data_ptr())
+    return _Matmul((p.address, p.out_features, p.in_features, p.k_block),
+                   0 if bias is None else bias.data_ptr())
 
 
 def _norm(norm: RMSNorm, width: int) -> int:
@@ -93,7 +94,8 @@ class CpuDecode:
         cfg = model.config
         self.model, self.pool, self.layers = model, pool, layers
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
-        self.heads, self.kv_heads, self.dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.final_norm = _norm(model.model.norm, self.hidden)
 
@@ -171,26 +173,23 @@ class CpuDecode:
         qkv_addr, out_addr = qkv.data_ptr(), out.data_ptr()
         gu_addr, act_addr = gate_up.data_ptr(), act.data_ptr()
         cos_addr, sin_addr = cos.data_ptr(), sin.data_ptr()
+        eps = self.eps
         for i, L in enumerate(self.layers):
             # the stream is in `stream` (+ `other` from layer 1 on: the MLP's output and the
             # stream before it, added here as the module path adds them)
-            rms(s_addr, hid, o_addr if i else 0, hid, n_addr, hid, L.norm_in, m, hid, self.eps, threads)
-            mm = L.qkv
-            gemv(mm.address, mm.n, mm.k, n_addr, hid, qkv_addr, width, mm.bias, m, threads)
+            rms(s_addr, hid, o_addr if i else 0, hid, n_addr, hid, L.norm_in, m, hid, eps, threads)
+            gemv(*L.qkv.weight, n_addr, hid, qkv_addr, width, L.qkv.bias, m, threads)
             if L.q_norm is not None and L.k_norm is not None:
-                q.copy_(F.rms_norm(q, (dim,), L.q_norm, self.eps))
-                k_new.copy_(F.rms_norm(k_new, (dim,), L.k_norm, self.eps))
+                q.copy_(F.rms_norm(q, (dim,), L.q_norm, eps))
+                k_new.copy_(F.rms_norm(k_new, (dim,), L.k_norm, eps))
             rope(qkv_addr, width, cos_addr, sin_addr, dim, m, heads + kvh, dim, threads)
             L.k_rows.index_copy_(0, slots, k_new)
             L.v_rows.index_copy_(0, slots, v_new)
             cpu_attention.call(out, q, L.k_addr, L.v_addr, k0, batch, threads)
-            mm = L.o
-            gemv(mm.address, mm.n, mm.k, out_addr, q_size, o_addr, hid, mm.bias, m, threads)
-            rms(o_addr, hid, s_addr, hid, n_addr, hid, L.norm_post, m, hid, self.eps, threads)
-            mm = L.gate_up
-            gemv(mm.address, mm.n, mm.k, n_addr, hid, gu_addr, 2 * inter, mm.bias, m, threads)
+            gemv(*L.o.weight, out_addr, q_size, o_addr, hid, L.o.bias, m, threads)
+            rms(o_addr, hid, s_addr, hid, n_addr, hid, L.norm_post, m, hid, eps, threads)
+            gemv(*L.gate_up.weight, n_addr, hid, gu_addr, 2 * inter, L.gate_up.bias, m, threads)
             silu(gu_addr, 2 * inter, act_addr, inter, m, inter, threads)
-            mm = L.down
-            gemv(mm.address, mm.n, mm.k, act_addr, inter, s_addr, hid, mm.bias, m, threads)
-        rms(s_addr, hid, o_addr, hid, n_addr, hid, self.final_norm, m, hid, self.eps, threads)
+            gemv(*L.down.weight, act_addr, inter, s_addr, hid, L.down.bias, m, threads)
+        rms(s_addr, hid, o_addr, hid, n_addr, hid, self.final_norm, m, hid, eps, threads)
         return normed

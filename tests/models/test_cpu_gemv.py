@@ -47,12 +47,30 @@ def test_gemv_matches_f_linear(n, k, rows, threads, with_bias, gemv_on):
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_gemv.gemv(x, packed.address, n, k, bias)
+        got = cpu_gemv.gemv(x, packed.address, n, k, packed.k_block, bias)
     finally:
         torch.set_num_threads(saved)
     assert got is not None and got.shape == (rows, n)
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(packed_linear(x, packed, bias), got, atol=0, rtol=0)  # C path
+
+
+@needs_gemv
+@pytest.mark.parametrize("k", [576, 1088, 1536, 4096])  # sums in blocks of 512 / 1,024 inputs
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rows_give_onednns_floats_whatever_the_row_count(k, with_bias, gemv_on):
+    """The prefix cache's promise at the matmul: a token's row computed in a step of few rows
+    (this path) equals the same row computed among many (oneDNN's prefill), bit for bit."""
+    gen = torch.Generator().manual_seed(k)
+    weight = torch.randn(192, k, generator=gen)
+    bias = torch.randn(192, generator=gen) if with_bias else None
+    packed = pack_weight(weight, bias)
+    assert packed is not None and packed.address and packed.k_block in (k, *cpu_gemv.K_BLOCKS)
+    x = torch.randn(100, k, generator=gen)
+    many = torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+    for rows in (1, 2, 5, 32):
+        few = packed_linear(x[:rows], packed, bias)
+        assert torch.equal(few, many[:rows]), (rows, (few - many[:rows]).abs().max())
 
 
 @needs_gemv
@@ -63,11 +81,11 @@ def test_strided_rows_and_more_rows_than_the_c_path(gemv_on):
     assert packed is not None and packed.address
     wide = torch.randn(3, 100, generator=gen)
     x = wide[:, 10:74]  # rows 100 floats apart
-    got = cpu_gemv.gemv(x, packed.address, 200, 64, None)
+    got = cpu_gemv.gemv(x, packed.address, 200, 64, packed.k_block, None)
     assert got is not None
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-4, rtol=1e-5)
     many = torch.randn(cpu_gemv.MAX_ROWS + 1, 64, generator=gen)
-    assert cpu_gemv.gemv(many, packed.address, 200, 64, None) is None  # oneDNN's
+    assert cpu_gemv.gemv(many, packed.address, 200, 64, packed.k_block, None) is None  # oneDNN's
     torch.testing.assert_close(packed_linear(many, packed, None), F.linear(many, weight),
                                atol=1e-4, rtol=1e-5)
 
@@ -81,24 +99,26 @@ def test_what_the_c_path_refuses(gemv_on):
     assert bf16 is None or bf16.address == 0  # float32 only
     packed = pack_weight(torch.randn(64, 64))
     assert packed is not None and packed.address
-    assert cpu_gemv.gemv(torch.randn(2, 64).double(), packed.address, 64, 64, None) is None
-    assert cpu_gemv.gemv(torch.randn(2, 64).t().contiguous().t(), packed.address, 64, 64, None) is None
-    assert cpu_gemv.gemv(torch.randn(1, 2, 64), packed.address, 64, 64, None) is None
-    assert cpu_gemv.gemv(torch.randn(1, 64), 0, 64, 64, None) is None  # no readable address
-    assert cpu_gemv.gemv(torch.randn(1, 80), packed.address, 64, 64, None) is None  # too wide
+    assert cpu_gemv.gemv(torch.randn(2, 64).double(), packed.address, 64, 64, 64, None) is None
+    columns = torch.randn(2, 64).t().contiguous().t()
+    assert cpu_gemv.gemv(columns, packed.address, 64, 64, 64, None) is None
+    assert cpu_gemv.gemv(torch.randn(1, 2, 64), packed.address, 64, 64, 64, None) is None
+    assert cpu_gemv.gemv(torch.randn(1, 64), 0, 64, 64, 64, None) is None  # no readable address
+    assert cpu_gemv.gemv(torch.randn(1, 80), packed.address, 64, 64, 64, None) is None  # too wide
     with pytest.raises(RuntimeError):  # oneDNN reports the wrong width
         packed_linear(torch.randn(1, 80), packed, None)
-    assert cpu_gemv.gemv(torch.randn(1, 64), packed.address, 64, 64, torch.ones(64).double()) is None
+    wide_bias = torch.ones(64).double()
+    assert cpu_gemv.gemv(torch.randn(1, 64), packed.address, 64, 64, 64, wide_bias) is None
 
 
 @needs_gemv
 def test_a_mismatching_product_keeps_onednn(monkeypatch, gemv_on):
-    """The probe check: a C product that disagrees with F.linear leaves the address at 0."""
+    """The probe check: a C product that is not oneDNN's, bit for bit, leaves the address 0."""
     real = cpu_gemv.gemv
 
     def off_by_one(*args, **kwargs):
         out = real(*args, **kwargs)
-        return None if out is None else out + 1
+        return None if out is None else out + 1e-3
 
     monkeypatch.setattr(cpu_gemv, "gemv", off_by_one)
     packed = pack_weight(torch.randn(128, 64))
@@ -109,7 +129,7 @@ def test_switched_off_nothing_is_read(monkeypatch):
     monkeypatch.setattr(cpu_gemv, "ENABLED", False)
     packed = pack_weight(torch.randn(64, 64))
     assert packed is None or packed.address == 0
-    assert cpu_gemv.gemv(torch.randn(1, 64), 12345, 64, 64, None) is None
+    assert cpu_gemv.gemv(torch.randn(1, 64), 12345, 64, 64, 64, None) is None
 
 
 @needs_gemv

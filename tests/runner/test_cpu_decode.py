@@ -110,14 +110,14 @@ def test_what_it_is_not_built_for(monkeypatch):
 def test_a_weight_the_c_matmul_cannot_read_keeps_the_module_path(monkeypatch):
     from prefixkv.models import cpu_pack
 
-    real = cpu_pack.cpu_gemv.packed_address
+    real = cpu_pack.cpu_gemv.readable
     seen = []
 
     def refuse_one(*args):
         seen.append(1)
-        return 0 if len(seen) == 3 else real(*args)
+        return (0, 0) if len(seen) == 3 else real(*args)
 
-    monkeypatch.setattr(cpu_pack.cpu_gemv, "packed_address", refuse_one)
+    monkeypatch.setattr(cpu_pack.cpu_gemv, "readable", refuse_one)
     from prefixkv.models.demo import ensure_demo_model
 
     assert ModelRunner(ensure_demo_model(), dtype="float32", num_kv_blocks=8).cpu_decode is None
