@@ -30,3 +30,21 @@ def avx512_cpu() -> None:
         flags = ""
     if platform.machine() != "x86_64" or " avx512f" not in flags or " avx512dq" not in flags:
         pytest.skip("not an AVX-512 x86-64 CPU: the torch paths run")
+
+
+@pytest.fixture
+def gemv_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip unless the C decode matmul is built and reads oneDNN's packed float32 layout on this
+    machine (``cpu_gemv.readable``: the layout is oneDNN's choice per CPU; where it differs the
+    weights stay on oneDNN, which the other tests cover). Turns the C path on for the test."""
+    import torch
+
+    from prefixkv.models import cpu_gemv
+    from prefixkv.models.cpu_pack import pack_weight
+
+    if not cpu_gemv.BUILT:
+        pytest.skip("the C decode matmul is not built here (no compiler / no AVX-512)")
+    monkeypatch.setattr(cpu_gemv, "ENABLED", True)
+    packed = pack_weight(torch.randn(128, 64))
+    if packed is None or not packed.address:
+        pytest.skip("oneDNN packs float32 weights in another layout on this CPU")

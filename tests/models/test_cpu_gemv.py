@@ -21,9 +21,9 @@ needs_gemv = pytest.mark.skipif(
 
 
 @pytest.fixture
-def gemv_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C path on, whatever PREFIXKV_CPU_GEMV says for the test process."""
-    monkeypatch.setattr(cpu_gemv, "ENABLED", True)
+def gemv_on(gemv_layout: None) -> None:
+    """The C path on (whatever PREFIXKV_CPU_GEMV says for the test process), on a machine
+    where it reads oneDNN's layout (``gemv_layout`` in tests/conftest.py skips otherwise)."""
 
 
 def test_gemv_is_built_where_it_can_run(c_compiler, avx512_cpu):
@@ -134,7 +134,9 @@ def test_switched_off_nothing_is_read(monkeypatch):
 
 @needs_gemv
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_demo_model_decodes_the_same_tokens_with_the_c_path(batch, monkeypatch):
+def test_the_demo_model_decodes_the_same_tokens_with_the_c_path(
+    batch, monkeypatch, gemv_on
+):
     """Greedy decode steps of the demo model (float32, packed weights) with the C path on and
     off: logits within 1e-4 and the same token at every step, batch 1 and 3."""
     from prefixkv.models.demo import ensure_demo_model

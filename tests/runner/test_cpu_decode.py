@@ -55,7 +55,7 @@ def _steps(batch: int, prompt: int, decodes: int) -> list[list[RunItem]]:
 
 @needs_path
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_demo_model_qwen3_qk_norms_bit_for_bit(batch, monkeypatch):
+def test_the_demo_model_qwen3_qk_norms_bit_for_bit(batch, monkeypatch, gemv_layout):
     from prefixkv.models.demo import ensure_demo_model
 
     runner = ModelRunner(ensure_demo_model(), dtype="float32", num_kv_blocks=32)
@@ -65,7 +65,7 @@ def test_the_demo_model_qwen3_qk_norms_bit_for_bit(batch, monkeypatch):
 
 @needs_path
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_hf_architectures_bit_for_bit(arch, make_hf_model, monkeypatch):
+def test_hf_architectures_bit_for_bit(arch, make_hf_model, monkeypatch, gemv_layout):
     """Llama (llama3 RoPE), Qwen2 (q/k/v bias, tied output), Qwen3 (q/k norms); 32-wide heads."""
     overrides = {"hidden_size": 128, "intermediate_size": 256}
     path, _ = make_hf_model(arch, **overrides)
@@ -75,9 +75,10 @@ def test_hf_architectures_bit_for_bit(arch, make_hf_model, monkeypatch):
 
 
 @needs_path
-def test_steps_it_does_not_take(monkeypatch):
+def test_steps_it_does_not_take(monkeypatch, gemv_layout):
     from prefixkv.models.demo import ensure_demo_model
 
+    monkeypatch.setattr(cpu_decode, "ENABLED", True)
     runner = ModelRunner(ensure_demo_model(), dtype="float32", num_kv_blocks=64)
     path = runner.cpu_decode
     assert path is not None
@@ -107,7 +108,9 @@ def test_what_it_is_not_built_for(monkeypatch):
 
 
 @needs_path
-def test_a_weight_the_c_matmul_cannot_read_keeps_the_module_path(monkeypatch):
+def test_a_weight_the_c_matmul_cannot_read_keeps_the_module_path(
+    monkeypatch, gemv_layout
+):
     from prefixkv.models import cpu_pack
 
     real = cpu_pack.cpu_gemv.readable
