@@ -5,7 +5,9 @@ tables), medians of every step. Usage (from the repo root):
 SWITCH:
     kernel  cpu_attention.DECODES: decodes in the C attention kernel vs the torch path (with it,
             the per-step C decode path too, where it applies);
-    gemv    cpu_gemv.ENABLED: the C decode-row matmul vs oneDNN on the same packed weights;
+    gemv    cpu_gemv.ENABLED: the C decode-row matmul vs oneDNN on the same packed weights (in
+            float32 the per-step C decode path goes off with it: both effects; bfloat16 has
+            the module path only, so there it is the matmul alone);
     path    cpu_decode.ENABLED: the per-step C decode path vs the module path (same kernels).
 Cases: batch 1 at contexts 100 / 2,000 / 4,000, batch 8 at 100 (own prompts), batch 8 on one
 cached 2,000-token prefix (shared blocks) with 16 own tokens each.

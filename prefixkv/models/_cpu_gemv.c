@@ -18,18 +18,23 @@
  *
  * supported() -> bool
  *     whether this CPU and build run gemv (x86-64 with AVX-512F).
- * gemv(w, n, k, kb, x, x_st, y, y_st, b, rows, threads) -> None
+ * supported_bf16() -> bool
+ *     whether they also run its bfloat16 form (AVX512_BF16: vdpbf16ps).
+ * gemv(w, n, k, kb, x, x_st, y, y_st, b, rows, threads, bf16=False) -> None
  *     y[r, :n] = x[r, :k] W^T (+ b[:n] when b != 0); strides in floats; 16-column strips of
  *     the output split evenly over torch's OpenMP team (libgomp, shared by soname). The sum
  *     over k runs in blocks of kb inputs, each from zero, added to the output block by block:
  *     oneDNN's matmul sums in blocks too (512 or 1,024 inputs, by K), and the caller picks the
  *     kb that gives oneDNN's floats exactly, so a row's result does not depend on whether a
  *     step had few rows (this loop) or many (oneDNN): the prefix cache's outputs stay equal.
+ *     bf16: w, x, y and b are bfloat16, w in oneDNN's [N/64][K/2][64][2] layout (k and kb
+ *     even); sums in float32 by vdpbf16ps, + b, rounded to nearest even once.
  * Addresses are ints; the caller checks shapes, strides and sizes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define HAVE_GEMV 1
@@ -149,6 +154,104 @@ AVX512 static void strip_range(const float *w, long n, long k, long kb, const fl
         s += nsub;
     }
 }
+
+#define AVX512BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512bf16,fma")))
+
+static int bf16_ok(void)
+{
+    return cpu_ok() && __builtin_cpu_supports("avx512bf16");
+}
+
+/* bfloat16 weights, packed [ceil(N / 64)][K / 2][64][2] (pairs of inputs side by side, as
+ * vdpbf16ps reads them): the same strips as `strips`, each step two inputs, float32 sums. */
+AVX512BF16 static inline void strips_bf16(const uint16_t *w, long k, const uint16_t *x, long xs,
+                                          int m, int nsub, float *out, long ys, int add)
+{
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    for (long i = 0; i < k; i += 2) {
+        const uint16_t *wi = w + i * BLOCK; /* pair row i / 2: 64 outputs x 2 inputs */
+        const char *ahead = (const char *)(wi + 2 * PREFETCH * BLOCK);
+        _mm_prefetch(ahead, _MM_HINT_NTA);
+        _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+        _mm_prefetch(ahead + 128, _MM_HINT_NTA);
+        _mm_prefetch(ahead + 192, _MM_HINT_NTA);
+        for (int j = 0; j < nsub; j++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wi + 32 * j));
+            for (int r = 0; r < m; r++) {
+                uint32_t pair;
+                memcpy(&pair, x + r * xs + i, 4);
+                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, (__m512bh)_mm512_set1_epi32((int)pair));
+            }
+        }
+    }
+    for (int r = 0; r < m; r++)
+        for (int j = 0; j < nsub; j++) {
+            float *o = out + r * ys + 16 * j;
+            _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), acc[r][j]) : acc[r][j]);
+        }
+}
+
+AVX512BF16 static void strips_bf16_m(const uint16_t *w, long k, const uint16_t *x, long xs, int m,
+                                     int nsub, float *out, long ys, int add)
+{
+    switch (m) {
+    case 1: strips_bf16(w, k, x, xs, 1, nsub, out, ys, add); break;
+    case 2: strips_bf16(w, k, x, xs, 2, nsub, out, ys, add); break;
+    case 3: strips_bf16(w, k, x, xs, 3, nsub, out, ys, add); break;
+    default: strips_bf16(w, k, x, xs, 4, nsub, out, ys, add); break;
+    }
+}
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Round to the nearest bfloat16, ties to even (NaN stays NaN), as torch does. */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits | 0x00400000u) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Output strips [s0, s1) for all rows, bfloat16 in and out: sums in float32 (in blocks of kb
+ * inputs, as `blocked`), then + bias, rounded once. */
+AVX512BF16 static void strip_range_bf16(const uint16_t *w, long n, long k, long kb,
+                                        const uint16_t *x, long xs, uint16_t *y, long ys,
+                                        const uint16_t *bias, long rows, long s0, long s1)
+{
+    float tmp[ROWS * BLOCK];
+    for (long s = s0; s < s1;) {
+        long blk = s / 4, sub = s % 4;
+        int nsub = (int)(4 - sub);
+        if (s + nsub > s1)
+            nsub = (int)(s1 - s);
+        long n0 = blk * BLOCK + sub * 16;
+        long width = n - n0 < 16L * nsub ? n - n0 : 16L * nsub;
+        const uint16_t *wb = w + blk * k * BLOCK + sub * 32;
+        for (long r0 = 0; r0 < rows; r0 += ROWS) {
+            int m = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
+            for (long k0 = 0; k0 < k; k0 += kb)
+                strips_bf16_m(wb + k0 * BLOCK, k - k0 < kb ? k - k0 : kb, x + r0 * xs + k0, xs,
+                              m, nsub, tmp, BLOCK, k0 > 0);
+            for (int r = 0; r < m; r++)
+                for (long j = 0; j < width; j++) {
+                    float f = tmp[r * BLOCK + j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f);
+                    y[(r0 + r) * ys + n0 + j] = f32_to_bf16(f);
+                }
+        }
+        s += nsub;
+    }
+}
 #endif
 
 static PyObject *supported(PyObject *self, PyObject *unused)
@@ -160,16 +263,26 @@ static PyObject *supported(PyObject *self, PyObject *unused)
 #endif
 }
 
+static PyObject *supported_bf16(PyObject *self, PyObject *unused)
+{
+#if HAVE_GEMV
+    return PyBool_FromLong(bf16_ok());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyObject *gemv(PyObject *self, PyObject *args)
 {
 #if HAVE_GEMV
     unsigned long long w, x, y, b;
     long n, k, kb, x_st, y_st, rows, threads;
-    if (!PyArg_ParseTuple(args, "KlllKlKlKll", &w, &n, &k, &kb, &x, &x_st, &y, &y_st, &b, &rows,
-                          &threads))
+    int bf16 = 0;
+    if (!PyArg_ParseTuple(args, "KlllKlKlKll|p", &w, &n, &k, &kb, &x, &x_st, &y, &y_st, &b, &rows,
+                          &threads, &bf16))
         return NULL;
-    if (!cpu_ok() || !w || !x || !y || n < 1 || k < 1 || kb < 1 || rows < 1 || threads < 1
-        || x_st < k || y_st < n) {
+    if (!(bf16 ? bf16_ok() : cpu_ok()) || !w || !x || !y || n < 1 || k < 1 || kb < 1 || rows < 1
+        || threads < 1 || x_st < k || y_st < n || (bf16 && (k % 2 || kb % 2))) {
         PyErr_SetString(PyExc_ValueError, "gemv: unsupported arguments");
         return NULL;
     }
@@ -179,8 +292,13 @@ static PyObject *gemv(PyObject *self, PyObject *args)
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         long t = omp_get_thread_num(), team = omp_get_num_threads();
-        strip_range((const float *)w, n, k, kb, (const float *)x, x_st, (float *)y, y_st,
-                    (const float *)b, rows, nstrips * t / team, nstrips * (t + 1) / team);
+        long s0 = nstrips * t / team, s1 = nstrips * (t + 1) / team;
+        if (bf16)
+            strip_range_bf16((const uint16_t *)w, n, k, kb, (const uint16_t *)x, x_st,
+                             (uint16_t *)y, y_st, (const uint16_t *)b, rows, s0, s1);
+        else
+            strip_range((const float *)w, n, k, kb, (const float *)x, x_st, (float *)y, y_st,
+                        (const float *)b, rows, s0, s1);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -192,6 +310,7 @@ static PyObject *gemv(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU and build run gemv."},
+    {"supported_bf16", supported_bf16, METH_NOARGS, "Whether they run its bfloat16 form."},
     {"gemv", gemv, METH_VARARGS, "x W^T (+ b) for a few rows, W oneDNN-packed float32."},
     {NULL, NULL, 0, NULL},
 };

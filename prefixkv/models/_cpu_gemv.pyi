@@ -2,7 +2,8 @@
 is ``cpu_gemv.py``, which checks every argument: the function reads raw addresses)."""
 
 def supported() -> bool: ...
+def supported_bf16() -> bool: ...
 def gemv(
     w: int, n: int, k: int, kb: int, x: int, x_st: int, y: int, y_st: int, b: int, rows: int,
-    threads: int, /,
+    threads: int, bf16: bool = False, /,
 ) -> None: ...

@@ -62,9 +62,8 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` for a weight packed by :func:`pack_weight`: decode rows
     through the C loop where it fits, oneDNN otherwise."""
     if packed.address:
-        few = cpu_gemv.gemv(
-            x, packed.address, packed.out_features, packed.in_features, packed.k_block, bias
-        )
+        few = cpu_gemv.gemv(x, packed.address, packed.out_features, packed.in_features,
+                            packed.k_block, packed.tensor.dtype, bias)
         if few is not None:
             return few
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")

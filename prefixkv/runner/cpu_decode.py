@@ -148,7 +148,8 @@ class CpuDecode:
         module path writes them; ``None`` (nothing done) when the step does not fit."""
         batch = attention.kernel_batch()
         m = input_ids.shape[0]
-        if not (ENABLED and batch is not None and 0 < m <= cpu_gemv.MAX_ROWS):
+        if not (ENABLED and batch is not None and 0 < m <= cpu_gemv.MAX_ROWS
+                and cpu_gemv.ENABLED and cpu_ops.ENABLED):  # any C path off: this one too
             return None
         hid, inter, heads, kvh, dim = self.hidden, self.inter, self.heads, self.kv_heads, self.dim
         q_size, kv_size = heads * dim, kvh * dim

@@ -47,7 +47,7 @@ def test_gemv_matches_f_linear(n, k, rows, threads, with_bias, gemv_on):
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_gemv.gemv(x, packed.address, n, k, packed.k_block, bias)
+        got = cpu_gemv.gemv(x, packed.address, n, k, packed.k_block, torch.float32, bias)
     finally:
         torch.set_num_threads(saved)
     assert got is not None and got.shape == (rows, n)
@@ -74,6 +74,32 @@ def test_rows_give_onednns_floats_whatever_the_row_count(k, with_bias, gemv_on):
 
 
 @needs_gemv
+@pytest.mark.parametrize("k", [64, 576, 1536])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_rows_give_onednns_values(k, with_bias, gemv_on):
+    """bfloat16 weights (oneDNN's pair layout, vdpbf16ps): every row count of the C path gives
+    oneDNN's many-row outputs bit for bit, and both are near the float32 product."""
+    if not cpu_gemv.BUILT_BF16:
+        pytest.skip("no AVX512_BF16 on this CPU")
+    gen = torch.Generator().manual_seed(k + 1)
+    weight = torch.randn(200, k, generator=gen).bfloat16()
+    bias = torch.randn(200, generator=gen).bfloat16() if with_bias else None
+    packed = pack_weight(weight, bias)
+    assert packed is not None and packed.address and packed.k_block % 2 == 0
+    x = torch.randn(64, k, generator=gen).bfloat16()
+    many = torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+    for rows in (1, 3, 5, 32):
+        few = cpu_gemv.gemv(x[:rows], packed.address, 200, k, packed.k_block, torch.bfloat16, bias)
+        assert few is not None and few.dtype == torch.bfloat16
+        assert torch.equal(few, many[:rows]), (rows, (few.float() - many[:rows].float()).abs())
+        assert torch.equal(packed_linear(x[:rows], packed, bias), few)
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(many.float(), want, atol=0.1, rtol=2e-2)
+    assert cpu_gemv.gemv(x[:1].float(), packed.address, 200, k, packed.k_block, torch.bfloat16,
+                         None) is None  # a float32 row is never read against bfloat16 weights
+
+
+@needs_gemv
 def test_strided_rows_and_more_rows_than_the_c_path(gemv_on):
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(200, 64, generator=gen)
@@ -81,11 +107,12 @@ def test_strided_rows_and_more_rows_than_the_c_path(gemv_on):
     assert packed is not None and packed.address
     wide = torch.randn(3, 100, generator=gen)
     x = wide[:, 10:74]  # rows 100 floats apart
-    got = cpu_gemv.gemv(x, packed.address, 200, 64, packed.k_block, None)
+    got = cpu_gemv.gemv(x, packed.address, 200, 64, packed.k_block, torch.float32, None)
     assert got is not None
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-4, rtol=1e-5)
     many = torch.randn(cpu_gemv.MAX_ROWS + 1, 64, generator=gen)
-    assert cpu_gemv.gemv(many, packed.address, 200, 64, packed.k_block, None) is None  # oneDNN's
+    f32 = torch.float32
+    assert cpu_gemv.gemv(many, packed.address, 200, 64, packed.k_block, f32, None) is None
     torch.testing.assert_close(packed_linear(many, packed, None), F.linear(many, weight),
                                atol=1e-4, rtol=1e-5)
 
@@ -95,20 +122,23 @@ def test_what_the_c_path_refuses(gemv_on):
     # K not a multiple of 16: oneDNN pads it, a layout the loop does not read (size check)
     padded = pack_weight(torch.randn(1000, 40))
     assert padded is not None and padded.address == 0
-    bf16 = pack_weight(torch.randn(64, 64).bfloat16())
-    assert bf16 is None or bf16.address == 0  # float32 only
+    odd = pack_weight(torch.randn(64, 63).bfloat16())  # bfloat16 pairs need an even K
+    assert odd is None or odd.address == 0
     packed = pack_weight(torch.randn(64, 64))
     assert packed is not None and packed.address
-    assert cpu_gemv.gemv(torch.randn(2, 64).double(), packed.address, 64, 64, 64, None) is None
+    f32 = torch.float32
+    assert cpu_gemv.gemv(torch.randn(2, 64).double(), packed.address, 64, 64, 64, f32, None) is None
     columns = torch.randn(2, 64).t().contiguous().t()
-    assert cpu_gemv.gemv(columns, packed.address, 64, 64, 64, None) is None
-    assert cpu_gemv.gemv(torch.randn(1, 2, 64), packed.address, 64, 64, 64, None) is None
-    assert cpu_gemv.gemv(torch.randn(1, 64), 0, 64, 64, 64, None) is None  # no readable address
-    assert cpu_gemv.gemv(torch.randn(1, 80), packed.address, 64, 64, 64, None) is None  # too wide
+    assert cpu_gemv.gemv(columns, packed.address, 64, 64, 64, f32, None) is None
+    assert cpu_gemv.gemv(torch.randn(1, 2, 64), packed.address, 64, 64, 64, f32, None) is None
+    assert cpu_gemv.gemv(torch.randn(1, 64), 0, 64, 64, 64, f32, None) is None  # no address
+    assert cpu_gemv.gemv(torch.randn(1, 80), packed.address, 64, 64, 64, f32, None) is None  # wide
+    bf16_x = torch.randn(1, 64).bfloat16()  # a float32 weight: never read as bfloat16
+    assert cpu_gemv.gemv(bf16_x, packed.address, 64, 64, 64, f32, None) is None
     with pytest.raises(RuntimeError):  # oneDNN reports the wrong width
         packed_linear(torch.randn(1, 80), packed, None)
     wide_bias = torch.ones(64).double()
-    assert cpu_gemv.gemv(torch.randn(1, 64), packed.address, 64, 64, 64, wide_bias) is None
+    assert cpu_gemv.gemv(torch.randn(1, 64), packed.address, 64, 64, 64, f32, wide_bias) is None
 
 
 @needs_gemv
@@ -129,7 +159,7 @@ def test_switched_off_nothing_is_read(monkeypatch):
     monkeypatch.setattr(cpu_gemv, "ENABLED", False)
     packed = pack_weight(torch.randn(64, 64))
     assert packed is None or packed.address == 0
-    assert cpu_gemv.gemv(torch.randn(1, 64), 12345, 64, 64, 64, None) is None
+    assert cpu_gemv.gemv(torch.randn(1, 64), 12345, 64, 64, 64, torch.float32, None) is None
 
 
 @needs_gemv
