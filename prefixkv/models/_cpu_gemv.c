@@ -1,5 +1,5 @@
 /* prefixkv.models._cpu_gemv: y = x W^T (+ b) for a few rows of x, reading a oneDNN-packed
- * float32 weight in place, on CPU, AVX-512.
+ * float32 (or bfloat16: see gemv) weight in place, on CPU, AVX-512.
  *
  * A decode step multiplies one row (or a few) by every weight of the model: the step is a
  * stream of the weights through memory, and its speed is the bandwidth the multiply reaches.

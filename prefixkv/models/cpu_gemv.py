@@ -1,4 +1,4 @@
-"""Decode-row matmuls on oneDNN-packed float32 weights, in C (``_cpu_gemv.c``), or ``None``.
+"""Decode-row matmuls on oneDNN-packed float32 or bfloat16 weights, in C (``_cpu_gemv.c``).
 
 A decode step multiplies one row (or a few) by every weight of the model, so its time is the
 time to stream the weights from memory. oneDNN's matmul on a packed weight streams them at
@@ -8,12 +8,12 @@ it lies, so no second copy of any weight is kept.
 
 ``setup.py`` builds ``prefixkv.models._cpu_gemv`` where a C compiler with OpenMP is present.
 :func:`readable` decides once per packed weight (its size must be oneDNN's ``[N/64][K][64]``
-float32 layout, and the C product must equal oneDNN's bit for bit, summing the inputs in
-oneDNN's blocks, so the rows of a step give the same floats whichever path computes them);
-:func:`gemv` returns ``None``
-wherever the C path does not fit (more than :data:`MAX_ROWS` rows, not float32, an odd
-stride, the extension not built, the switch off) and the caller (``cpu_pack.py``) runs
-oneDNN. ``PREFIXKV_CPU_GEMV=0`` turns the C path off for the process.
+float32 layout or ``[N/64][K/2][64][2]`` bfloat16 one, and the C product must equal oneDNN's
+bit for bit, summing the inputs in oneDNN's blocks, so the rows of a step give the same
+values whichever path computes them); :func:`gemv` returns ``None`` wherever the C path does
+not fit (more than :data:`MAX_ROWS` rows, another dtype than the weight's, an odd stride, the
+extension not built, the switch off) and the caller (``cpu_pack.py``) runs oneDNN.
+``PREFIXKV_CPU_GEMV=0`` turns the C path off for the process.
 """
 
 from __future__ import annotations
