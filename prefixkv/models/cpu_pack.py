@@ -8,15 +8,16 @@ which ``torch.ops.mkldnn._linear_pointwise`` runs near bandwidth at batch 1 and
 compute-bound for prefill; with bfloat16 weights it uses the CPU's avx512_bf16 / AMX units.
 
 Ownership: a packed :class:`~prefixkv.models.llama.Linear` holds its weight once, as the
-:class:`PackedWeight` in its plain ``packed`` attribute; its ``weight`` parameter becomes a ``meta``
-tensor (name, shape and dtype stay in the state dict; no data), so packing does not double
-the weight memory. Whatever reads weight values (the runner's model fingerprint) runs before
-packing. Packing is CPU-only and checked once per weight against ``F.linear``; when oneDNN is
+:class:`PackedWeight` in its plain ``packed`` attribute; its ``weight`` parameter becomes a
+``meta`` tensor (name, shape and dtype stay in the state dict; no data), so packing does not
+double the weight memory. Whatever reads weight values (the runner's model fingerprint) runs
+before packing. Packing is CPU-only and checked once per weight against ``F.linear``; when oneDNN is
 missing or disagrees, that weight keeps its plain tensor and stays on ``F.linear``.
 
-Decode rows (at most ``cpu_gemv.MAX_ROWS``) of a float32 weight go to a C loop that reads the
-same packed buffer (``cpu_gemv.py``: oneDNN reaches about 80% of the memory bandwidth there);
-the buffer's address is kept beside the tensor that owns it, in one :class:`PackedWeight`.
+Decode rows (at most ``cpu_gemv.MAX_ROWS``) of a float32 or bfloat16 weight go to a C loop
+that reads the same packed buffer (``cpu_gemv.py``: oneDNN reaches about 80% of the memory
+bandwidth there); the buffer's address is kept beside the tensor that owns it, in one
+:class:`PackedWeight`.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def _matmul(linear: object) -> _Matmul | None:
     if not isinstance(linear, Linear):  # e.g. a 4-bit Int4Linear: not this path's
         return None
     p = linear.packed
-    if p is None or not p.address:
+    if p is None or not p.address or p.tensor.dtype != torch.float32:
         return None
     bias = linear.bias
     if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
