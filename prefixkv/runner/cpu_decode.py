@@ -1,4 +1,4 @@
-"""Decode steps on CPU without per-op dispatch: each layer as ten calls on raw addresses.
+"""Decode steps on CPU without per-op dispatch: each layer as nine C calls on raw addresses.
 
 A decode step of a small model is bound by streaming its weights (the C matmul,
 ``models/cpu_gemv.py``, reaches the memory's bandwidth) plus the Python and dispatcher cost of
@@ -8,14 +8,14 @@ fused RMSNorm / RoPE / SwiGLU of ``models/cpu_ops.py``, ``cpu_gemv``'s matmul, t
 kernel of ``cpu_attention.py``) on the same values in the same order, so its hidden states
 equal the module path's bit for bit (``tests/runner/test_cpu_decode.py``); only the dispatch
 is gone: every weight's address is taken once (:meth:`CpuDecode.build`), the step's buffers
-and the attention's checks once per step, and a layer is ten C calls and two KV writes.
+and the attention's checks once per step, and a layer is nine C calls and two KV writes.
 
 When: float32 on CPU, the three C extensions built and on, a Llama-family model (Qwen3's
 q/k norms run as torch's ``rms_norm``, as in the module path) whose matmuls all have
-C-readable packed weights (``cpu_pack.PackedWeight.address``),
-at most ``cpu_gemv.MAX_ROWS`` new tokens, and a step whose every sequence the attention kernel
-takes (``PagedAttention.kernel_batch``). Otherwise :meth:`CpuDecode.run` returns ``None`` and
-the runner takes the module path. ``PREFIXKV_CPU_DECODE=0`` turns this path off.
+C-readable packed weights (``cpu_pack.PackedWeight.address``), at most ``cpu_gemv.MAX_ROWS``
+new tokens, and a step whose every sequence the attention kernel takes
+(``PagedAttention.kernel_batch``). Otherwise :meth:`CpuDecode.run` returns ``None`` and the
+runner takes the module path. ``PREFIXKV_CPU_DECODE=0`` turns this path off.
 
 Ownership: a :class:`CpuDecode` holds addresses into the model's packed weights and norms and
 into the KV pool, and references to the tensors that own them (the model and the pool), so
