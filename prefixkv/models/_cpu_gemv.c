@@ -58,6 +58,17 @@ static int cpu_ok(void)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 }
 
+/* The next weight rows of a block (256 bytes: 64 float32 outputs, or 64 bfloat16 pairs),
+ * PREFETCH rows ahead, non-temporal. */
+static inline void prefetch_row(const void *row)
+{
+    const char *p = (const char *)row;
+    _mm_prefetch(p, _MM_HINT_NTA);
+    _mm_prefetch(p + 64, _MM_HINT_NTA);
+    _mm_prefetch(p + 128, _MM_HINT_NTA);
+    _mm_prefetch(p + 192, _MM_HINT_NTA);
+}
+
 /* Up to four 16-output strips (nsub) of one packed block against `m` rows of x over `k`
  * inputs; `out` rows are `ys` apart, strips 16 apart; add: out += the sums, else out = them. */
 AVX512 static inline void strips(const float *w, long k, const float *x, long xs, int m,
@@ -70,11 +81,7 @@ AVX512 static inline void strips(const float *w, long k, const float *x, long xs
     if (nsub == 4) {
         for (long i = 0; i < k; i++) {
             const float *wi = w + i * BLOCK;
-            const char *ahead = (const char *)(wi + PREFETCH * BLOCK);
-            _mm_prefetch(ahead, _MM_HINT_NTA);
-            _mm_prefetch(ahead + 64, _MM_HINT_NTA);
-            _mm_prefetch(ahead + 128, _MM_HINT_NTA);
-            _mm_prefetch(ahead + 192, _MM_HINT_NTA);
+            prefetch_row(wi + PREFETCH * BLOCK);
             __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16);
             __m512 w2 = _mm512_loadu_ps(wi + 32), w3 = _mm512_loadu_ps(wi + 48);
             for (int r = 0; r < m; r++) {
@@ -173,11 +180,7 @@ AVX512BF16 static inline void strips_bf16(const uint16_t *w, long k, const uint1
             acc[r][j] = _mm512_setzero_ps();
     for (long i = 0; i < k; i += 2) {
         const uint16_t *wi = w + i * BLOCK; /* pair row i / 2: 64 outputs x 2 inputs */
-        const char *ahead = (const char *)(wi + 2 * PREFETCH * BLOCK);
-        _mm_prefetch(ahead, _MM_HINT_NTA);
-        _mm_prefetch(ahead + 64, _MM_HINT_NTA);
-        _mm_prefetch(ahead + 128, _MM_HINT_NTA);
-        _mm_prefetch(ahead + 192, _MM_HINT_NTA);
+        prefetch_row(wi + 2 * PREFETCH * BLOCK);
         for (int j = 0; j < nsub; j++) {
             __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wi + 32 * j));
             for (int r = 0; r < m; r++) {
@@ -311,12 +314,12 @@ static PyObject *gemv(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU and build run gemv."},
     {"supported_bf16", supported_bf16, METH_NOARGS, "Whether they run its bfloat16 form."},
-    {"gemv", gemv, METH_VARARGS, "x W^T (+ b) for a few rows, W oneDNN-packed float32."},
+    {"gemv", gemv, METH_VARARGS, "x W^T (+ b) for a few rows, W oneDNN-packed (float32 or bf16)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_cpu_gemv", "Few-row matmul on oneDNN-packed float32 weights (CPU, AVX-512).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_cpu_gemv", "Few-row matmul on oneDNN-packed weights (CPU, AVX-512).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__cpu_gemv(void)
