@@ -12,10 +12,13 @@ property test against the block-by-block loop:
 * a *parent next*: a parent left childless would be filed and popped next exactly when its key
   is below the heap's smallest (a tie goes to the older heap item), so it is taken directly.
 
-Policies without the declaration keep the block-by-block loop. So a call costs O(leaves touched
-x log n) Python steps (one heap call, one key probe and one detach per whole leaf) plus the
-C-speed work on the freed ids: each entry's id array is appended to the result (``array('I')``,
-joined and reversed in numpy). Releasing them is O(1) per entry that leaves whole and holds its
+The common step (a radix index, a policy whose keys lead with a component that does not depend
+on depth, no ``on_evict`` hook) runs in C when the helper is built (``whole``); the loop here
+takes over at the first step that is not common (a key tie, a stale top, a parent to decide).
+Policies without the declaration keep the block-by-block loop. So a call costs O(leaves
+touched x log n) steps (in C, or in Python: one heap call, one key probe and one detach per
+whole leaf) plus the C-speed work on the freed ids: each entry's id array is appended to the
+result (``array('I')``, joined and reversed in one pass). Releasing them is O(1) per entry that leaves whole and holds its
 owner tag alone (:meth:`~prefixkv.cache.held_ids.HeldIds.release_owner`); trimmed tails (at most
 one a call with a run policy) and hashed blocks (no tag of their own) are released id by id,
 once, at the end.
@@ -37,6 +40,18 @@ if TYPE_CHECKING:
     from prefixkv.cache.forest import Entry
 
 E = TypeVar("E", bound="Entry")
+
+WholeLeaves = Callable[[int, int, list[BlockIds], list[BlockIds]], tuple[int, int, Any]]
+"""``whole(want, got, runs, loose) -> (got, entries_freed, orphan)``: frees evictable leaves
+in the policy's order while each step is a common one (``prefixkv/cache/_evict.c``: the top and
+next heap items live and untouched; when more than one block goes, the top key's first component
+strictly below the next one's), whole or, for the call's last step, the tail still wanted,
+appending each id run to ``runs`` (and to ``loose`` when it is a tail or its owner tag is
+shared) exactly as this module's loop would; stops at the first other step, or returns the
+freed leaf whose parent is left a childless non-root (``orphan``)."""
+
+_UNKNOWN: Any = object()
+"""A ``top`` to ask the heap for (keys may have moved, or C freed the last leaf)."""
 
 
 class _AtDepth:
@@ -75,21 +90,24 @@ class Evictor(Generic[E]):
         refresh: re-files an entry in the heap after it changed (its children, its blocks).
         gone: called for each entry whose last block was evicted, before anything else moves
             (the policy's ``on_evict``), or ``None``.
+        whole: the forest's C runner of common whole-leaf steps (:data:`WholeLeaves`), or
+            ``None`` (used only without ``gone``).
 
     ``entries_freed`` counts the entries the last call removed whole (it stays correct when a
     ``gone`` hook raises: what was removed before is counted).
     """
 
     __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh", "_release",
-                 "_release_owner", "entries_freed")
+                 "_release_owner", "_whole", "entries_freed")
 
     def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
                  drop_tail: Callable[[E, int], BlockIds],
                  release: Callable[[BlockIds], None],
                  release_owner: Callable[[int, BlockIds], None],
                  key_at: Callable[[E, int], Any], refresh: Callable[[Entry | None], None],
-                 gone: Callable[[E], None] | None) -> None:
+                 gone: Callable[[E], None] | None, whole: WholeLeaves | None = None) -> None:
         self._heap = heap
+        self._whole = whole if gone is None else None
         self._policy = policy
         self._drop_tail = drop_tail
         self._release = release
@@ -121,16 +139,23 @@ class Evictor(Generic[E]):
 
     def _evict(self, num_blocks: int, out: list[BlockIds], loose: list[BlockIds]) -> None:
         heap = self._heap
-        pop_and_peek, peek_key, push = heap.pop_and_peek, heap.peek_key, heap.push
-        key, drop_tail, gone, key_at = (self._policy.key, self._drop_tail, self._gone,
-                                        self._key_at)
-        release_owner = self._release_owner
+        pop_and_peek, push = heap.pop_and_peek, heap.push
+        drop_tail, gone, key_at = self._drop_tail, self._gone, self._key_at
+        release_owner, whole = self._release_owner, self._whole
         runs = self._policy.depth_monotone_keys
         e: E | None = None
         top: Any = None  # the heap's smallest key while e is out of it
         got = 0
         while got < num_blocks:
             if e is None:
+                if whole is not None:  # the common steps in C, then the first other one here
+                    got, freed, orphan = whole(num_blocks, got, out, loose)
+                    self.entries_freed += freed
+                    if orphan is not None:
+                        e, top = self._parent_next(orphan, got < num_blocks, _UNKNOWN)
+                        continue
+                    if got >= num_blocks:
+                        break
                 e, top = pop_and_peek()
                 if e is None:
                     break
@@ -168,18 +193,25 @@ class Evictor(Generic[E]):
             self.entries_freed += 1
             if gone is not None:
                 gone(e)
-            parent, e = e.parent, None
-            # a parent left with children is unchanged (not a leaf, so not in the heap)
-            if parent is None or parent.num_children or parent.is_root:
-                continue
-            if (runs and got < num_blocks and parent.num_blocks
-                    and parent.lock_ref == 0 and parent.pin_ref == 0):
-                if gone is not None:  # a hook may have moved keys: ask the heap again
-                    top = peek_key()  # (else the heap is untouched since top was read)
-                if top is None or key(parent) < top:  # it would be popped next: take it
-                    e = parent
-                    continue
-            self._refresh(parent)
+            e, top = self._parent_next(e, runs and got < num_blocks,
+                                       top if gone is None else _UNKNOWN)
+
+    def _parent_next(self, e: E, more: bool, top: Any) -> tuple[E | None, Any]:
+        """After ``e`` left whole: its parent and the heap's smallest key when the parent, left
+        a childless leaf, would be popped next (``more``: a run policy still wanting blocks),
+        else ``(None, top)`` with the parent re-filed. ``top`` is the heap's smallest key, or
+        ``_UNKNOWN`` when a hook may have moved keys (or C freed ``e``): asked then."""
+        parent = e.parent
+        # a parent left with children is unchanged (not a leaf, so not in the heap)
+        if parent is None or parent.num_children or parent.is_root:
+            return None, top
+        if more and parent.num_blocks and parent.lock_ref == 0 and parent.pin_ref == 0:
+            if top is _UNKNOWN:
+                top = self._heap.peek_key()
+            if top is None or self._policy.key(parent) < top:  # it would be popped next
+                return parent, top
+        self._refresh(parent)
+        return None, top
 
     def _run_length(self, e: E, k: int, top: Any) -> int:
         """How many of ``e``'s last ``k`` blocks go before any other leaf's (at least one, fewer

@@ -19,11 +19,15 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
-from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds
+from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds, HeldIds
 from prefixkv.cache.policies import CacheEntry, EvictionPolicy
 from prefixkv.cache.protocol import Namespace
+
+if TYPE_CHECKING:
+    from prefixkv.cache.evictable import EvictableHeap
+    from prefixkv.cache.eviction import WholeLeaves
 
 
 class Entry(CacheEntry, Protocol):
@@ -183,6 +187,12 @@ class Forest(Protocol[E]):
         """Remove an evictable leaf's last ``k`` blocks; detach it when none are left.
         Returns their ids shallowest first, as stored (an array no longer the entry's; the
         driver orders and releases them)."""
+        ...
+
+    def whole_leaves(self, heap: EvictableHeap, held: HeldIds,
+                     policy: EvictionPolicy) -> WholeLeaves | None:
+        """A C runner of common whole-leaf eviction steps
+        (:data:`~prefixkv.cache.eviction.WholeLeaves`), or ``None``."""
         ...
 
     def key_at(self, policy: EvictionPolicy, entry: E, depth: int) -> Any:

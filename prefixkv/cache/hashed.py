@@ -21,10 +21,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prefixkv.cache._checks import as_token_list, check_tokens
-from prefixkv.cache.eviction import key_at_depth
+from prefixkv.cache.evictable import EvictableHeap
+from prefixkv.cache.eviction import WholeLeaves, key_at_depth
 from prefixkv.cache.forest import Added, Claim, EntryState, ExtraKeys, Share, Walk, unbound_share
 from prefixkv.cache.hashing import BlockHasher, check_key_part, make_block_hasher, root_hash
-from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds
+from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds, HeldIds
 from prefixkv.cache.index import PrefixIndex
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protocol import Namespace
@@ -218,6 +219,11 @@ class HashForest:
             parent.num_children -= 1
         entry.num_blocks = 0
         return array(ID_TYPECODE, (entry.block_id,))
+
+    def whole_leaves(self, heap: EvictableHeap, held: HeldIds,
+                     policy: EvictionPolicy) -> WholeLeaves | None:
+        """No C runner: a chain's blocks are single entries (the Python loop frees them)."""
+        return None
 
     def key_at(self, policy: EvictionPolicy, entry: HashBlock, depth: int) -> Any:
         """The generic probe (a block's run is never longer than one, so this is rare)."""

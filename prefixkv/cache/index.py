@@ -83,7 +83,8 @@ class PrefixIndex(Generic[E]):
                                 key_at=(self._policy.direct_key_at_depth()
                                         or partial(forest.key_at, self._policy)),
                                 refresh=self._prot.refresh,
-                                gone=self._policy.on_evict if self._has_evict_hook else None)
+                                gone=self._policy.on_evict if self._has_evict_hook else None,
+                                whole=forest.whole_leaves(self._prot.heap, self._ids, self._policy))
         self._counters = Counters()
         self._pins: PinRegistry[E] = PinRegistry(self._prot, budget)
         self.last_pin_error: str | None = None

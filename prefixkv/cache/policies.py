@@ -75,6 +75,12 @@ class EvictionPolicy:
     entry's last block whatever ``depth`` says leaves it ``False`` and gets the per-block
     order, re-checked after every block."""
 
+    depth_free_head = False
+    """``True`` if the key is a tuple whose first component never depends on ``depth`` (LRU's
+    access time, LFU's count, FIFO's creation time). With ``depth_monotone_keys`` too, a radix
+    index then frees a whole leaf in C when that component is strictly below the next leaf's
+    (every probe of the leaf is then below the next key): :meth:`frees_whole_leaves_in_c`."""
+
     key_epoch = 0
     """Bumped by a policy whose keys can change without a touch of the entry (``experts``
     switching experts); the evictable heap then re-checks its top's key."""
@@ -102,6 +108,17 @@ class EvictionPolicy:
         by_depth = next(c for c in mro if "key_at_depth" in c.__dict__)
         return self.key_at_depth if by_key is by_depth else None
 
+    def frees_whole_leaves_in_c(self) -> bool:
+        """Whether eviction may free whole leaves in C: ``depth_monotone_keys`` and
+        ``depth_free_head`` hold, both declared (with ``key``) by the class that defines ``key``
+        (a subclass overriding only ``key`` gets ``False``), and no ``on_evict`` hook."""
+        if not (self.depth_monotone_keys and self.depth_free_head):
+            return False
+        mro = type(self).__mro__
+        by_key = next(c for c in mro if "key" in c.__dict__)
+        by_head = next(c for c in mro if "depth_free_head" in c.__dict__)
+        return by_key is by_head and type(self).on_evict is EvictionPolicy.on_evict
+
     def on_access(self, entry: CacheEntry) -> None:
         """Called after a match or insert reached ``entry`` (its fields are already updated)."""
 
@@ -117,6 +134,7 @@ class LRUPolicy(EvictionPolicy):
     monotone_keys = True
     depth_monotone_keys = True
     direct_depth_key = True
+    depth_free_head = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.last_access_time, -entry.depth, entry.tick)
@@ -133,6 +151,7 @@ class LFUPolicy(EvictionPolicy):
     monotone_keys = True
     depth_monotone_keys = True
     direct_depth_key = True
+    depth_free_head = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.access_count, entry.last_access_time, -entry.depth, entry.tick)
@@ -149,6 +168,7 @@ class FIFOPolicy(EvictionPolicy):
     monotone_keys = True
     depth_monotone_keys = True
     direct_depth_key = True
+    depth_free_head = True
 
     def key(self, entry: CacheEntry) -> Any:
         return (entry.created_time, -entry.depth, entry.tick)

@@ -32,8 +32,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prefixkv.cache._checks import as_token_array, check_tokens
+from prefixkv.cache._native import evict as _evict  # None: the Python loop only
+from prefixkv.cache.evictable import EvictableHeap
+from prefixkv.cache.eviction import WholeLeaves
 from prefixkv.cache.forest import Added, Claim, ExtraKeys, Share, Walk, unbound_share
-from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds, new_ids
+from prefixkv.cache.held_ids import ID_TYPECODE, BlockIds, HeldIds, new_ids
 from prefixkv.cache.index import PrefixIndex
 from prefixkv.cache.policies import EvictionPolicy
 from prefixkv.cache.protocol import Namespace
@@ -312,6 +315,16 @@ class RadixForest:
                     node.key = key_tokens(key) if type(key) is bytes else array("I", key)
                 for found in node.children.values():
                     stack.extend(kids(found))
+
+    def whole_leaves(self, heap: EvictableHeap, held: HeldIds,
+                     policy: EvictionPolicy) -> WholeLeaves | None:
+        """The C runner of common whole-leaf eviction steps over this tree (``_evict.c``), or
+        ``None`` without the helper or for a policy it cannot order
+        (:meth:`~prefixkv.cache.policies.EvictionPolicy.frees_whole_leaves_in_c`)."""
+        if _evict is None or not policy.frees_whole_leaves_in_c():
+            return None
+        runner = _evict.Runner(heap, held, self, RadixNode, _DETACHED, self._bs)
+        return runner.run
 
     def key_at(self, policy: EvictionPolicy, entry: RadixNode, depth: int) -> Any:
         """The policy's key for ``entry`` cut to ``depth`` (its start depth moved, then put
