@@ -162,6 +162,11 @@ class Forest(Protocol[E]):
         """A query in the forest's working form (container checked; values checked where new)."""
         ...
 
+    def as_query(self, token_ids: Any) -> Sequence[int]:
+        """A query for :meth:`walk` only (``match_prefix``): :meth:`as_tokens`, or a form the
+        walk reads faster (every value checked all the same)."""
+        ...
+
     def walk(self, tokens: Sequence[int], n: int, namespace: Namespace,
              extra_keys: ExtraKeys) -> Walk[E]:
         """Match the first ``n`` tokens in whole blocks (plus partial rows of the next block);

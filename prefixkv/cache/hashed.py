@@ -91,6 +91,10 @@ class HashForest:
         """A list (hashing and the stored per-block tokens work on lists), or an array as is."""
         return as_token_list(token_ids)
 
+    def as_query(self, token_ids: Any) -> Sequence[int]:
+        """A query for :meth:`walk`: the same as :meth:`as_tokens`."""
+        return self.as_tokens(token_ids)
+
     def _check_extra(self, extra_keys: ExtraKeys, n: int) -> ExtraKeys:
         if extra_keys is None:
             return None

@@ -147,7 +147,7 @@ class PrefixIndex(Generic[E]):
         lock: bool = False,
     ) -> PrefixMatch:
         """Longest cached block-aligned prefix of ``token_ids`` (see :class:`PrefixCache`)."""
-        tokens = self._forest.as_tokens(token_ids)
+        tokens = self._forest.as_query(token_ids)
         with self._lock:
             t0 = perf_counter_ns()
             w = self._forest.walk(tokens, len(tokens), namespace, extra_keys)

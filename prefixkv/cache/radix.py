@@ -33,6 +33,7 @@ from typing import Any
 
 from prefixkv.cache._checks import as_token_array, check_tokens
 from prefixkv.cache._native import evict as _evict  # None: the Python loop only
+from prefixkv.cache._native import keypack as _keypack
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.eviction import WholeLeaves
 from prefixkv.cache.forest import Added, Claim, ExtraKeys, Share, Walk, unbound_share
@@ -97,6 +98,17 @@ class RadixForest:
     def as_tokens(self, token_ids: Any) -> array[int]:
         """Queries are walked in the key type where they fit (see :func:`as_token_array`)."""
         return as_token_array(token_ids, narrow=self._code == "H")
+
+    def as_query(self, token_ids: Any) -> Sequence[int]:
+        """:meth:`as_tokens`, except that a tree of packed keys walks a 64-bit int array (SGLang's
+        ``array('q')``) as it is once one C pass checked its values: :meth:`walk` packs it
+        straight from the int64 buffer (2,048 ids: about 0.25 us instead of 0.95 to narrow
+        them into a new array first)."""
+        if (self._code == "P" and type(token_ids) is array and token_ids.itemsize == 8
+                and token_ids.typecode in "qQlL" and token_ids and _keypack is not None
+                and _keypack.fits32(token_ids)):
+            return token_ids
+        return self.as_tokens(token_ids)
 
     # ------------------------------------------------------------------ walking
     def walk(self, tokens: Sequence[int], n: int, namespace: Namespace,

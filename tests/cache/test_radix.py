@@ -56,8 +56,11 @@ def test_packed_keys_round_trip_and_compare_as_bytes():
     assert pack(array("I", [1, 2, 3, 4, 5, 6, 2**18, 8]), 0, 8) == pack(ids[:0] + array("I", [1, 2, 3, 4]), 0, 4)
     other = pack(array("I", [0, 1, 2**18 - 1, 150_000, 7, 65_536, 131_071, 4]), 0, 8)
     assert common_packed_blocks(packed, 0, other, 9) == 1 and common_packed_blocks(packed, 0, packed, 9) == 2
+    # 64-bit ids (a query as SGLang passes it) pack the same; a negative one stops the run
+    assert pack(array("q", ids), 0, 8) == packed  # type: ignore[arg-type]
+    assert pack(array("q", [1, 2, 3, 4, -1, 5, 6, 7]), 0, 8) == pack(array("I", [1, 2, 3, 4]), 0, 4)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        pack(array("q", [1, 2, 3, 4]), 0, 4)  # type: ignore[arg-type]
+        pack(array("i", [1, 2, 3, 4]), 0, 4)  # type: ignore[arg-type]
     with pytest.raises(IndexError):
         pack(ids, 0, 9)
 
@@ -99,6 +102,41 @@ def test_packed_tree_matches_splits_evicts_and_widens(clock):
         assert cache.match_prefix(q).match_length == n
 
 
+@needs_packing
+def test_int64_queries_walk_a_packed_tree_as_they_are(clock):
+    """A packed tree walks an ``array('q')`` query straight from its buffer (no narrowed copy):
+    every match (whole blocks, partial rows, ids no key holds, siblings) equals the list query's,
+    the match keeps the caller's array, and out-of-range values still fail by name."""
+    bs = 4
+    cache = RadixPrefixCache(256, bs, clock=clock)
+    a = [100_000 + 7 * i for i in range(32)]
+    b = a[:13] + [5, 6, 7] + [149_999] * 8
+    cache.insert_prefix(a, list(range(8)))
+    cache.insert_prefix(b, list(range(100, 106)))
+    cache.insert_prefix(a[:12] + [a[12], 9, 9, 9], [0, 1, 2, 200])
+    assert cache._forest.key_typecode == "P"
+    queries = [a, b, a[:13] + [5, 6], a[:10] + [2**20] * 6, a[:12] + [a[12], 9, 9, 9, 1],
+               a[:6] + [2**31 + 5] * 6, [7] * 9, a[:3], []]
+    for q in queries:
+        want, got = cache.match_prefix(q), cache.match_prefix(array("q", q))
+        assert (list(got.matched_kv_blocks), got.match_length, got.partial_tokens,
+                got.partial_block_id) == (list(want.matched_kv_blocks), want.match_length,
+                                          want.partial_tokens, want.partial_block_id)
+    q = array("q", a)
+    assert cache.match_prefix(q).token_ids is q
+    for q in (b, a[:13] + [5, 6]):  # whole blocks; whole blocks and a partial one
+        locked = []
+        for form in (q, array("q", q)):
+            held = cache.match_prefix(form, lock=True)
+            locked.append(cache.get_stats().locked_blocks)
+            cache.unlock(held)
+        assert locked[0] == locked[1] > 0
+    for bad in (array("q", a[:8] + [-1]), array("q", a[:8] + [2**32])):
+        with pytest.raises(ValueError, match="token_ids"):
+            cache.match_prefix(bad)
+    cache.check_invariants()
+
+
 def test_the_c_helper_is_built_where_a_compiler_is(c_compiler: None) -> None:
     """`pip install -e .` builds prefixkv.cache._keypack when a C compiler is present (the
     build is optional, so a failed one would otherwise pass unnoticed and cost 2 KB a prefix)."""
@@ -124,10 +162,11 @@ def test_packing_helpers_match_a_python_reference():
 
     rng = random.Random(1)
     for _ in range(3000):
-        code = rng.choice("IH")
+        code = rng.choice("IHq")
         top = 1 << 16 if code == "H" else rng.choice([1 << 18, (1 << 18) + 10, 1 << 32])
         ids = array(code, [rng.randrange(top) if rng.random() < 0.97 else top - 1
                            for _ in range(rng.randrange(40))])
+        assert _keypack.fits32(array("q", ids)) == (not ids or max(ids) < 1 << 32)
         s = rng.randrange(len(ids) + 1)
         e = rng.randrange(s, len(ids) + 1)
         packed = _keypack.pack18(ids, s, e)
