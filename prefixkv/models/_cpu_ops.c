@@ -11,6 +11,15 @@
  * rms_norm(x, x_st, res, res_st, out, out_st, w, rows, dim, eps, threads) -> None
  *     res != 0: x[r] += res[r] first (in place: x becomes the residual stream). Then
  *     out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w; out must not overlap x.
+ * rms_heads(x, x_st, out, out_st, w, rows, heads, dim, eps, threads) -> None
+ *     per row r and head h (heads of ``dim`` adjacent, a row ``x_st`` apart): the RMSNorm
+ *     of x[r, h] into out[r, h], the same row function as rms_norm (Qwen3's q/k norms); out
+ *     may be x itself (each element is read before it is written).
+ * scatter_rows(src, src_st, dst, slots, n, width, dst_rows) -> None
+ *     row i of ``src`` (``width`` floats, rows ``src_st`` apart) to row slots[i] of ``dst``
+ *     (contiguous rows of ``width``), i < n; ``slots`` int64. IndexError, nothing written, if a
+ *     slot is outside [0, dst_rows). A step's new K or V into the pool (index_copy_'s work
+ *     without its dispatch); any CPU, any float32 layout.
  * silu_mul(gu, gu_st, out, out_st, rows, inter, threads) -> None
  *     out[r, i] = silu(gu[r, i]) * gu[r, inter + i] (gate and up side by side, as the fused
  *     gate_up matmul writes them).
@@ -24,6 +33,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define HAVE_OPS 1
@@ -131,6 +141,59 @@ static PyObject *rms_norm(PyObject *self, PyObject *args)
 #endif
 }
 
+static PyObject *rms_heads(PyObject *self, PyObject *args)
+{
+#if HAVE_OPS
+    unsigned long long x, out, w;
+    long x_st, out_st, rows, heads, dim, threads;
+    double eps;
+    if (!PyArg_ParseTuple(args, "KlKlKllldl", &x, &x_st, &out, &out_st, &w, &rows, &heads, &dim,
+                          &eps, &threads))
+        return NULL;
+    if (!cpu_ok() || rows < 1 || heads < 1 || dim < 16 || dim % 16 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "rms_heads: unsupported arguments");
+        return NULL;
+    }
+    long n = rows * heads;
+    int nt = n * dim >= PARALLEL_MIN ? (int)threads : 1;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (long i = 0; i < n; i++) {
+        long r = i / heads, h = i % heads;
+        rms_row((float *)x + r * x_st + h * dim, NULL, (float *)out + r * out_st + h * dim,
+                (const float *)w, dim, (float)eps);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+#else
+    PyErr_SetString(PyExc_RuntimeError, "not built for this platform");
+    return NULL;
+#endif
+}
+
+static PyObject *scatter_rows(PyObject *self, PyObject *args)
+{
+    unsigned long long src, dst, slots;
+    long src_st, n, width, dst_rows;
+    if (!PyArg_ParseTuple(args, "KlKKlll", &src, &src_st, &dst, &slots, &n, &width, &dst_rows))
+        return NULL;
+    const int64_t *at = (const int64_t *)slots;
+    if (n < 0 || width < 1 || dst_rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "scatter_rows: unsupported arguments");
+        return NULL;
+    }
+    for (long i = 0; i < n; i++)
+        if (at[i] < 0 || at[i] >= dst_rows) {
+            PyErr_Format(PyExc_IndexError, "scatter_rows: slot %lld out of [0, %ld)",
+                         (long long)at[i], dst_rows);
+            return NULL;
+        }
+    for (long i = 0; i < n; i++)
+        memcpy((float *)dst + at[i] * width, (const float *)src + i * src_st,
+               (size_t)width * sizeof(float));
+    Py_RETURN_NONE;
+}
+
 static PyObject *silu_mul(PyObject *self, PyObject *args)
 {
 #if HAVE_OPS
@@ -184,6 +247,8 @@ static PyObject *rope(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU and build run the functions."},
     {"rms_norm", rms_norm, METH_VARARGS, "RMSNorm of rows (after adding a residual), float32."},
+    {"rms_heads", rms_heads, METH_VARARGS, "RMSNorm of each head of rows (Qwen3's q/k norm), float32."},
+    {"scatter_rows", scatter_rows, METH_VARARGS, "Rows of floats to the given rows of a table (a step's K or V into the pool)."},
     {"silu_mul", silu_mul, METH_VARARGS, "silu(gate) * up of fused gate/up rows, float32."},
     {"rope", rope, METH_VARARGS, "HF RoPE in place on rows of heads, float32."},
     {NULL, NULL, 0, NULL},

@@ -66,6 +66,20 @@ def rms_norm(
     return out
 
 
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """The RMSNorm of each head of ``x`` ``[T, H, D]`` (heads adjacent in a row: Qwen3's q/k
+    norms on a view of the fused qkv output), the same row function as :func:`rms_norm`; a new
+    contiguous tensor, or ``None`` (fall back)."""
+    dim = x.shape[-1]
+    if not (_fits(x, dim) and x.dim() == 3 and x.stride(1) == dim and weight.dtype == torch.float32
+            and weight.is_contiguous() and weight.shape == (dim,) and x.shape[0] > 0):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _ops.rms_heads(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), weight.data_ptr(),
+                   x.shape[0], x.shape[1], dim, eps, torch.get_num_threads())
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
     """``silu(gate) * up`` of 2-D ``gate_up`` rows ``[gate | up]`` (``inter`` each); a new
     ``[rows, inter]`` tensor, or ``None`` (fall back)."""

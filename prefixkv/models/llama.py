@@ -81,7 +81,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:  # same products, one pass fewer
-            fused = cpu_ops.rms_norm(x, self.weight, self.eps) if x.dim() == 2 else None
+            fused = (cpu_ops.rms_norm(x, self.weight, self.eps) if x.dim() == 2 else
+                     cpu_ops.rms_norm_heads(x, self.weight, self.eps) if x.dim() == 3 else None)
             if fused is not None:
                 return fused
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -1,4 +1,4 @@
-"""Decode steps on CPU without per-op dispatch: each layer as nine C calls on raw addresses.
+"""Decode steps on CPU without per-op dispatch: each layer as eleven C calls on raw addresses.
 
 A decode step of a small model is bound by streaming its weights (the C matmul,
 ``models/cpu_gemv.py``, reaches the memory's bandwidth) plus the Python and dispatcher cost of
@@ -8,12 +8,13 @@ fused RMSNorm / RoPE / SwiGLU of ``models/cpu_ops.py``, ``cpu_gemv``'s matmul, t
 kernel of ``cpu_attention.py``) on the same values in the same order, so its hidden states
 equal the module path's bit for bit (``tests/runner/test_cpu_decode.py``); only the dispatch
 is gone: every weight's address is taken once (:meth:`CpuDecode.build`), the step's buffers
-and the attention's checks once per step, and a layer is nine C calls and two KV writes.
+and the attention's checks once per step, and a layer is eleven C calls (two of them the KV
+writes; thirteen with Qwen3's q/k norms).
 
 When: float32 on CPU, the three C extensions built and on, a Llama-family model (Qwen3's
-q/k norms run as torch's ``rms_norm``, as in the module path) whose matmuls all have
-C-readable packed weights (``cpu_pack.PackedWeight.address``), at most ``cpu_gemv.MAX_ROWS``
-new tokens, and a step whose every sequence the attention kernel takes
+q/k norms in place, per head, by ``cpu_ops``' row function, as in the module path) whose
+matmuls all have C-readable packed weights (``cpu_pack.PackedWeight.address``), at most
+``cpu_gemv.MAX_ROWS`` new tokens, and a step whose every sequence the attention kernel takes
 (``PagedAttention.kernel_batch``). Otherwise :meth:`CpuDecode.run` returns ``None`` and the
 runner takes the module path. ``PREFIXKV_CPU_DECODE=0`` turns this path off.
 
@@ -29,7 +30,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from prefixkv.models import cpu_gemv, cpu_ops
 from prefixkv.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, Linear, RMSNorm
@@ -62,7 +62,7 @@ class _Layer:
     down: _Matmul
     q_norm: torch.Tensor | None  # Qwen3's per-head q / k RMSNorm weights (torch's op, as
     k_norm: torch.Tensor | None  # the module path runs it on [T, H, D]); None: no q/k norm
-    k_rows: torch.Tensor  # the layer's K pool as [slots, Hkv, D] (index_copy_ target)
+    k_rows: torch.Tensor  # the layer's K pool as [slots, Hkv, D] (owns k_addr's memory)
     v_rows: torch.Tensor
     k_addr: int
     v_addr: int
@@ -128,7 +128,8 @@ class CpuDecode:
                     or not norm_post or (q_norm is None) != (k_norm is None)):
                 return None
             if q_norm is not None and k_norm is not None and not all(
-                w.dtype == torch.float32 and w.shape == (cfg.head_dim,) for w in (q_norm, k_norm)
+                w.dtype == torch.float32 and w.shape == (cfg.head_dim,) and w.is_contiguous()
+                for w in (q_norm, k_norm)
             ):
                 return None
             k_cache, v_cache = pool.layer(i)
@@ -168,10 +169,15 @@ class CpuDecode:
         k0, v0 = self.pool.layer(0)
         cpu_attention.check(out, q, k0, v0, batch)  # once: every layer's views are alike
         slots = attention.slot_mapping
+        if not (slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == m):
+            return None
+        slots_addr, pool_rows = slots.data_ptr(), self.layers[0].k_rows.shape[0]
         threads = torch.get_num_threads()
         gemv, rms, rope, silu = _cpu_gemv.gemv, _cpu_ops.rms_norm, _cpu_ops.rope, _cpu_ops.silu_mul
+        heads_norm, scatter = _cpu_ops.rms_heads, _cpu_ops.scatter_rows
         s_addr, o_addr, n_addr = stream.data_ptr(), other.data_ptr(), normed.data_ptr()
         qkv_addr, out_addr = qkv.data_ptr(), out.data_ptr()
+        k_addr, v_addr = k_new.data_ptr(), v_new.data_ptr()
         gu_addr, act_addr = gate_up.data_ptr(), act.data_ptr()
         cos_addr, sin_addr = cos.data_ptr(), sin.data_ptr()
         eps = self.eps
@@ -180,12 +186,14 @@ class CpuDecode:
             # stream before it, added here as the module path adds them)
             rms(s_addr, hid, o_addr if i else 0, hid, n_addr, hid, L.norm_in, m, hid, eps, threads)
             gemv(*L.qkv.weight, n_addr, hid, qkv_addr, width, L.qkv.bias, m, threads)
-            if L.q_norm is not None and L.k_norm is not None:
-                q.copy_(F.rms_norm(q, (dim,), L.q_norm, eps))
-                k_new.copy_(F.rms_norm(k_new, (dim,), L.k_norm, eps))
+            if L.q_norm is not None and L.k_norm is not None:  # in place, per head
+                heads_norm(qkv_addr, width, qkv_addr, width, L.q_norm.data_ptr(), m, heads,
+                           dim, eps, threads)
+                heads_norm(k_addr, width, k_addr, width, L.k_norm.data_ptr(), m, kvh, dim, eps,
+                           threads)
             rope(qkv_addr, width, cos_addr, sin_addr, dim, m, heads + kvh, dim, threads)
-            L.k_rows.index_copy_(0, slots, k_new)
-            L.v_rows.index_copy_(0, slots, v_new)
+            scatter(k_addr, width, L.k_addr, slots_addr, m, kv_size, pool_rows)  # the new K, V
+            scatter(v_addr, width, L.v_addr, slots_addr, m, kv_size, pool_rows)  # into the pool
             cpu_attention.call(out, q, L.k_addr, L.v_addr, k0, batch, threads)
             gemv(*L.o.weight, out_addr, q_size, o_addr, hid, L.o.bias, m, threads)
             rms(o_addr, hid, s_addr, hid, n_addr, hid, L.norm_post, m, hid, eps, threads)

@@ -44,6 +44,44 @@ def test_rms_norm_matches_torch(rows, with_residual, ops_on):
 
 
 @needs_ops
+@pytest.mark.parametrize("rows", [1, 6, 600])  # one thread / over the team
+def test_per_head_rms_norm_matches_torch_and_the_row_norm(rows, ops_on):
+    """Qwen3's q/k norm on the q heads of a fused qkv output (a strided view): torch's values to
+    float32 rounding, and each head bit for bit the row norm's (the module path and the C
+    decode path call the same row function, so their hidden states stay equal)."""
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 6 * 64, generator=gen) * 2
+    w = torch.randn(64, generator=gen)
+    q = qkv[:, : 4 * 64].view(rows, 4, 64)  # four heads of 64, a row 384 floats apart
+    got = cpu_ops.rms_norm_heads(q, w, 1e-6)
+    assert got is not None and got.shape == (rows, 4, 64)
+    torch.testing.assert_close(got, F.rms_norm(q, (64,), w, 1e-6), atol=1e-5, rtol=1e-5)
+    by_rows = cpu_ops.rms_norm(q.reshape(rows * 4, 64), w, 1e-6)
+    assert by_rows is not None and torch.equal(got.reshape(rows * 4, 64), by_rows)
+    assert cpu_ops.rms_norm_heads(qkv.view(rows, 12, 32)[:, ::2], w[:32], 1e-6) is None  # gaps
+
+
+@pytest.mark.skipif(cpu_ops._ops is None, reason="C ops not built")
+def test_scatter_rows_writes_a_steps_kv_like_index_copy():
+    """A step's new K rows (a strided view of the fused qkv output) into the pool's rows at the
+    step's slots, as index_copy_ writes them; a slot outside the pool is an IndexError and
+    nothing is written."""
+    pool = torch.zeros(40, 2, 64)
+    qkv = torch.randn(3, 8 * 64)
+    k_new = qkv[:, 4 * 64 : 6 * 64].view(3, 2, 64)
+    slots = torch.tensor([17, 3, 39])
+    want = pool.clone().index_copy_(0, slots, k_new)
+    cpu_ops._ops.scatter_rows(k_new.data_ptr(), qkv.stride(0), pool.data_ptr(), slots.data_ptr(),
+                              3, 128, 40)
+    assert torch.equal(pool, want)
+    before, bad = pool.clone(), torch.tensor([0, 40, 1])
+    with pytest.raises(IndexError, match="slot 40"):
+        cpu_ops._ops.scatter_rows(k_new.data_ptr(), qkv.stride(0), pool.data_ptr(),
+                                  bad.data_ptr(), 3, 128, 40)
+    assert torch.equal(pool, before)
+
+
+@needs_ops
 @pytest.mark.parametrize("rows", [1, 5, 2000])
 def test_silu_mul_matches_torch(rows, ops_on):
     gen = torch.Generator().manual_seed(rows)
