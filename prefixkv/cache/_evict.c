@@ -253,6 +253,11 @@ static Py_ssize_t detach(Runner *R, PyObject *e, PyObject *parent, PyObject *chi
             rc = -1;
         else if (o > 0 && PyByteArray_CheckExact(alive) && o < PyByteArray_GET_SIZE(alive)) {
             unsigned char *a = (unsigned char *)PyByteArray_AS_STRING(alive) + o;
+            if (*a == 0) { /* HeldIds.release_owner would fail the same way (a byte below 0) */
+                PyErr_SetString(PyExc_ValueError, "evict: an owner tag with no holder left");
+                Py_DECREF(blocks);
+                return -1;
+            }
             *a -= 1;
             if (*a)
                 rc = PyList_Append(loose, blocks);
