@@ -18,15 +18,16 @@ pytestmark = pytest.mark.skipif(native_evict is None, reason="prefixkv.cache._ev
 
 
 class StepClock:
-    """Advances by one on most calls, stays on some (so some keys tie on their first part)."""
+    """Advances by one on most calls, stays on some (so some keys tie on their first part).
+    ``ints``: returns ints (a user's clock may), so the runner compares items as tuples."""
 
-    def __init__(self, seed: int) -> None:
-        self.now, self.rng = 0.0, random.Random(seed)
+    def __init__(self, seed: int, ints: bool = False) -> None:
+        self.now, self.rng, self.ints = 0, random.Random(seed), ints
 
     def __call__(self) -> float:
         if self.rng.random() < 0.7:
-            self.now += 1.0
-        return self.now
+            self.now += 1
+        return self.now if self.ints else float(self.now)
 
 
 class Counting:
@@ -41,13 +42,14 @@ class Counting:
         return got, freed, orphan
 
 
-def _pair(policy: str, bs: int, seed: int, monkeypatch) -> tuple[RadixPrefixCache, RadixPrefixCache]:
+def _pair(policy: str, bs: int, seed: int, monkeypatch,
+          ints: bool = False) -> tuple[RadixPrefixCache, RadixPrefixCache]:
     """Two equal caches: the C runner in the first, the Python loop only in the second."""
-    fast = RadixPrefixCache(4096, bs, eviction_policy=policy, clock=StepClock(seed),
+    fast = RadixPrefixCache(4096, bs, eviction_policy=policy, clock=StepClock(seed, ints),
                             max_pinned_blocks=64)
     with monkeypatch.context() as m:
         m.setattr(radix_mod, "_evict", None)
-        slow = RadixPrefixCache(4096, bs, eviction_policy=policy, clock=StepClock(seed),
+        slow = RadixPrefixCache(4096, bs, eviction_policy=policy, clock=StepClock(seed, ints),
                                 max_pinned_blocks=64)
     assert fast._evictor._whole is not None and slow._evictor._whole is None
     return fast, slow
@@ -55,11 +57,12 @@ def _pair(policy: str, bs: int, seed: int, monkeypatch) -> tuple[RadixPrefixCach
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
 @pytest.mark.parametrize("bs", [1, 4, 16])
-def test_the_runner_frees_what_the_python_loop_frees(policy, bs, monkeypatch):
+@pytest.mark.parametrize("ints", [False, True], ids=["float-clock", "int-clock"])
+def test_the_runner_frees_what_the_python_loop_frees(policy, bs, ints, monkeypatch):
     """Conversations that share system prompts and grow turn by turn (parents left childless,
     split nodes sharing owner tags), matches that lock, pins, and evictions of every size: both
     caches return the same ids in the same order and end in the same state."""
-    fast, slow = _pair(policy, bs, 7, monkeypatch)
+    fast, slow = _pair(policy, bs, 7, monkeypatch, ints)
     counter = Counting(fast._evictor._whole)
     fast._evictor._whole = counter
     rng = random.Random(bs)
