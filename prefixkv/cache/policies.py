@@ -103,21 +103,22 @@ class EvictionPolicy:
         class that defines ``key`` (a subclass that overrides only ``key`` gets ``None``)."""
         if not self.direct_depth_key:
             return None
+        return self.key_at_depth if self._declared_with_key("key_at_depth") else None
+
+    def _declared_with_key(self, name: str) -> bool:
+        """Whether the class that defines ``key`` also defines ``name`` (a subclass overriding
+        only ``key`` does not inherit a declaration made about its parent's key)."""
         mro = type(self).__mro__
         by_key = next(c for c in mro if "key" in c.__dict__)
-        by_depth = next(c for c in mro if "key_at_depth" in c.__dict__)
-        return self.key_at_depth if by_key is by_depth else None
+        return by_key is next(c for c in mro if name in c.__dict__)
 
     def frees_whole_leaves_in_c(self) -> bool:
         """Whether eviction may free whole leaves in C: ``depth_monotone_keys`` and
-        ``depth_free_head`` hold, both declared (with ``key``) by the class that defines ``key``
-        (a subclass overriding only ``key`` gets ``False``), and no ``on_evict`` hook."""
-        if not (self.depth_monotone_keys and self.depth_free_head):
-            return False
-        mro = type(self).__mro__
-        by_key = next(c for c in mro if "key" in c.__dict__)
-        by_head = next(c for c in mro if "depth_free_head" in c.__dict__)
-        return by_key is by_head and type(self).on_evict is EvictionPolicy.on_evict
+        ``depth_free_head`` hold, ``depth_free_head`` declared by the class that defines ``key``
+        (a subclass overriding only ``key`` gets ``False``). (An ``on_evict`` hook keeps the
+        Python loop too: the evictor takes the C runner only without one.)"""
+        return (self.depth_monotone_keys and self.depth_free_head
+                and self._declared_with_key("depth_free_head"))
 
     def on_access(self, entry: CacheEntry) -> None:
         """Called after a match or insert reached ``entry`` (its fields are already updated)."""

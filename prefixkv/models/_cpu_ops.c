@@ -8,13 +8,12 @@
  *
  * supported() -> bool
  *     whether this CPU and build run the functions (x86-64 with AVX-512F/DQ).
- * rms_norm(x, x_st, res, res_st, out, out_st, w, rows, dim, eps, threads) -> None
- *     res != 0: x[r] += res[r] first (in place: x becomes the residual stream). Then
- *     out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w; out must not overlap x.
- * rms_heads(x, x_st, out, out_st, w, rows, heads, dim, eps, threads) -> None
- *     per row r and head h (heads of ``dim`` adjacent, a row ``x_st`` apart): the RMSNorm
- *     of x[r, h] into out[r, h], the same row function as rms_norm (Qwen3's q/k norms); out
- *     may be x itself (each element is read before it is written).
+ * rms_norm(x, x_st, res, res_st, out, out_st, w, rows, dim, eps, threads[, heads]) -> None
+ *     per row r and head h < heads (default 1; heads of ``dim`` adjacent in a row, as Qwen3's
+ *     q/k norms read the fused qkv output): res != 0: x[r, h] += res[r, h] first (in place: x
+ *     becomes the residual stream). Then out[r, h] = x[r, h] / sqrt(mean(x[r, h]**2) + eps) * w.
+ *     Without res, out may be x itself (each element is read before it is written); with res
+ *     it must not overlap x.
  * scatter_rows(src, src_st, dst, slots, n, width, dst_rows) -> None
  *     row i of ``src`` (``width`` floats, rows ``src_st`` apart) to row slots[i] of ``dst``
  *     (contiguous rows of ``width``), i < n; ``slots`` int64. IndexError, nothing written, if a
@@ -118,50 +117,23 @@ static PyObject *rms_norm(PyObject *self, PyObject *args)
 {
 #if HAVE_OPS
     unsigned long long x, res, out, w;
-    long x_st, res_st, out_st, rows, dim, threads;
+    long x_st, res_st, out_st, rows, dim, threads, heads = 1;
     double eps;
-    if (!PyArg_ParseTuple(args, "KlKlKlKlldl", &x, &x_st, &res, &res_st, &out, &out_st, &w,
-                          &rows, &dim, &eps, &threads))
+    if (!PyArg_ParseTuple(args, "KlKlKlKlldl|l", &x, &x_st, &res, &res_st, &out, &out_st, &w,
+                          &rows, &dim, &eps, &threads, &heads))
         return NULL;
-    if (!cpu_ok() || rows < 1 || dim < 16 || dim % 16 || threads < 1) {
+    if (!cpu_ok() || rows < 1 || heads < 1 || dim < 16 || dim % 16 || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "rms_norm: unsupported arguments");
         return NULL;
     }
-    int nt = rows * dim >= PARALLEL_MIN ? (int)threads : 1;
-    Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (long r = 0; r < rows; r++)
-        rms_row((float *)x + r * x_st, res ? (const float *)res + r * res_st : NULL,
-                (float *)out + r * out_st, (const float *)w, dim, (float)eps);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-#else
-    PyErr_SetString(PyExc_RuntimeError, "not built for this platform");
-    return NULL;
-#endif
-}
-
-static PyObject *rms_heads(PyObject *self, PyObject *args)
-{
-#if HAVE_OPS
-    unsigned long long x, out, w;
-    long x_st, out_st, rows, heads, dim, threads;
-    double eps;
-    if (!PyArg_ParseTuple(args, "KlKlKllldl", &x, &x_st, &out, &out_st, &w, &rows, &heads, &dim,
-                          &eps, &threads))
-        return NULL;
-    if (!cpu_ok() || rows < 1 || heads < 1 || dim < 16 || dim % 16 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "rms_heads: unsupported arguments");
-        return NULL;
-    }
-    long n = rows * heads;
+    long n = rows * heads; /* a norm per head of dim, heads adjacent in a row */
     int nt = n * dim >= PARALLEL_MIN ? (int)threads : 1;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (long i = 0; i < n; i++) {
-        long r = i / heads, h = i % heads;
-        rms_row((float *)x + r * x_st + h * dim, NULL, (float *)out + r * out_st + h * dim,
-                (const float *)w, dim, (float)eps);
+        long r = i / heads, h = (i % heads) * dim;
+        rms_row((float *)x + r * x_st + h, res ? (const float *)res + r * res_st + h : NULL,
+                (float *)out + r * out_st + h, (const float *)w, dim, (float)eps);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -247,7 +219,6 @@ static PyObject *rope(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU and build run the functions."},
     {"rms_norm", rms_norm, METH_VARARGS, "RMSNorm of rows (after adding a residual), float32."},
-    {"rms_heads", rms_heads, METH_VARARGS, "RMSNorm of each head of rows (Qwen3's q/k norm), float32."},
     {"scatter_rows", scatter_rows, METH_VARARGS, "Rows of floats to the given rows of a table (a step's K or V into the pool)."},
     {"silu_mul", silu_mul, METH_VARARGS, "silu(gate) * up of fused gate/up rows, float32."},
     {"rope", rope, METH_VARARGS, "HF RoPE in place on rows of heads, float32."},

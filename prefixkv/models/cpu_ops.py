@@ -75,8 +75,8 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
             and weight.is_contiguous() and weight.shape == (dim,) and x.shape[0] > 0):
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    _ops.rms_heads(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), weight.data_ptr(),
-                   x.shape[0], x.shape[1], dim, eps, torch.get_num_threads())
+    _ops.rms_norm(x.data_ptr(), x.stride(0), 0, 0, out.data_ptr(), out.stride(0),
+                  weight.data_ptr(), x.shape[0], dim, eps, torch.get_num_threads(), x.shape[1])
     return out
 
 

@@ -174,7 +174,7 @@ class CpuDecode:
         slots_addr, pool_rows = slots.data_ptr(), self.layers[0].k_rows.shape[0]
         threads = torch.get_num_threads()
         gemv, rms, rope, silu = _cpu_gemv.gemv, _cpu_ops.rms_norm, _cpu_ops.rope, _cpu_ops.silu_mul
-        heads_norm, scatter = _cpu_ops.rms_heads, _cpu_ops.scatter_rows
+        scatter = _cpu_ops.scatter_rows
         s_addr, o_addr, n_addr = stream.data_ptr(), other.data_ptr(), normed.data_ptr()
         qkv_addr, out_addr = qkv.data_ptr(), out.data_ptr()
         k_addr, v_addr = k_new.data_ptr(), v_new.data_ptr()
@@ -187,10 +187,10 @@ class CpuDecode:
             rms(s_addr, hid, o_addr if i else 0, hid, n_addr, hid, L.norm_in, m, hid, eps, threads)
             gemv(*L.qkv.weight, n_addr, hid, qkv_addr, width, L.qkv.bias, m, threads)
             if L.q_norm is not None and L.k_norm is not None:  # in place, per head
-                heads_norm(qkv_addr, width, qkv_addr, width, L.q_norm.data_ptr(), m, heads,
-                           dim, eps, threads)
-                heads_norm(k_addr, width, k_addr, width, L.k_norm.data_ptr(), m, kvh, dim, eps,
-                           threads)
+                rms(qkv_addr, width, 0, 0, qkv_addr, width, L.q_norm.data_ptr(), m, dim, eps,
+                    threads, heads)
+                rms(k_addr, width, 0, 0, k_addr, width, L.k_norm.data_ptr(), m, dim, eps,
+                    threads, kvh)
             rope(qkv_addr, width, cos_addr, sin_addr, dim, m, heads + kvh, dim, threads)
             scatter(k_addr, width, L.k_addr, slots_addr, m, kv_size, pool_rows)  # the new K, V
             scatter(v_addr, width, L.v_addr, slots_addr, m, kv_size, pool_rows)  # into the pool
