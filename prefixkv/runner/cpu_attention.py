@@ -21,7 +21,7 @@ the torch path when False.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,15 +144,29 @@ def call(
 ) -> None:
     """The kernel on ``q`` / ``out`` and one layer's K / V at ``k_addr`` / ``v_addr`` (views
     shaped and strided like ``pool_layer``), with no checks: only after :func:`check` passed
-    for the same shapes, strides and dtypes (the per-step decode path checks once per step)."""
-    _kernel.attend(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        out.data_ptr(), out.stride(0), out.stride(1),
-        k_addr, v_addr, pool_layer.stride(0), pool_layer.stride(1),
-        b.info.data_ptr(), b.info.shape[0], b.tables.data_ptr(),
-        q.shape[1], pool_layer.shape[2], q.shape[2], pool_layer.shape[1], q.shape[2] ** -0.5,
-        threads, pool_layer.dtype == torch.bfloat16,
-    )  # fmt: skip
+    for the same shapes, strides and dtypes."""
+    bind(out, q, pool_layer, b, threads)(k_addr, v_addr)
+
+
+def bind(
+    out: torch.Tensor, q: torch.Tensor, pool_layer: torch.Tensor, b: Batch, threads: int
+) -> Callable[[int, int], None]:
+    """:func:`call` with everything but the layer's K / V addresses read once: ``f(k_addr,
+    v_addr)`` runs the kernel on that layer (the per-step decode path binds once per step and
+    calls it per layer; the same no-checks contract as :func:`call`)."""
+    kernel = _kernel.attend
+    q_addr, q_st, q_sh = q.data_ptr(), q.stride(0), q.stride(1)
+    o_addr, o_st, o_sh = out.data_ptr(), out.stride(0), out.stride(1)
+    blk_st, tok_st = pool_layer.stride(0), pool_layer.stride(1)
+    info, n_seqs, tables = b.info.data_ptr(), b.info.shape[0], b.tables.data_ptr()
+    heads, kv_heads, dim, bs = q.shape[1], pool_layer.shape[2], q.shape[2], pool_layer.shape[1]
+    scale, bf16 = dim**-0.5, pool_layer.dtype == torch.bfloat16
+
+    def run(k_addr: int, v_addr: int) -> None:
+        kernel(q_addr, q_st, q_sh, o_addr, o_st, o_sh, k_addr, v_addr, blk_st, tok_st, info,
+               n_seqs, tables, heads, kv_heads, dim, bs, scale, threads, bf16)
+
+    return run
 
 
 def prefill(

@@ -181,6 +181,7 @@ class CpuDecode:
         gu_addr, act_addr = gate_up.data_ptr(), act.data_ptr()
         cos_addr, sin_addr = cos.data_ptr(), sin.data_ptr()
         eps = self.eps
+        attend = cpu_attention.bind(out, q, k0, batch, threads)  # per layer: its K / V only
         for i, L in enumerate(self.layers):
             # the stream is in `stream` (+ `other` from layer 1 on: the MLP's output and the
             # stream before it, added here as the module path adds them)
@@ -194,7 +195,7 @@ class CpuDecode:
             rope(qkv_addr, width, cos_addr, sin_addr, dim, m, heads + kvh, dim, threads)
             scatter(k_addr, width, L.k_addr, slots_addr, m, kv_size, pool_rows)  # the new K, V
             scatter(v_addr, width, L.v_addr, slots_addr, m, kv_size, pool_rows)  # into the pool
-            cpu_attention.call(out, q, L.k_addr, L.v_addr, k0, batch, threads)
+            attend(L.k_addr, L.v_addr)
             gemv(*L.o.weight, out_addr, q_size, o_addr, hid, L.o.bias, m, threads)
             rms(o_addr, hid, s_addr, hid, n_addr, hid, L.norm_post, m, hid, eps, threads)
             gemv(*L.gate_up.weight, n_addr, hid, gu_addr, 2 * inter, L.gate_up.bias, m, threads)

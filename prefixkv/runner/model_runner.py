@@ -177,8 +177,13 @@ class ModelRunner:
         """
         with torch.inference_mode():
             hidden, ends = self.hidden_states(items)
-            last = torch.tensor(ends, device=self.device) - 1
-            return self.model.compute_logits(hidden[last]).float()
+            if len(ends) == hidden.shape[0]:  # one new token an item (decodes): every row
+                last = hidden
+            elif len(ends) == 1:
+                last = hidden[-1:]
+            else:
+                last = hidden[torch.tensor(ends, device=self.device) - 1]
+            return self.model.compute_logits(last).float()
 
     def hidden_states(self, items: list[RunItem]) -> tuple[torch.Tensor, list[int]]:
         """The model over ``items`` (validated; K/V written as :meth:`execute` says): the hidden
