@@ -18,10 +18,11 @@
  * reversed_runs(runs) -> bytes
  *     the uint32 runs (a list of buffers) concatenated in order, each reversed: an eviction's
  *     freed ids, each run deepest first (eviction.py), in one pass.
- * from_list(ids, narrow) -> bytes | None
+ * from_list(ids, narrow[, exact]) -> bytes | None
  *     a list or tuple of ints as uint32 bytes (uint16 when ``narrow`` and every id is below
  *     2**16); None at the first item that is not an int in [0, 2**32) (the caller's slower path
- *     then raises the precise error). About 2x faster than array('I', ids).
+ *     then raises the precise error), or with ``exact`` not exactly an int (a bool or another
+ *     int subclass: the engine's prompt check). About 2x faster than array('I', ids).
  * narrow64(ints64, narrow) -> bytes | None
  *     a native 64-bit int buffer (array('q'), numpy int64) as uint32 bytes, or uint16 bytes when
  *     ``narrow`` and every value is below 2**16; None when a value is negative or >= 2**32.
@@ -237,8 +238,8 @@ static PyObject *narrow64(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "narrow64(ints64, narrow) takes 2 arguments");
         return NULL;
     }
-    int narrow = PyObject_IsTrue(args[1]);
-    if (narrow < 0)
+    int narrow = PyObject_IsTrue(args[1]), exact = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (narrow < 0 || exact < 0)
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0)
@@ -325,8 +326,8 @@ done:
 
 static PyObject *from_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "from_list(ids, narrow) takes 2 arguments");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "from_list(ids, narrow[, exact]) takes 2 or 3 arguments");
         return NULL;
     }
     PyObject *seq = args[0];
@@ -334,8 +335,8 @@ static PyObject *from_list(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, "from_list: a list or tuple is required");
         return NULL;
     }
-    int narrow = PyObject_IsTrue(args[1]);
-    if (narrow < 0)
+    int narrow = PyObject_IsTrue(args[1]), exact = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (narrow < 0 || exact < 0)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -348,7 +349,7 @@ static PyObject *from_list(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyObject *item = items[i];
         int overflow;
         long long v;
-        if (!PyLong_Check(item))
+        if (exact ? !PyLong_CheckExact(item) : !PyLong_Check(item))
             goto other;  /* not an int: the caller's path reports it */
         v = PyLong_AsLongLongAndOverflow(item, &overflow);
         if (overflow || v < 0 || v > 0xFFFFFFFFLL)

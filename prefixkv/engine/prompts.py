@@ -5,9 +5,14 @@ Thread safe (tokenizer only), so callers may resolve prompts outside the engine 
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
+
+from prefixkv.cache._checks import exact_ids_below
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 """A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
@@ -34,8 +39,9 @@ def resolve_prompt(
 ) -> tuple[str | None, list[int]]:
     """``(text or None, token ids)`` of a prompt; ``ValueError`` naming ``prompt`` if malformed.
 
-    Text is encoded with the tokenizer's special tokens (e.g. BOS); ids must lie in
-    ``[0, vocab_size)`` and there must be at least one. Text longer than ``max_chars`` or
+    Text is encoded with the tokenizer's special tokens (e.g. BOS); ids must be ints in
+    ``[0, vocab_size)`` (numpy integers and IntEnum members become plain ints, a bool is
+    refused) and there must be at least one. Text longer than ``max_chars`` or
     with lone surrogates is refused before tokenizing (see :func:`check_text`).
     """
     text: str | None = None
@@ -59,13 +65,28 @@ def resolve_prompt(
     ids = list(ids)
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
-    # fast path: plain ints in range (no per-item Python branch); else find the culprit
-    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab_size:
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-                raise ValueError(f"prompt token id {t!r} out of range [0, {vocab_size})")
-        ids = [int(t) for t in ids]  # int subclasses (e.g. IntEnum) become plain ints
+    # fast path: plain ints in range (one C pass, or no per-item Python branch); else find
+    # the culprit
+    ok = exact_ids_below(ids, vocab_size)
+    if ok is None:
+        ok = set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size
+    if not ok:
+        ids = [_plain_id(t, vocab_size) for t in ids]  # raises naming the first bad one
     return text, ids
+
+
+def _plain_id(t: Any, vocab_size: int) -> int:
+    """``t`` as a plain int id (an IntEnum member or a numpy integer converted); ``ValueError``
+    naming the prompt for a bool, a non-integer or an id outside ``[0, vocab_size)``."""
+    if isinstance(t, (bool, np.bool_)):
+        raise ValueError(f"prompt token id {t!r} is a bool, not an int")
+    try:
+        v = operator.index(t)
+    except TypeError:
+        raise ValueError(f"prompt token id {t!r} is not an int") from None
+    if not 0 <= v < vocab_size:
+        raise ValueError(f"prompt token id {v} out of range [0, {vocab_size})")
+    return v
 
 
 def render_chat(

@@ -180,3 +180,23 @@ def test_int64_and_list_inputs_convert_the_same_without_the_c_helper(monkeypatch
     assert with_c[13] == ("H", [1, 2, 3]) and with_c[14] == ("I", [1, 70_000])
     assert with_c[19] == ("I", [1, 2**32 - 1]) and with_c[21] == ("H", [3, 4])
     assert "ints" in with_c[26] and "ints" in with_c[28]
+
+
+def test_exact_ids_below_takes_only_plain_ints_in_range(monkeypatch):
+    """The engine's prompt check: exactly ``int`` (a bool or an IntEnum member is another
+    type to it), in ``[0, limit)``; ``None`` when the C helper is not built."""
+    import enum
+
+    from prefixkv.cache import _checks
+
+    class Tok(enum.IntEnum):
+        A = 3
+
+    if _checks._keypack is not None:
+        assert _checks.exact_ids_below([], 5) is True
+        assert _checks.exact_ids_below([0, 4, 4, 1], 5) is True
+        for bad in ([5], [0, -1], [True], [Tok.A], [np.int64(3)], [2.0], [2**32], [2**70], ["a"]):
+            assert _checks.exact_ids_below(bad, 5) is False, bad
+        assert _checks.exact_ids_below([2**32 - 1], 2**32) is True
+    monkeypatch.setattr(_checks, "_keypack", None)
+    assert _checks.exact_ids_below([1, 2], 5) is None
