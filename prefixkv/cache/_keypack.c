@@ -238,8 +238,8 @@ static PyObject *narrow64(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "narrow64(ints64, narrow) takes 2 arguments");
         return NULL;
     }
-    int narrow = PyObject_IsTrue(args[1]), exact = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
-    if (narrow < 0 || exact < 0)
+    int narrow = PyObject_IsTrue(args[1]);
+    if (narrow < 0)
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0)
