@@ -111,15 +111,16 @@ def attend(
     if q.stride(2) != 1:
         q = q.contiguous()
     check(out, q, k_cache, v_cache, b)
-    call(out, q, k_cache.data_ptr(), v_cache.data_ptr(), k_cache, b, torch.get_num_threads())
+    bind(out, q, k_cache, b, torch.get_num_threads())(k_cache.data_ptr(), v_cache.data_ptr())
 
 
 def check(
     out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: Batch
 ) -> None:
-    """``ValueError`` unless :func:`call` may read ``q`` and ``b``'s blocks of the pool and write
-    ``out`` (the shapes, strides and dtypes :func:`attend` documents). It holds for every layer
-    of a pool whose ``(k, v)`` views share ``k_cache``'s shape and strides (``KVPool``)."""
+    """``ValueError`` unless :func:`bind`'s kernel call may read ``q`` and ``b``'s blocks of the
+    pool and write ``out`` (the shapes, strides and dtypes :func:`attend` documents). It holds
+    for every layer of a pool whose ``(k, v)`` views share ``k_cache``'s shape and strides
+    (``KVPool``)."""
     rows, heads, d = q.shape
     kv_heads = k_cache.shape[2]
     if q.stride(2) != 1:
@@ -138,22 +139,13 @@ def check(
                          f" rows, the pool {k_cache.shape[0]} blocks")
 
 
-def call(
-    out: torch.Tensor, q: torch.Tensor, k_addr: int, v_addr: int, pool_layer: torch.Tensor,
-    b: Batch, threads: int,
-) -> None:
-    """The kernel on ``q`` / ``out`` and one layer's K / V at ``k_addr`` / ``v_addr`` (views
-    shaped and strided like ``pool_layer``), with no checks: only after :func:`check` passed
-    for the same shapes, strides and dtypes."""
-    bind(out, q, pool_layer, b, threads)(k_addr, v_addr)
-
-
 def bind(
     out: torch.Tensor, q: torch.Tensor, pool_layer: torch.Tensor, b: Batch, threads: int
 ) -> Callable[[int, int], None]:
-    """:func:`call` with everything but the layer's K / V addresses read once: ``f(k_addr,
-    v_addr)`` runs the kernel on that layer (the per-step decode path binds once per step and
-    calls it per layer; the same no-checks contract as :func:`call`)."""
+    """The kernel on ``q`` / ``out`` for one layer at a time: ``f(k_addr, v_addr)`` runs it on
+    the layer whose K / V views (shaped and strided like ``pool_layer``) start there. Everything
+    else is read once, here (the per-step decode path binds once per step and calls it per
+    layer). No checks: only after :func:`check` passed for the same shapes, strides and dtypes."""
     kernel = _kernel.attend
     q_addr, q_st, q_sh = q.data_ptr(), q.stride(0), q.stride(1)
     o_addr, o_st, o_sh = out.data_ptr(), out.stride(0), out.stride(1)
