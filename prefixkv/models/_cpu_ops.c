@@ -26,6 +26,15 @@
  *     in place, per row r and head h (heads of ``dim`` adjacent, a row ``x_st`` apart):
  *     a, b = halves; a' = a cos - b sin, b' = b cos + a sin, with cos / sin [rows][dim] whose
  *     halves are equal (cat(freqs, freqs)), as HF's rotate_half form computes.
+ * rope_cos_sin(pos, n, inv, half, cos, sin, threads) -> None
+ *     the cos / sin rows rope() reads: row i (2 * half floats, halves equal) holds cos / sin of
+ *     a = (float)pos[i] * inv[j] (the float32 product torch forms), j < half; ``pos`` int64,
+ *     ``half`` a multiple of 16. Computed in double and rounded once (within an ulp of the
+ *     exact value; torch's float32 SLEEF cos is within one too, so the two may differ by one).
+ * gather_rows(src, src_rows, width, ids, n, dst) -> None
+ *     row i of ``dst`` = row ids[i] of ``src`` (contiguous rows of ``width`` floats), i < n;
+ *     ``ids`` int64; IndexError, nothing written, if an id is outside [0, src_rows). An
+ *     embedding lookup without its dispatch.
  * Addresses are ints, strides in floats; the caller (cpu_ops.py) checks shapes and strides.
  */
 #define PY_SSIZE_T_CLEAN
@@ -100,6 +109,73 @@ AVX512 static void rope_row(float *x, const float *c, const float *s, long heads
             _mm512_storeu_ps(a + i, _mm512_fnmadd_ps(bv, sv, _mm512_mul_ps(av, cv)));
             _mm512_storeu_ps(b + i, _mm512_fmadd_ps(av, sv, _mm512_mul_ps(bv, cv)));
         }
+    }
+}
+
+/* fdlibm's pi/2 in three parts, its 2/pi and its kernel polynomials for sin and cos on
+ * [-pi/4, pi/4] (double precision; a float result needs far less) */
+#define PIO2_1 1.57079632673412561417e+00
+#define PIO2_2 6.07710050630396597660e-11
+#define PIO2_2T 2.02226624879595063154e-21
+#define INVPIO2 6.36619772367581382433e-01
+#define REDUCE_MAX 1.6e6 /* |angle| above which libm's sincos reduces it (never on RoPE's) */
+static const double S_POLY[6] = {-1.66666666666666324348e-01, 8.33333333332248946124e-03,
+    -1.98412698298579493134e-04, 2.75573137070700676789e-06, -2.50507602534068634195e-08,
+    1.58969099521155010221e-10};
+static const double C_POLY[6] = {4.16666666666666019037e-02, -1.38888888888741095749e-03,
+    2.48015872894767294178e-05, -2.75573143513906633035e-07, 2.08757232129817482790e-09,
+    -1.13596475577881948265e-11};
+
+/* sin and cos of 8 angles: x = k pi/2 + r, |r| <= pi/4, then the quadrant k mod 4. */
+AVX512 static void sincos_pd(__m512d x, __m512d *sn, __m512d *cs)
+{
+    __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(INVPIO2)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(PIO2_1), x);
+    r = _mm512_fnmadd_pd(k, _mm512_set1_pd(PIO2_2), r);
+    r = _mm512_fnmadd_pd(k, _mm512_set1_pd(PIO2_2T), r);
+    __m512d z = _mm512_mul_pd(r, r), ps = _mm512_set1_pd(S_POLY[5]), pc = _mm512_set1_pd(C_POLY[5]);
+    for (int i = 4; i >= 0; i--) {
+        ps = _mm512_fmadd_pd(ps, z, _mm512_set1_pd(S_POLY[i]));
+        pc = _mm512_fmadd_pd(pc, z, _mm512_set1_pd(C_POLY[i]));
+    }
+    __m512d s = _mm512_fmadd_pd(_mm512_mul_pd(ps, z), r, r); /* r + r^3 P(z) */
+    __m512d c = _mm512_fmadd_pd(_mm512_mul_pd(z, z), pc,
+                                _mm512_fnmadd_pd(_mm512_set1_pd(0.5), z, _mm512_set1_pd(1.0)));
+    __m512i q = _mm512_cvtpd_epi64(k);
+    __mmask8 swap = _mm512_test_epi64_mask(q, _mm512_set1_epi64(1));
+    __mmask8 neg_s = _mm512_test_epi64_mask(q, _mm512_set1_epi64(2));
+    __mmask8 neg_c = _mm512_test_epi64_mask(_mm512_add_epi64(q, _mm512_set1_epi64(1)),
+                                            _mm512_set1_epi64(2));
+    __m512d s2 = _mm512_mask_blend_pd(swap, s, c), c2 = _mm512_mask_blend_pd(swap, c, s);
+    *sn = _mm512_mask_sub_pd(s2, neg_s, _mm512_setzero_pd(), s2);
+    *cs = _mm512_mask_sub_pd(c2, neg_c, _mm512_setzero_pd(), c2);
+}
+
+AVX512 static void cos_sin_row(int64_t p, const float *inv, long half, float *c, float *s)
+{
+    __m512 pv = _mm512_set1_ps((float)p);
+    for (long j = 0; j < half; j += 8) {
+        __m256 a = _mm256_mul_ps(_mm512_castps512_ps256(pv), _mm256_loadu_ps(inv + j));
+        __m512d x = _mm512_cvtps_pd(a), sn, cs;
+        sincos_pd(x, &sn, &cs);
+        __m256 sf = _mm512_cvtpd_ps(sn), cf = _mm512_cvtpd_ps(cs);
+        if (_mm512_cmp_pd_mask(_mm512_abs_pd(x), _mm512_set1_pd(REDUCE_MAX), _CMP_GT_OQ)) {
+            float av[8], sv[8], cv[8];
+            _mm256_storeu_ps(av, a);
+            for (int i = 0; i < 8; i++) {
+                double si, co;
+                sincos((double)av[i], &si, &co);
+                sv[i] = (float)si;
+                cv[i] = (float)co;
+            }
+            sf = _mm256_loadu_ps(sv);
+            cf = _mm256_loadu_ps(cv);
+        }
+        _mm256_storeu_ps(c + j, cf);
+        _mm256_storeu_ps(c + half + j, cf);
+        _mm256_storeu_ps(s + j, sf);
+        _mm256_storeu_ps(s + half + j, sf);
     }
 }
 #endif
@@ -216,12 +292,63 @@ static PyObject *rope(PyObject *self, PyObject *args)
 #endif
 }
 
+static PyObject *rope_cos_sin(PyObject *self, PyObject *args)
+{
+#if HAVE_OPS
+    unsigned long long pos, inv, c, s;
+    long n, half, threads;
+    if (!PyArg_ParseTuple(args, "KlKlKKl", &pos, &n, &inv, &half, &c, &s, &threads))
+        return NULL;
+    if (!cpu_ok() || n < 0 || half < 16 || half % 16 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "rope_cos_sin: unsupported arguments");
+        return NULL;
+    }
+    const int64_t *p = (const int64_t *)pos;
+    int nt = n * half >= PARALLEL_MIN ? (int)threads : 1;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (long i = 0; i < n; i++)
+        cos_sin_row(p[i], (const float *)inv, half, (float *)c + i * 2 * half,
+                    (float *)s + i * 2 * half);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+#else
+    PyErr_SetString(PyExc_RuntimeError, "not built for this platform");
+    return NULL;
+#endif
+}
+
+static PyObject *gather_rows(PyObject *self, PyObject *args)
+{
+    unsigned long long src, ids, dst;
+    long src_rows, width, n;
+    if (!PyArg_ParseTuple(args, "KllKlK", &src, &src_rows, &width, &ids, &n, &dst))
+        return NULL;
+    const int64_t *at = (const int64_t *)ids;
+    if (n < 0 || width < 1 || src_rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "gather_rows: unsupported arguments");
+        return NULL;
+    }
+    for (long i = 0; i < n; i++)
+        if (at[i] < 0 || at[i] >= src_rows) {
+            PyErr_Format(PyExc_IndexError, "gather_rows: id %lld out of [0, %ld)",
+                         (long long)at[i], src_rows);
+            return NULL;
+        }
+    for (long i = 0; i < n; i++)
+        memcpy((float *)dst + i * width, (const float *)src + at[i] * width,
+               (size_t)width * sizeof(float));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "Whether this CPU and build run the functions."},
     {"rms_norm", rms_norm, METH_VARARGS, "RMSNorm of rows (after adding a residual), float32."},
     {"scatter_rows", scatter_rows, METH_VARARGS, "Rows of floats to the given rows of a table (a step's K or V into the pool)."},
     {"silu_mul", silu_mul, METH_VARARGS, "silu(gate) * up of fused gate/up rows, float32."},
     {"rope", rope, METH_VARARGS, "HF RoPE in place on rows of heads, float32."},
+    {"rope_cos_sin", rope_cos_sin, METH_VARARGS, "The cos / sin rows of RoPE for positions, float32."},
+    {"gather_rows", gather_rows, METH_VARARGS, "Rows of a table by id (an embedding lookup), float32."},
     {NULL, NULL, 0, NULL},
 };
 

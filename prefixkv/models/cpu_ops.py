@@ -103,3 +103,24 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     _ops.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), dim, t, heads, dim,
               torch.get_num_threads())
     return x
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(cos, sin)`` ``[T, 1, 2 * half]`` float32 of ``positions`` ``[T]`` (int64) times
+    ``inv_freq`` ``[half]`` (float32; ``half`` a multiple of 16), halves equal, as
+    ``cat(freqs, freqs).cos()`` / ``.sin()``; each value correctly rounded (torch's float32 cos may
+    differ by one ulp). ``None``: fall back."""
+    half = inv_freq.shape[0]
+    if not (ENABLED and positions.device.type == "cpu" and positions.dtype == torch.int64
+            and positions.dim() == 1 and positions.is_contiguous()
+            and inv_freq.device.type == "cpu" and inv_freq.dtype == torch.float32
+            and inv_freq.dim() == 1 and inv_freq.is_contiguous() and half % 16 == 0 and half):
+        return None
+    t = positions.shape[0]
+    cos = torch.empty((t, 1, 2 * half), dtype=torch.float32)
+    sin = torch.empty((t, 1, 2 * half), dtype=torch.float32)
+    _ops.rope_cos_sin(positions.data_ptr(), t, inv_freq.data_ptr(), half, cos.data_ptr(),
+                      sin.data_ptr(), torch.get_num_threads())
+    return cos, sin

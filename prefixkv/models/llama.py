@@ -313,6 +313,9 @@ class LlamaForCausalLM(nn.Module):
         """``(cos, sin)`` shaped ``[T, 1, head_dim]`` for absolute ``positions`` ``[T]``."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
+        fused = cpu_ops.rope_cos_sin(positions, self._inv_freq)
+        if fused is not None:  # one C pass (torch: five ops, 0.86 ms for 2,080 positions)
+            return fused[0].to(dtype), fused[1].to(dtype)
         freqs = positions[:, None].float() * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -27,6 +27,7 @@ Plain torch, device agnostic (CPU and CUDA).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,7 +103,8 @@ class PagedAttention:
                 self._prefills.append(_prefill(row, n, start, needed, bs, pool.kv))
             row += n
         self.num_tokens = row
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        self.slots = array("q", slots)  # each new token's KV row (the C path reads it)
+        self._slot_mapping: torch.Tensor | None = None
         groups = []
         for group in _group_by_length(decodes):
             # the kernel takes every decode, also a group sharing a long cached prefix (read
@@ -116,6 +118,16 @@ class PagedAttention:
         self._kernel = (
             cpu_attention.batch(in_kernel, bs, pool.num_blocks) if in_kernel else None
         )  # the C kernel's sequences: usually the whole step
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """:attr:`slots` as an int64 tensor on the pool's device (made on first use: the C
+        decode path never asks)."""
+        if self._slot_mapping is None:
+            flat = (torch.frombuffer(self.slots, dtype=torch.int64) if self.slots  # shares it
+                    else torch.empty(0, dtype=torch.int64))
+            self._slot_mapping = flat.to(self.pool.kv.device)
+        return self._slot_mapping
 
     def kernel_batch(self) -> cpu_attention.Batch | None:
         """The C kernel's batch when it computes every sequence of the step (nothing on the

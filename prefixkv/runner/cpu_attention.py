@@ -21,6 +21,7 @@ the torch path when False.
 from __future__ import annotations
 
 import os
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,10 +62,11 @@ def usable(kv: torch.Tensor, head_dim: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """A step's sequences for :func:`attend`, built once per step by :func:`batch`."""
+    """A step's sequences for :func:`attend`, built once per step by :func:`batch` (plain int64
+    arrays, read by address: no torch op per step)."""
 
-    info: torch.Tensor  # int64 [S, 4]: first row, queries, start position, offset in tables
-    tables: torch.Tensor  # int64: every sequence's block ids, one after another
+    info: array[int]  # int64, 4 per sequence: first row, queries, start position, offset in tables
+    tables: array[int]  # int64: every sequence's block ids, one after another
     rows: int  # rows of q / out the sequences cover
     num_blocks: int  # the pool's block count the ids were checked against
 
@@ -92,8 +94,7 @@ def batch(
         raise ValueError("no sequences")
     if ids and not 0 <= min(ids) <= max(ids) < num_blocks:
         raise ValueError(f"block ids must be in [0, {num_blocks})")
-    return Batch(torch.tensor(info, dtype=torch.int64).view(-1, 4), torch.tensor(ids, dtype=torch.int64),
-                 rows, num_blocks)
+    return Batch(array("q", info), array("q", ids), rows, num_blocks)
 
 
 def attend(
@@ -121,7 +122,18 @@ def check(
     pool and write ``out`` (the shapes, strides and dtypes :func:`attend` documents). It holds
     for every layer of a pool whose ``(k, v)`` views share ``k_cache``'s shape and strides
     (``KVPool``)."""
-    rows, heads, d = q.shape
+    check_layout(out, q, k_cache, v_cache)
+    if b.rows > q.shape[0] or b.num_blocks != k_cache.shape[0]:
+        raise ValueError(f"the batch covers {b.rows} rows of {b.num_blocks} blocks; q has "
+                         f"{q.shape[0]} rows, the pool {k_cache.shape[0]} blocks")
+
+
+def check_layout(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """:func:`check` without a batch: what holds for any step over these tensors (a caller
+    that keeps them checks it once, then each batch's rows and pool size itself)."""
+    heads, d = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
     if q.stride(2) != 1:
         raise ValueError("q's head dimension must be contiguous")
@@ -134,9 +146,6 @@ def check(
         raise ValueError(f"out must be a {dtype} {tuple(q.shape)} tensor, got {tuple(out.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if b.rows > rows or b.num_blocks != k_cache.shape[0]:
-        raise ValueError(f"the batch covers {b.rows} rows of {b.num_blocks} blocks; q has {rows}"
-                         f" rows, the pool {k_cache.shape[0]} blocks")
 
 
 def bind(
@@ -150,7 +159,7 @@ def bind(
     q_addr, q_st, q_sh = q.data_ptr(), q.stride(0), q.stride(1)
     o_addr, o_st, o_sh = out.data_ptr(), out.stride(0), out.stride(1)
     blk_st, tok_st = pool_layer.stride(0), pool_layer.stride(1)
-    info, n_seqs, tables = b.info.data_ptr(), b.info.shape[0], b.tables.data_ptr()
+    info, n_seqs, tables = b.info.buffer_info()[0], len(b.info) // 4, b.tables.buffer_info()[0]
     heads, kv_heads, dim, bs = q.shape[1], pool_layer.shape[2], q.shape[2], pool_layer.shape[1]
     scale, bf16 = dim**-0.5, pool_layer.dtype == torch.bfloat16
 

@@ -27,6 +27,8 @@ reload the model's weights afterwards (a packed layer cannot be loaded again any
 from __future__ import annotations
 
 import os
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +62,8 @@ class _Layer:
     o: _Matmul
     gate_up: _Matmul
     down: _Matmul
-    q_norm: torch.Tensor | None  # Qwen3's per-head q / k RMSNorm weights (torch's op, as
-    k_norm: torch.Tensor | None  # the module path runs it on [T, H, D]); None: no q/k norm
+    q_norm: int  # Qwen3's per-head q / k RMSNorm weights (cpu_ops' row function on each
+    k_norm: int  # head, as the module path runs it on [T, H, D]); 0: no q/k norm
     k_rows: torch.Tensor  # the layer's K pool as [slots, Hkv, D] (owns k_addr's memory)
     v_rows: torch.Tensor
     k_addr: int
@@ -88,7 +90,8 @@ def _norm(norm: RMSNorm, width: int) -> int:
 
 
 class CpuDecode:
-    """The per-layer addresses of one model and pool; :meth:`run` computes a decode step."""
+    """The per-layer addresses of one model and pool, and one step's buffers; :meth:`run`
+    computes a step of up to ``cpu_gemv.MAX_ROWS`` tokens."""
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, layers: list[_Layer]) -> None:
         cfg = model.config
@@ -98,6 +101,23 @@ class CpuDecode:
         self.dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.final_norm = _norm(model.model.norm, self.hidden)
+        self.embed = model.model.embed_tokens.weight  # [vocab, hidden], read by row
+        self.inv_freq = model._inv_freq  # RoPE's, as the module path's cpu_ops.rope_cos_sin
+        # The step's buffers, for MAX_ROWS rows (a step uses the first m): torch ops cost
+        # 5-20 us each on the first step after a long prefill (the dispatcher's code and data
+        # are out of the caches), so a step makes none but its result view.
+        rows, width = cpu_gemv.MAX_ROWS, (self.heads + 2 * self.kv_heads) * self.dim
+        f32 = torch.float32
+        self._stream, self._other, self._normed = (
+            torch.empty((rows, self.hidden), dtype=f32) for _ in range(3))
+        self._qkv = torch.empty((rows, width), dtype=f32)
+        self._out = torch.empty((rows, self.heads, self.dim), dtype=f32)
+        self._gate_up = torch.empty((rows, 2 * self.inter), dtype=f32)
+        self._act = torch.empty((rows, self.inter), dtype=f32)
+        self._cos, self._sin = (torch.empty((rows, self.dim), dtype=f32) for _ in range(2))
+        self._q = self._qkv[:, : self.heads * self.dim].view(rows, self.heads, self.dim)
+        self._views: dict[int, torch.Tensor] = {}  # m -> the first m rows of _normed
+        self._k0 = pool.layer(0)[0]  # the attention kernel's strides (every layer's alike)
 
     @classmethod
     def build(cls, model: object, pool: KVPool) -> CpuDecode | None:
@@ -108,10 +128,14 @@ class CpuDecode:
             return None
         cfg = model.config
         kv = pool.kv
+        inv = model._inv_freq
         if (kv.dtype != torch.float32 or kv.device.type != "cpu"
                 or not cpu_attention.usable(kv, cfg.head_dim) or cfg.head_dim % 32
                 or cfg.hidden_size % 16 or cfg.intermediate_size % 16
-                or model.model.embed_tokens.weight.dtype != torch.float32):
+                or model.model.embed_tokens.weight.dtype != torch.float32
+                or not model.model.embed_tokens.weight.is_contiguous()
+                or inv.dtype != torch.float32 or inv.device.type != "cpu"
+                or inv.shape != (cfg.head_dim // 2,) or not inv.is_contiguous()):
             return None
         layers = []
         for i, layer in enumerate(model.model.layers):
@@ -122,15 +146,11 @@ class CpuDecode:
             gate_up, down = _matmul(mlp.gate_up_proj), _matmul(mlp.down_proj)
             norm_in = _norm(layer.input_layernorm, cfg.hidden_size)
             norm_post = _norm(layer.post_attention_layernorm, cfg.hidden_size)
-            q_norm = None if attn.q_norm is None else attn.q_norm.weight
-            k_norm = None if attn.k_norm is None else attn.k_norm.weight
+            q_norm = 0 if attn.q_norm is None else _norm(attn.q_norm, cfg.head_dim)
+            k_norm = 0 if attn.k_norm is None else _norm(attn.k_norm, cfg.head_dim)
             if (qkv is None or o is None or gate_up is None or down is None or not norm_in
-                    or not norm_post or (q_norm is None) != (k_norm is None)):
-                return None
-            if q_norm is not None and k_norm is not None and not all(
-                w.dtype == torch.float32 and w.shape == (cfg.head_dim,) and w.is_contiguous()
-                for w in (q_norm, k_norm)
-            ):
+                    or not norm_post or (attn.q_norm is None) != (attn.k_norm is None)
+                    or (attn.q_norm is not None and not (q_norm and k_norm))):
                 return None
             k_cache, v_cache = pool.layer(i)
             rows = (-1, cfg.num_key_value_heads, cfg.head_dim)
@@ -140,58 +160,52 @@ class CpuDecode:
                 k_addr=k_cache.data_ptr(), v_addr=v_cache.data_ptr(),
             ))
         made = cls(model, pool, layers)
-        return made if made.final_norm else None
+        if not made.final_norm:
+            return None
+        cpu_attention.check_layout(made._out, made._q, *pool.layer(0))  # every layer's alike
+        return made
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention
+        self, tokens: Sequence[int], positions: Sequence[int], attention: PagedAttention
     ) -> torch.Tensor | None:
-        """Hidden states ``[T, hidden]`` (after the final norm) of a step, K/V written as the
-        module path writes them; ``None`` (nothing done) when the step does not fit."""
+        """Hidden states ``[T, hidden]`` (after the final norm) of a step's ``tokens`` at
+        ``positions`` (ids checked by the caller; a bad one raises ``IndexError``), K/V written
+        as the module path writes them; ``None`` (nothing done) when the step does not fit.
+        The result is a view of this object's buffer: read it before the next call."""
         batch = attention.kernel_batch()
-        m = input_ids.shape[0]
+        m = len(tokens)
         if not (ENABLED and batch is not None and 0 < m <= cpu_gemv.MAX_ROWS
+                and batch.rows <= m and batch.num_blocks == self.pool.num_blocks
                 and cpu_gemv.ENABLED and cpu_ops.ENABLED):  # any C path off: this one too
             return None
         hid, inter, heads, kvh, dim = self.hidden, self.inter, self.heads, self.kv_heads, self.dim
         q_size, kv_size = heads * dim, kvh * dim
         width = q_size + 2 * kv_size
-        stream = self.model.model.embed_tokens(input_ids)  # [m, hid], fresh
-        cos, sin = self.model.rope(positions, torch.float32)  # [m, 1, dim], contiguous
-        other = torch.empty_like(stream)  # the residual stream alternates between the two
-        normed = torch.empty_like(stream)
-        qkv = torch.empty((m, width), dtype=torch.float32)
-        out = torch.empty((m, heads, dim), dtype=torch.float32)
-        gate_up = torch.empty((m, 2 * inter), dtype=torch.float32)
-        act = torch.empty((m, inter), dtype=torch.float32)
-        q = qkv[:, :q_size].view(m, heads, dim)
-        k_new = qkv[:, q_size : q_size + kv_size].view(m, kvh, dim)
-        v_new = qkv[:, q_size + kv_size :].view(m, kvh, dim)
-        k0, v0 = self.pool.layer(0)
-        cpu_attention.check(out, q, k0, v0, batch)  # once: every layer's views are alike
-        slots = attention.slot_mapping
-        if not (slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == m):
-            return None
-        slots_addr, pool_rows = slots.data_ptr(), self.layers[0].k_rows.shape[0]
+        ids, pos = array("q", tokens), array("q", positions)
         threads = torch.get_num_threads()
         gemv, rms, rope, silu = _cpu_gemv.gemv, _cpu_ops.rms_norm, _cpu_ops.rope, _cpu_ops.silu_mul
         scatter = _cpu_ops.scatter_rows
-        s_addr, o_addr, n_addr = stream.data_ptr(), other.data_ptr(), normed.data_ptr()
-        qkv_addr, out_addr = qkv.data_ptr(), out.data_ptr()
-        k_addr, v_addr = k_new.data_ptr(), v_new.data_ptr()
-        gu_addr, act_addr = gate_up.data_ptr(), act.data_ptr()
-        cos_addr, sin_addr = cos.data_ptr(), sin.data_ptr()
+        s_addr, o_addr, n_addr = self._stream.data_ptr(), self._other.data_ptr(), self._normed.data_ptr()
+        qkv_addr, out_addr = self._qkv.data_ptr(), self._out.data_ptr()
+        k_addr, v_addr = qkv_addr + 4 * q_size, qkv_addr + 4 * (q_size + kv_size)
+        gu_addr, act_addr = self._gate_up.data_ptr(), self._act.data_ptr()
+        cos_addr, sin_addr = self._cos.data_ptr(), self._sin.data_ptr()
+        _cpu_ops.gather_rows(self.embed.data_ptr(), self.embed.shape[0], hid, ids.buffer_info()[0],
+                             m, s_addr)  # the embedding rows
+        _cpu_ops.rope_cos_sin(pos.buffer_info()[0], m, self.inv_freq.data_ptr(), dim // 2,
+                              cos_addr, sin_addr, 1)
+        slots_addr, pool_rows = attention.slots.buffer_info()[0], self.layers[0].k_rows.shape[0]
         eps = self.eps
-        attend = cpu_attention.bind(out, q, k0, batch, threads)  # per layer: its K / V only
+        attend = cpu_attention.bind(self._out, self._q, self._k0, batch, threads)  # per layer:
+        # its K / V addresses only
         for i, L in enumerate(self.layers):
             # the stream is in `stream` (+ `other` from layer 1 on: the MLP's output and the
             # stream before it, added here as the module path adds them)
             rms(s_addr, hid, o_addr if i else 0, hid, n_addr, hid, L.norm_in, m, hid, eps, threads)
             gemv(*L.qkv.weight, n_addr, hid, qkv_addr, width, L.qkv.bias, m, threads)
-            if L.q_norm is not None and L.k_norm is not None:  # in place, per head
-                rms(qkv_addr, width, 0, 0, qkv_addr, width, L.q_norm.data_ptr(), m, dim, eps,
-                    threads, heads)
-                rms(k_addr, width, 0, 0, k_addr, width, L.k_norm.data_ptr(), m, dim, eps,
-                    threads, kvh)
+            if L.q_norm:  # in place, per head
+                rms(qkv_addr, width, 0, 0, qkv_addr, width, L.q_norm, m, dim, eps, threads, heads)
+                rms(k_addr, width, 0, 0, k_addr, width, L.k_norm, m, dim, eps, threads, kvh)
             rope(qkv_addr, width, cos_addr, sin_addr, dim, m, heads + kvh, dim, threads)
             scatter(k_addr, width, L.k_addr, slots_addr, m, kv_size, pool_rows)  # the new K, V
             scatter(v_addr, width, L.v_addr, slots_addr, m, kv_size, pool_rows)  # into the pool
@@ -202,4 +216,7 @@ class CpuDecode:
             silu(gu_addr, 2 * inter, act_addr, inter, m, inter, threads)
             gemv(*L.down.weight, act_addr, inter, s_addr, hid, L.down.bias, m, threads)
         rms(s_addr, hid, o_addr, hid, n_addr, hid, self.final_norm, m, hid, eps, threads)
-        return normed
+        view = self._views.get(m)
+        if view is None:
+            view = self._views[m] = self._normed[:m]
+        return view

@@ -183,13 +183,15 @@ class ModelRunner:
                 last = hidden[-1:]
             else:
                 last = hidden[torch.tensor(ends, device=self.device) - 1]
-            return self.model.compute_logits(last).float()
+            logits = self.model.compute_logits(last)
+            return logits if logits.dtype is torch.float32 else logits.float()
 
     def hidden_states(self, items: list[RunItem]) -> tuple[torch.Tensor, list[int]]:
         """The model over ``items`` (validated; K/V written as :meth:`execute` says): the hidden
         states of every new token, flat ``[tokens, hidden]``, and each item's end offset in
         them. Call it under ``torch.inference_mode()``; :meth:`execute` and the prompt-logits
-        step (``runner/prompt_logits.py``) are the callers."""
+        step (``runner/prompt_logits.py``) are the callers. The hidden states may be a view of
+        the C decode path's buffer (``cpu_decode.py``): read them before the next step."""
         if not items:
             raise ValueError("items must not be empty")
         tokens: list[int] = []
@@ -204,10 +206,11 @@ class ModelRunner:
             query_lens=[len(it.token_ids) for it in items],
             block_tables=[it.block_table for it in items],
         )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        fast = self.cpu_decode.run(input_ids, pos, attention) if self.cpu_decode else None
-        hidden = self.model(input_ids, pos, attention) if fast is None else fast
+        hidden = self.cpu_decode.run(tokens, positions, attention) if self.cpu_decode else None
+        if hidden is None:
+            input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            hidden = self.model(input_ids, pos, attention)
         return hidden, list(accumulate(len(it.token_ids) for it in items))
 
     def copy_block_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:

@@ -112,6 +112,47 @@ def test_rope_in_place_matches_torch(rows, monkeypatch):
     assert torch.equal(qkv[:, 5 * 64 :], v_before)  # nothing past the rotated heads touched
 
 
+@needs_ops
+@pytest.mark.parametrize("first, n", [(0, 1), (2048, 32), (0, 9000), (131_000, 40), (2**21, 5)])
+def test_rope_cos_sin_is_correctly_rounded(first, n, ops_on):
+    """Each value is cos / sin of the float32 angle torch forms (position x inverse frequency),
+    rounded once from double precision: equal to float64 torch rounded to float32, within an
+    ulp of torch's own float32 cos / sin; both halves of a row alike. The last case's angles
+    (above 1.6e6 radians) take libm's reduction."""
+    inv = 1.0 / (1e6 ** (torch.arange(0, 64, 2).float() / 64))  # rope_inv_freq's, theta 1e6
+    positions = torch.arange(first, first + n * 7, 7)
+    got = cpu_ops.rope_cos_sin(positions, inv)
+    assert got is not None
+    cos, sin = got
+    assert cos.shape == sin.shape == (n, 1, 64)
+    angle = positions[:, None].float() * inv[None, :]
+    for have, exact, single in ((cos, angle.double().cos(), angle.cos()),
+                                (sin, angle.double().sin(), angle.sin())):
+        assert torch.equal(have[:, 0, :32], have[:, 0, 32:])
+        assert torch.equal(have[:, 0, :32], exact.float())
+        torch.testing.assert_close(have[:, 0, :32], single, atol=1.2e-7, rtol=0)
+
+
+def test_rope_cos_sin_falls_back_where_it_does_not_fit(ops_on):
+    inv = torch.ones(16)
+    assert cpu_ops.rope_cos_sin(torch.arange(3, dtype=torch.int32), inv) is None
+    assert cpu_ops.rope_cos_sin(torch.arange(3), torch.ones(20)) is None  # half not 16k
+    assert cpu_ops.rope_cos_sin(torch.arange(3), inv.double()) is None
+
+
+@pytest.mark.skipif(cpu_ops._ops is None, reason="C ops not built")
+def test_gather_rows_is_an_embedding_lookup():
+    table = torch.randn(50, 96)
+    ids = torch.tensor([49, 0, 7, 7])
+    out = torch.empty(4, 96)
+    cpu_ops._ops.gather_rows(table.data_ptr(), 50, 96, ids.data_ptr(), 4, out.data_ptr())
+    assert torch.equal(out, F.embedding(ids, table))
+    before, bad = out.clone(), torch.tensor([1, 50])
+    with pytest.raises(IndexError, match="id 50"):
+        cpu_ops._ops.gather_rows(table.data_ptr(), 50, 96, bad.data_ptr(), 2, out.data_ptr())
+    assert torch.equal(out, before)
+
+
 def test_what_does_not_fit_falls_back_untouched(monkeypatch):
     x = torch.randn(4, 40)  # width not a multiple of 16
     assert cpu_ops.rms_norm(x, torch.ones(40), 1e-6) is None

@@ -154,7 +154,7 @@ def test_paged_attention_runs_the_step_in_the_kernel(mode, dtype, monkeypatch):
                 0, torch.zeros(s, heads, d, dtype=dtype), full_k[-1][:s], full_v[-1][:s]
             )
     attn = PagedAttention(pool, start_positions=starts, query_lens=lens, block_tables=tables)
-    in_kernel = [] if attn._kernel is None else sorted(attn._kernel.info[:, 1].tolist())
+    in_kernel = [] if attn._kernel is None else sorted(attn._kernel.info[1::4])
     assert in_kernel == sorted({"all": lens, "prefills": lens[1:], "off": []}[mode])
     assert len(attn._decodes) == (mode != "all")
     qs = [torch.randn(n, heads, d, generator=gen).to(dtype) for n in lens]
