@@ -118,6 +118,7 @@ class CpuDecode:
         self._q = self._qkv[:, : self.heads * self.dim].view(rows, self.heads, self.dim)
         self._views: dict[int, torch.Tensor] = {}  # m -> the first m rows of _normed
         self._k0 = pool.layer(0)[0]  # the attention kernel's strides (every layer's alike)
+        self.output: _Matmul | None = None  # the output layer's C matmul (build sets it)
 
     @classmethod
     def build(cls, model: object, pool: KVPool) -> CpuDecode | None:
@@ -162,6 +163,12 @@ class CpuDecode:
         made = cls(model, pool, layers)
         if not made.final_norm:
             return None
+        if model.lm_head is not None:
+            made.output = _matmul(model.lm_head)
+        elif (tied := model._logits_packed) is not None and tied.address \
+                and tied.tensor.dtype == torch.float32:
+            made.output = _Matmul((tied.address, tied.out_features, tied.in_features,
+                                   tied.k_block), 0)
         cpu_attention.check_layout(made._out, made._q, *pool.layer(0))  # every layer's alike
         return made
 
@@ -220,3 +227,19 @@ class CpuDecode:
         if view is None:
             view = self._views[m] = self._normed[:m]
         return view
+
+    def logits(self, hidden: torch.Tensor, ends: Sequence[int]) -> torch.Tensor | None:
+        """float32 logits ``[len(ends), vocab]`` of each item's last row of ``hidden`` (the view
+        :meth:`run` returned; ``ends`` as ``ModelRunner.hidden_states`` gives them) by the
+        output layer's C matmul, or ``None`` (the caller's module path) when ``hidden`` is not
+        this path's or the rows are not all of it or only its last."""
+        m, out = hidden.shape[0], self.output
+        if (out is None or hidden.data_ptr() != self._normed.data_ptr() or not 0 < m <= cpu_gemv.MAX_ROWS
+                or not (len(ends) == m or len(ends) == 1) or not cpu_gemv.ENABLED):
+            return None
+        rows = len(ends)
+        logits = torch.empty((rows, out.weight[1]), dtype=torch.float32)
+        x = self._normed.data_ptr() + (m - rows) * self.hidden * 4  # every row, or the last
+        _cpu_gemv.gemv(*out.weight, x, self.hidden, logits.data_ptr(), out.weight[1], out.bias,
+                       rows, torch.get_num_threads())
+        return logits

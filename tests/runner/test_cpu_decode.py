@@ -75,6 +75,32 @@ def test_hf_architectures_bit_for_bit(arch, make_hf_model, monkeypatch, gemv_lay
 
 
 @needs_path
+@pytest.mark.parametrize("arch", ["demo", "qwen2"])
+def test_logits_of_its_steps_bit_for_bit(arch, make_hf_model, monkeypatch, gemv_layout):
+    """``execute``'s logits through the path's own output matmul (an untied head; Qwen2's tied
+    one) equal the module path's: every row of a decode batch, the last row of one chunk; a
+    step of two chunks takes the module path's row gather."""
+    from prefixkv.models.demo import ensure_demo_model
+
+    if arch == "demo":
+        path = ensure_demo_model()
+    else:
+        path, _ = make_hf_model(arch, hidden_size=128, intermediate_size=256)
+    runner = ModelRunner(path, dtype="float32", num_kv_blocks=32)
+    assert runner.cpu_decode is not None and runner.cpu_decode.output is not None
+    steps = _steps(2, 33, 2) + [[RunItem([9] * 6, 40, list(range(1, 9)))]]
+    start = runner.kv_pool.kv.clone()
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(cpu_decode, "ENABLED", on)
+        runner.kv_pool.kv.copy_(start)
+        results[on] = [runner.execute(items) for items in steps]
+    for a, b in zip(results[True], results[False], strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b), (a - b).abs().max()
+    assert [r.shape[0] for r in results[True]] == [2, 2, 2, 2, 1]
+
+
+@needs_path
 def test_steps_it_does_not_take(monkeypatch, gemv_layout):
     from prefixkv.models.demo import ensure_demo_model
 
