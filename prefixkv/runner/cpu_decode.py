@@ -7,9 +7,14 @@ SmolLM2's 11 ms step. This path runs the *same C functions* the module path reac
 fused RMSNorm / RoPE / SwiGLU of ``models/cpu_ops.py``, ``cpu_gemv``'s matmul, the attention
 kernel of ``cpu_attention.py``) on the same values in the same order, so its hidden states
 equal the module path's bit for bit (``tests/runner/test_cpu_decode.py``); only the dispatch
-is gone: every weight's address is taken once (:meth:`CpuDecode.build`), the step's buffers
-and the attention's checks once per step, and a layer is eleven C calls (two of them the KV
-writes; thirteen with Qwen3's q/k norms).
+is gone: every weight's address is taken once (:meth:`CpuDecode.build`), and so are the
+step's buffers (for ``MAX_ROWS`` rows) and the attention's layout checks; a step makes no torch
+op (its token ids, positions and KV slots are int64 arrays read by address; the embedding rows
+and RoPE's cos / sin come from C too), and a layer is eleven C calls (two of them the KV
+writes; thirteen with Qwen3's q/k norms). The logits of its rows go through the output layer's
+C matmul (:meth:`CpuDecode.logits`). Why no torch op: each costs 1-4 us, but 5-20 us on the
+first step after a long prefill, whose data pushed the dispatcher's code and tables out of the
+caches; a request whose prefix is cached is exactly such a step (docs/engine.md).
 
 When: float32 on CPU, the three C extensions built and on, a Llama-family model (Qwen3's
 q/k norms in place, per head, by ``cpu_ops``' row function, as in the module path) whose
@@ -183,6 +188,7 @@ class CpuDecode:
         m = len(tokens)
         if not (ENABLED and batch is not None and 0 < m <= cpu_gemv.MAX_ROWS
                 and batch.rows <= m and batch.num_blocks == self.pool.num_blocks
+                and len(attention.slots) == m and len(positions) == m
                 and cpu_gemv.ENABLED and cpu_ops.ENABLED):  # any C path off: this one too
             return None
         hid, inter, heads, kvh, dim = self.hidden, self.inter, self.heads, self.kv_heads, self.dim

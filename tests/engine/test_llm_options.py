@@ -34,3 +34,4 @@ def test_parse_size_rejects_garbage(bad: Any) -> None:
     with pytest.raises(ValueError, match="kv_cache_memory"):
         parse_size(bad, "kv_cache_memory")
     assert parse_size("1.5 KiB", "x") == 1536
+

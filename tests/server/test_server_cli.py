@@ -64,6 +64,7 @@ def test_serve_process_runs_examples_and_stops_on_sigterm() -> None:
         assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
         out = proc.stdout.read() if proc.stdout else ""
         assert "prefixkv: engine stopped" in out, out
+        assert "objects frozen for the garbage collector" in out, out  # --freeze-gc, the default
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -94,3 +95,32 @@ def test_server_without_prefix_caching() -> None:
     finally:
         live.stop()
         engine.shutdown()
+
+
+FREEZE_PROBE = """
+import gc, weakref
+from prefixkv.engine import LLM
+from prefixkv.server.cli import freeze_heap
+llm = LLM()
+frozen = freeze_heap()
+
+class Node:
+    pass
+
+a, b = Node(), Node()
+a.other, b.other = b, a  # a cycle made after the freeze: the collector still frees it
+gone = weakref.ref(a)
+del a, b
+gc.collect()
+print(frozen, gc.get_freeze_count() == frozen, gone() is None)
+"""
+
+
+def test_freeze_heap_leaves_later_garbage_collectable() -> None:
+    """What the server loaded is frozen (tens of thousands of objects: torch, the model);
+    a reference cycle made afterwards is still collected."""
+    out = subprocess.run([sys.executable, "-c", FREEZE_PROBE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    frozen, same, collected = out.stdout.split()
+    assert int(frozen) > 10_000 and same == "True" and collected == "True"
