@@ -219,6 +219,24 @@ static PyObject *rms_norm(PyObject *self, PyObject *args)
 #endif
 }
 
+/* Whether ``n`` row indices ``at`` (int64) all lie in [0, rows) and the sizes make sense; else
+ * ValueError / IndexError (naming the function and the first bad index) and 0. */
+static int rows_ok(const char *fn, const char *what, const int64_t *at, long n, long width,
+                   long rows)
+{
+    if (n < 0 || width < 1 || rows < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: unsupported arguments", fn);
+        return 0;
+    }
+    for (long i = 0; i < n; i++)
+        if (at[i] < 0 || at[i] >= rows) {
+            PyErr_Format(PyExc_IndexError, "%s: %s %lld out of [0, %ld)", fn, what,
+                         (long long)at[i], rows);
+            return 0;
+        }
+    return 1;
+}
+
 static PyObject *scatter_rows(PyObject *self, PyObject *args)
 {
     unsigned long long src, dst, slots;
@@ -226,16 +244,8 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KlKKlll", &src, &src_st, &dst, &slots, &n, &width, &dst_rows))
         return NULL;
     const int64_t *at = (const int64_t *)slots;
-    if (n < 0 || width < 1 || dst_rows < 0) {
-        PyErr_SetString(PyExc_ValueError, "scatter_rows: unsupported arguments");
+    if (!rows_ok("scatter_rows", "slot", at, n, width, dst_rows))
         return NULL;
-    }
-    for (long i = 0; i < n; i++)
-        if (at[i] < 0 || at[i] >= dst_rows) {
-            PyErr_Format(PyExc_IndexError, "scatter_rows: slot %lld out of [0, %ld)",
-                         (long long)at[i], dst_rows);
-            return NULL;
-        }
     for (long i = 0; i < n; i++)
         memcpy((float *)dst + at[i] * width, (const float *)src + i * src_st,
                (size_t)width * sizeof(float));
@@ -325,16 +335,8 @@ static PyObject *gather_rows(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KllKlK", &src, &src_rows, &width, &ids, &n, &dst))
         return NULL;
     const int64_t *at = (const int64_t *)ids;
-    if (n < 0 || width < 1 || src_rows < 0) {
-        PyErr_SetString(PyExc_ValueError, "gather_rows: unsupported arguments");
+    if (!rows_ok("gather_rows", "id", at, n, width, src_rows))
         return NULL;
-    }
-    for (long i = 0; i < n; i++)
-        if (at[i] < 0 || at[i] >= src_rows) {
-            PyErr_Format(PyExc_IndexError, "gather_rows: id %lld out of [0, %ld)",
-                         (long long)at[i], src_rows);
-            return NULL;
-        }
     for (long i = 0; i < n; i++)
         memcpy((float *)dst + i * width, (const float *)src + at[i] * width,
                (size_t)width * sizeof(float));
