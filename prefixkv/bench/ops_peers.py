@@ -41,7 +41,9 @@ NOTES = {
               "the length and last node (the KV indices are gathered later, untimed); insert "
               "takes a prebuilt int64 tensor and checks nothing; evict(num_tokens=10240) frees "
               "whole leaves until that many tokens are freed (the classic tree heapifies every "
-              "evictable leaf on each call); memory = Python heap + 8 B/token of value tensors "
+              "evictable leaf on each call; its KV allocator only counts, except in +alloc rows, "
+              "where each freed leaf goes through SGLang's own allocator onto an empty free "
+              "list); memory = Python heap + 8 B/token of value tensors "
               "(n/a for the Rust core, invisible to tracemalloc).",
     "vllm": "vLLM: match = get_computed_blocks (does not refresh recency; +hash also builds the "
             "Request, i.e. hashes the blocks); insert = get_computed_blocks + allocate_slots + "
@@ -129,6 +131,46 @@ class _CountingAllocator:
         self.freed_segments += 1
 
 
+    def taken(self) -> None:
+        """The engine took what the last eviction freed (nothing to do: nothing is kept)."""
+
+
+class _SGLangAllocator(_CountingAllocator):
+    """SGLang's own allocator behind the counting one (the ``+alloc`` kinds): each evicted leaf
+    goes through its real free path (``TokenToKVPoolAllocator`` at page size 1, else
+    ``PagedTokenToKVPoolAllocator``), which puts the slots on its free list (``torch.cat``), as
+    our evict returns its freed ids in one array. The free list is empty when an eviction
+    starts, as in an engine that evicts because its pool is full and then takes the freed slots
+    at once (:meth:`taken` empties it again with one attribute store)."""
+
+    def __init__(self, page_size: int, capacity_tokens: int) -> None:
+        super().__init__()
+        import torch
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+        size = max(capacity_tokens, page_size)
+        self.real = (TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
+                     if page_size == 1 else
+                     PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", None, False))
+        self._full = self.real.free_pages[:0]  # a full pool: nothing on the free list
+        self.real.free_pages = self._full
+
+    def free(self, indices: Any) -> None:
+        """Count, then SGLang's ``free``."""
+        super().free(indices)
+        self.real.free(indices)
+
+    def free_segment(self, indices: Any, start_pos: int = 0) -> None:
+        """Count, then SGLang's ``free_segment`` (what its trees call for an evicted leaf)."""
+        super().free_segment(indices, start_pos)
+        self.real.free_segment(indices, start_pos=start_pos)
+
+    def taken(self) -> None:
+        """The engine took the freed slots: the free list is empty again."""
+        self.real.free_pages = self._full
+
+
 def _values(block_ids: list[int], block_size: int) -> Any:
     """SGLang values: one int64 KV slot per token (block ``b`` holds slots ``b*bs..``)."""
     import torch
@@ -140,7 +182,8 @@ def _values(block_ids: list[int], block_size: int) -> Any:
 class SGLangPeer:
     """SGLang's classic ``RadixCache`` or its ``UnifiedRadixCache`` (Python or Rust core)."""
 
-    def __init__(self, kind: str, tree: str, backend: str | None, page_size: int) -> None:
+    def __init__(self, kind: str, tree: str, backend: str | None, page_size: int,
+                 allocator_tokens: int = 0) -> None:
         install_torchvision_stand_in()
         from sglang.srt.mem_cache.base_prefix_cache import (
             EvictParams,
@@ -153,7 +196,8 @@ class SGLangPeer:
         self._tree, self._backend = tree, backend
         self._key_cls, self._insert_cls = RadixKey, InsertParams
         self._match_cls, self._evict_cls = MatchPrefixParams, EvictParams
-        self.allocator = _CountingAllocator()
+        self.allocator = (_SGLangAllocator(page_size, allocator_tokens) if allocator_tokens
+                          else _CountingAllocator())
         self.cache = self._new_cache(self.allocator)
         self.note = NOTES["sglang"]
 
@@ -194,6 +238,7 @@ class SGLangPeer:
         """``evict(num_tokens=...)``; returns (tokens, leaves) actually freed."""
         tokens, leaves = self.allocator.freed_tokens, self.allocator.freed_segments
         self.cache.evict(self._evict_cls(num_tokens=num_tokens))
+        self.allocator.taken()
         return self.allocator.freed_tokens - tokens, self.allocator.freed_segments - leaves
 
     def memory(self, prefixes: list[list[int]]) -> float | None:
@@ -316,8 +361,10 @@ def parse_peer(kind: str) -> tuple[str, str | None, int, bool]:
     """``sglang-unified:rust-bs16`` -> (``sglang-unified``, ``rust``, 16, False): the peer,
     its tree-core backend, block (page) size, and whether hashing is inside the timed op.
 
-    Kinds: ``sglang-radix-bsN``, ``sglang-unified:python-bsN``, ``sglang-unified:rust-bsN``,
-    ``vllm-bs16`` and ``vllm-bs16+hash``; anything else is a ``ValueError``. Imports nothing.
+    Kinds: ``sglang-radix-bsN``, ``sglang-unified:python-bsN``, ``sglang-unified:rust-bsN``
+    (each with ``+alloc``: evicted leaves go through SGLang's own allocator, see
+    :class:`_SGLangAllocator`), ``vllm-bs16`` and ``vllm-bs16+hash``; anything else is a
+    ``ValueError``. Imports nothing.
     """
     body, _, mode = kind.partition("+")
     name, sep, bs = body.rpartition("-bs")
@@ -327,8 +374,9 @@ def parse_peer(kind: str) -> tuple[str, str | None, int, bool]:
         if int(bs) != 16 or mode not in ("", "hash"):
             raise ValueError(f"bad peer kind {kind!r}: vLLM kinds are vllm-bs16[+hash]")
         return name, None, 16, mode == "hash"
-    if mode:
-        raise ValueError(f"bad peer kind {kind!r}: SGLang keys are always arrays (no +{mode})")
+    if mode not in ("", "alloc"):
+        raise ValueError(f"bad peer kind {kind!r}: SGLang keys are always arrays (no +{mode}); "
+                         "+alloc frees through SGLang's own allocator")
     if name == "sglang-radix":
         return name, None, int(bs), False
     tree, _, backend = name.partition(":")
@@ -348,7 +396,8 @@ def make_peer(kind: str, capacity_tokens: int) -> SGLangPeer | VLLMPeer:
     name, backend, bs, hash_in_op = parse_peer(kind)
     if name == "vllm":
         return VLLMPeer(kind, capacity_tokens // 16 + 1, hash_in_op=hash_in_op)
-    return SGLangPeer(kind, "radix" if name == "sglang-radix" else "unified", backend, bs)
+    return SGLangPeer(kind, "radix" if name == "sglang-radix" else "unified", backend, bs,
+                      capacity_tokens if kind.endswith("+alloc") else 0)
 
 
 def available_peers() -> tuple[tuple[str, ...], list[str]]:

@@ -45,13 +45,13 @@ def format_table(rows: list[OpsRow]) -> str:
     """A readable table with ratios against the first row (the baseline); when peer rows are
     present, a second table of our speedup over each peer, and notes on the peers' units."""
     base = rows[0]
-    head = (f"{'index':<28}{'match us':>10}{'insert us':>11}{'evict us':>10}"
+    head = (f"{'index':<32}{'match us':>10}{'insert us':>11}{'evict us':>10}"
             f"{'freed tok/leaves':>18}{'B/prefix':>10}   speedup vs {base.index} "
             "(match/insert/evict)")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.index:<28}{r.match_us:>10.1f}{r.insert_us:>11.1f}{r.evict_us:>10.1f}"
+            f"{r.index:<32}{r.match_us:>10.1f}{r.insert_us:>11.1f}{r.evict_us:>10.1f}"
             f"{_fmt_freed(r):>18}{_fmt_bytes(r.bytes_per_prefix):>10}   "
             f"{base.match_us / r.match_us:6.2f}x {base.insert_us / r.insert_us:6.2f}x "
             f"{base.evict_us / r.evict_us:7.2f}x"
@@ -75,7 +75,7 @@ def _ours_for(peer: str, ours: dict[str, OpsRow]) -> OpsRow | None:
 
 def _format_vs_peers(rows: list[OpsRow], peers: list[OpsRow]) -> str:
     ours = {r.index: r for r in rows if not ops_peers.is_peer_kind(r.index)}
-    head = (f"{'peer':<28}{'ours':<20}  our time / peer's (match/insert/evict; < 1: ours "
+    head = (f"{'peer':<32}{'ours':<20}  our time / peer's (match/insert/evict; < 1: ours "
             "faster)")
     lines = [head, "-" * len(head)]
     for p in peers:
@@ -83,7 +83,7 @@ def _format_vs_peers(rows: list[OpsRow], peers: list[OpsRow]) -> str:
         ratios = ("   (no comparable row of ours)" if o is None else
                   f"{o.match_us / p.match_us:7.2f}x {o.insert_us / p.insert_us:6.2f}x "
                   f"{o.evict_us / p.evict_us:7.2f}x")
-        lines.append(f"{p.index:<28}{o.index if o else '-':<20}{ratios}")
+        lines.append(f"{p.index:<32}{o.index if o else '-':<20}{ratios}")
     families = sorted({"vllm" if p.index.startswith("vllm") else "sglang" for p in peers})
     lines += [""] + [f"* {ops_peers.NOTES[f]}" for f in families]
     return "\n".join(lines)

@@ -145,6 +145,26 @@ def test_peers_run_on_the_same_workload() -> None:
     assert "our time / peer's" in ops.format_table(got)
 
 
+@pytest.mark.slow  # importing SGLang alone takes seconds
+@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang not installed")
+@pytest.mark.parametrize("kind", ["sglang-radix-bs1+alloc", "sglang-unified:rust-bs16+alloc"])
+def test_alloc_kinds_free_evicted_leaves_through_sglangs_allocator(kind: str) -> None:
+    """An ``+alloc`` peer's evicted leaves reach SGLang's own allocator: its free list holds
+    exactly the freed slots (pages at page size 16) when the eviction returns, and is empty
+    again once the engine has "taken" them."""
+    peer = ops_peers.make_peer(kind, 4096)
+    bs = peer.block_size
+    for i in range(3):  # three 64-token prompts, no shared prefix
+        tokens = [1000 * (i + 1) + t for t in range(64)]
+        peer.insert(peer.insert_input(tokens, list(range(i * 64 // bs, (i + 1) * 64 // bs))))
+    real, seen = peer.allocator.real, []
+    taken = peer.allocator.taken
+    peer.allocator.taken = lambda: (seen.append(len(real.free_pages) * (bs if bs > 1 else 1)),
+                                    taken())
+    assert peer.evict_tokens(128) == (128, 2)
+    assert seen == [128] and len(real.free_pages) == 0
+
+
 def test_a_small_vocabulary_keeps_two_byte_keys() -> None:
     """Token ids below 2**16 are stored in 2 bytes, a 150k vocabulary's in 2.25 (18-bit packed,
     with the C helper built) or 4: the bytes per cached 512-token prefix (bs16) differ by 128
