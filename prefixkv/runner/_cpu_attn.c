@@ -146,7 +146,7 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
     memset(S->os, 0, (rows + MR) * D * sizeof(float));
     for (long r = 0; r < rows + MR; r++) {
         S->m[r] = -INFINITY;
-        S->l[r] = 0.0f;
+        _mm512_store_ps(S->l + 16 * r, _mm512_setzero_ps());
     }
     long kend = start + p0 + np; /* keys [0, kend) */
     long n_t = (kend + KT - 1) / KT, t0 = ks * n_t / sq->n_split, t1 = (ks + 1) * n_t / sq->n_split;
@@ -179,7 +179,7 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
                 qrow[r] = S->qs + row * D;
                 orow[r] = S->os + row * D;
                 mr[r] = S->m + row;
-                lr[r] = S->l + row;
+                lr[r] = S->l + 16 * row;
             }
             if (!any)
                 continue; /* every row of it is before this tile */
@@ -187,17 +187,19 @@ AVX512 static void run_task(const job_t *J, scratch_t *S, long task)
             accumulate_pv(J->dim, S, orow, nk);
         }
     }
+    for (long r = 0; r < rows; r++) /* each row's 16 partial sums of l, added up */
+        S->lsum[r] = _mm512_reduce_add_ps(_mm512_load_ps(S->l + 16 * r));
     if (sq->n_split > 1) {
         float *part = sq->parts + local * sq->part_size;
         memcpy(part, S->os, rows * D * sizeof(float));
         memcpy(part + rows * D, S->m, rows * sizeof(float));
-        memcpy(part + rows * (D + 1), S->l, rows * sizeof(float));
+        memcpy(part + rows * (D + 1), S->lsum, rows * sizeof(float));
         return;
     }
     for (long hh = 0; hh < J->rep; hh++)
         for (long i = 0; i < np; i++) {
             long row = hh * np + i;
-            float inv = 1.0f / S->l[row];
+            float inv = 1.0f / S->lsum[row];
             long at = (sq->q0 + p0 + i) * J->o_st + (g * J->rep + hh) * J->o_sh;
             if (!J->bf16) /* float32: 16 at a time (the same products) */
                 for (long d = 0; d < D; d += 16)
@@ -261,14 +263,16 @@ static int run_job(job_t *J, int threads)
         S.kt_own = aligned_alloc(64, D * KT * sizeof(float));
         S.v_own = aligned_alloc(64, D * KT * sizeof(float));
         S.m = malloc(rows * sizeof(float));
-        S.l = malloc(rows * sizeof(float));
-        int ok = S.qs && S.os && S.p && S.kt_own && S.v_own && S.m && S.l;
+        S.l = aligned_alloc(64, rows * 16 * sizeof(float));
+        S.lsum = malloc(rows * sizeof(float));
+        int ok = S.qs && S.os && S.p && S.kt_own && S.v_own && S.m && S.l && S.lsum;
         failed |= !ok;
 #pragma omp for schedule(dynamic, 1)
         for (long t = 0; t < J->n_tasks; t++)
             if (ok)
                 run_task(J, &S, t);
         free(S.qs); free(S.os); free(S.p); free(S.kt_own); free(S.v_own); free(S.m); free(S.l);
+        free(S.lsum);
 #pragma omp for schedule(dynamic, 4)
         for (long item = 0; item < J->n_items; item++)
             merge_splits(J, item);

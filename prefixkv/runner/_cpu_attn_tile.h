@@ -12,7 +12,7 @@
 static const float zero_row[MAX_DIM] __attribute__((aligned(64)));
 
 typedef struct {
-    float *qs, *os, *m, *l, *p;
+    float *qs, *os, *m, *l, *lsum, *p; /* l: 16 partial sums a row; lsum: their totals */
     float *kt_own, *v_own; /* a task's own K tile (and bf16 V rows) when not shared */
     const float *kt;
     const float *vrow[KT];
@@ -61,13 +61,13 @@ AVX512 static void scores_softmax(long dim, scratch_t *S, float *const qrow[MR],
         }
         if (m_new > m_old) { /* rescale what was summed under the old maximum */
             float alpha = exp2f(m_old - m_new);
-            *lr[r] *= alpha;
             __m512 av = _mm512_set1_ps(alpha);
+            _mm512_store_ps(lr[r], _mm512_mul_ps(av, _mm512_load_ps(lr[r])));
             for (long d = 0; d < dim; d += 16)
                 _mm512_store_ps(orow[r] + d, _mm512_mul_ps(av, _mm512_load_ps(orow[r] + d)));
             *mr[r] = m_new;
         }
-        *lr[r] += _mm512_reduce_add_ps(sum);
+        _mm512_store_ps(lr[r], _mm512_add_ps(_mm512_load_ps(lr[r]), sum)); /* 16 partial sums */
     }
 }
 
