@@ -16,6 +16,7 @@ def test_bench_smoke(tmp_path: Path, capsys: object) -> None:
     assert main(args) == 0
     res = json.loads(out.read_text())
     assert res["ttft"]["cached_tokens_warm"] == 64
+    assert res["ttft"]["ttft_warm_steady_s"] > 0 and res["ttft"]["speedup_steady"] > 0
     assert res["decode"]["ours_tok_s"] > 0
     runs = res["table_demo"]["runs"]
     assert runs[1]["cached_tokens"] > 0 and len(runs) == 2
