@@ -19,7 +19,8 @@ typedef struct {
 } scratch_t;
 
 /* Scores of MR rows (qrow[r], D floats each, pre-scaled) against the tile kt [D][KT]; then the
- * online-softmax update of m / l / o for each row with ``valid[r]`` leading keys (0..KT). */
+ * online-softmax update of m / l / o for each row with ``valid[r]`` leading keys (0..KT); a
+ * row's l is 16 partial sums (lr[r], 64-byte aligned), added up once after its last tile. */
 AVX512 static void scores_softmax(long dim, scratch_t *S, float *const qrow[MR],
                                   float *const orow[MR], float *mr[MR], float *lr[MR],
                                   const int valid[MR])
