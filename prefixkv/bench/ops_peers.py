@@ -130,7 +130,6 @@ class _CountingAllocator:
         self.freed_tokens += len(indices)
         self.freed_segments += 1
 
-
     def taken(self) -> None:
         """The engine took what the last eviction freed (nothing to do: nothing is kept)."""
 

@@ -67,11 +67,13 @@ class SeqSampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[int], seqs: Sequence[Seq]) -> list[Pick]:
         """Next token of ``seqs[j]`` from row ``rows[j]`` of ``logits`` ``[B, vocab]``."""
         picked = logits[list(rows)] if len(rows) != logits.shape[0] else logits
-        if all(self._plain_greedy(s) for s in seqs):  # the common case: one argmax, no rows
+        processing = [self._processing(s) for s in seqs]
+        if all(p is None and s.params.greedy and s.grammar is None and s.params.logprobs is None
+               for p, s in zip(processing, seqs)):  # greedy, nothing to apply: one argmax
             return [Pick(tok, None) for tok in picked.argmax(-1).tolist()]
         matchers = [s.grammar.matcher if isinstance(s.grammar, GrammarState) else None for s in seqs]
         picked = apply_grammar_mask(picked, matchers)
-        processed = process_logits(picked, [self._processing(s) for s in seqs])
+        processed = process_logits(picked, processing)
         tokens = sample(processed, [self._sampling_row(s) for s in seqs])
         want = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
         entries: dict[int, dict[int, Logprob]] = {}
@@ -95,15 +97,6 @@ class SeqSampler:
         if text is None:
             text = self._texts[token_id] = self._decode(token_id)
         return text
-
-    @staticmethod
-    def _plain_greedy(seq: Seq) -> bool:
-        """Greedy with nothing to apply first: no grammar, logprobs, bias, penalties, min_p, or
-        min_tokens still to hold back EOS (what :meth:`_processing` would find nothing in)."""
-        p = seq.params
-        return (p.greedy and seq.grammar is None and p.logprobs is None and not p.bias
-                and not p.has_penalties and not p.min_p > 0.0
-                and seq.num_output_tokens >= p.min_tokens)
 
     def _sampling_row(self, seq: Seq) -> SamplingRow:
         p = seq.params
