@@ -176,18 +176,22 @@ class ModelRunner:
         chunks and single-token decodes. Two items must not write the same slot.
         """
         with torch.inference_mode():
-            hidden, ends = self.hidden_states(items)
-            fast = self.cpu_decode.logits(hidden, ends) if self.cpu_decode is not None else None
-            if fast is not None:  # the C decode path's rows: its output matmul, no module call
-                return fast
-            if len(ends) == hidden.shape[0]:  # one new token an item (decodes): every row
-                last = hidden
-            elif len(ends) == 1:
-                last = hidden[-1:]
-            else:
-                last = hidden[torch.tensor(ends, device=self.device) - 1]
-            logits = self.model.compute_logits(last)
-            return logits if logits.dtype is torch.float32 else logits.float()
+            return self.last_logits(*self.hidden_states(items))
+
+    def last_logits(self, hidden: torch.Tensor, ends: list[int]) -> torch.Tensor:
+        """float32 logits ``[len(ends), vocab]`` of each item's last row of ``hidden`` (as
+        :meth:`hidden_states` returns them; call it under ``torch.inference_mode()``)."""
+        fast = self.cpu_decode.logits(hidden, ends) if self.cpu_decode is not None else None
+        if fast is not None:  # the C decode path's rows: its output matmul, no module call
+            return fast
+        if len(ends) == hidden.shape[0]:  # one new token an item (decodes): every row
+            last = hidden
+        elif len(ends) == 1:
+            last = hidden[-1:]
+        else:
+            last = hidden[torch.tensor(ends, device=self.device) - 1]
+        logits = self.model.compute_logits(last)
+        return logits if logits.dtype is torch.float32 else logits.float()
 
     def hidden_states(self, items: list[RunItem]) -> tuple[torch.Tensor, list[int]]:
         """The model over ``items`` (validated; K/V written as :meth:`execute` says): the hidden

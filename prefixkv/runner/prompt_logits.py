@@ -28,8 +28,7 @@ def execute_with_prompt_logits(
         raise ValueError(f"full has {len(full)} flags for {len(items)} items")
     with torch.inference_mode():
         hidden, ends = runner.hidden_states(items)
-        last = torch.tensor(ends, device=runner.device) - 1
-        last_logits = runner.model.compute_logits(hidden[last]).float()
+        last_logits = runner.last_logits(hidden, ends)
         per_item: dict[int, torch.Tensor] = {}
         for i, flag in enumerate(full):
             if flag:
