@@ -121,6 +121,13 @@ class CpuDecode:
         self._act = torch.empty((rows, self.inter), dtype=f32)
         self._cos, self._sin = (torch.empty((rows, self.dim), dtype=f32) for _ in range(2))
         self._q = self._qkv[:, : self.heads * self.dim].view(rows, self.heads, self.dim)
+        qkv = self._qkv.data_ptr()
+        k_new = qkv + 4 * self.heads * self.dim  # the new K, then V, columns of qkv's rows
+        v_new = k_new + 4 * self.kv_heads * self.dim
+        self._addrs = (  # the buffers' addresses, as run() passes them: taken once
+            self._stream.data_ptr(), self._other.data_ptr(), self._normed.data_ptr(), qkv, k_new,
+            v_new, self._out.data_ptr(), self._gate_up.data_ptr(), self._act.data_ptr(),
+            self._cos.data_ptr(), self._sin.data_ptr())
         self._views: dict[int, torch.Tensor] = {}  # m -> the first m rows of _normed
         self._k0 = pool.layer(0)[0]  # the attention kernel's strides (every layer's alike)
         self.output: _Matmul | None = None  # the output layer's C matmul (build sets it)
@@ -198,11 +205,8 @@ class CpuDecode:
         threads = torch.get_num_threads()
         gemv, rms, rope, silu = _cpu_gemv.gemv, _cpu_ops.rms_norm, _cpu_ops.rope, _cpu_ops.silu_mul
         scatter = _cpu_ops.scatter_rows
-        s_addr, o_addr, n_addr = self._stream.data_ptr(), self._other.data_ptr(), self._normed.data_ptr()
-        qkv_addr, out_addr = self._qkv.data_ptr(), self._out.data_ptr()
-        k_addr, v_addr = qkv_addr + 4 * q_size, qkv_addr + 4 * (q_size + kv_size)
-        gu_addr, act_addr = self._gate_up.data_ptr(), self._act.data_ptr()
-        cos_addr, sin_addr = self._cos.data_ptr(), self._sin.data_ptr()
+        (s_addr, o_addr, n_addr, qkv_addr, k_addr, v_addr, out_addr, gu_addr, act_addr, cos_addr,
+         sin_addr) = self._addrs
         _cpu_ops.gather_rows(self.embed.data_ptr(), self.embed.shape[0], hid, ids.buffer_info()[0],
                              m, s_addr)  # the embedding rows
         _cpu_ops.rope_cos_sin(pos.buffer_info()[0], m, self.inv_freq.data_ptr(), dim // 2,
@@ -239,13 +243,13 @@ class CpuDecode:
         :meth:`run` returned; ``ends`` as ``ModelRunner.hidden_states`` gives them) by the
         output layer's C matmul, or ``None`` (the caller's module path) when ``hidden`` is not
         this path's or the rows are not all of it or only its last."""
-        m, out = hidden.shape[0], self.output
-        if (out is None or hidden.data_ptr() != self._normed.data_ptr() or not 0 < m <= cpu_gemv.MAX_ROWS
+        m, out, normed = hidden.shape[0], self.output, self._addrs[2]
+        if (out is None or hidden.data_ptr() != normed or not 0 < m <= cpu_gemv.MAX_ROWS
                 or not (len(ends) == m or len(ends) == 1) or not cpu_gemv.ENABLED):
             return None
         rows = len(ends)
         logits = torch.empty((rows, out.weight[1]), dtype=torch.float32)
-        x = self._normed.data_ptr() + (m - rows) * self.hidden * 4  # every row, or the last
+        x = normed + (m - rows) * self.hidden * 4  # every row, or the last
         _cpu_gemv.gemv(*out.weight, x, self.hidden, logits.data_ptr(), out.weight[1], out.bias,
                        rows, torch.get_num_threads())
         return logits
