@@ -26,6 +26,7 @@ once, at the end.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from prefixkv.cache._native import keypack as _keypack  # None: the Python path
 from prefixkv.cache.evictable import EvictableHeap
-from prefixkv.cache.held_ids import BULK, BlockIds, new_ids
+from prefixkv.cache.held_ids import BULK, ID_TYPECODE, BlockIds, new_ids
 from prefixkv.cache.policies import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ strictly below the next one's), whole or, for the call's last step, the tail sti
 appending each id run to ``runs`` (and to ``loose`` when it is a tail or its owner tag is
 shared) exactly as this module's loop would; stops at the first other step, or returns the
 freed leaf whose parent is left a childless non-root (``orphan``)."""
+
+_ONE_ID = array(ID_TYPECODE, [0])
+"""The unit the C join repeats into its result (an ``array('I')`` of the freed ids' length)."""
 
 _UNKNOWN: Any = object()
 """A ``top`` to ask the heap for (keys may have moved, or C freed the last leaf)."""
@@ -255,10 +259,10 @@ def deepest_first(runs: list[BlockIds]) -> BlockIds:
     """
     if len(runs) == 1 and len(runs[0]) <= 1:
         return runs[0]
+    if _keypack is not None:  # one C pass into the result (10,240 ids: 1.3 us, 5 in numpy)
+        joined: BlockIds = _keypack.reversed_runs(runs, _ONE_ID)
+        return joined
     out = new_ids()
-    if _keypack is not None:  # one C pass (10,240 ids: about 1.5 us against 5 in numpy)
-        out.frombytes(_keypack.reversed_runs(runs))
-        return out
     total = sum(map(len, runs))
     if total < BULK:
         for r in runs:
