@@ -15,11 +15,11 @@
  *     the uint32 ids start..stop-1 (token positions) of packed ``data``, as native bytes.
  * common_bytes(a, a_off, b, b_off, limit) -> int
  *     the length of the common prefix of a[a_off:] and b[b_off:], at most ``limit``.
- * reversed_runs(runs[, unit]) -> bytes | array
+ * reversed_runs(runs, unit) -> array
  *     the uint32 runs (a list of buffers) concatenated in order, each reversed: an eviction's
- *     freed ids, each run deepest first (eviction.py), in one pass; with ``unit`` (a sequence
- *     of one 4-byte item, e.g. array('I', [0])) written into ``unit * total`` and that
- *     returned, so an array('I') result takes no second copy.
+ *     freed ids, each run deepest first (eviction.py), in one pass, written into ``unit *
+ *     total`` (``unit``: a sequence of one 4-byte item, e.g. array('I', [0])), which is
+ *     returned: the result array is filled in place, no bytes in between.
  * from_list(ids, narrow[, exact]) -> bytes | None
  *     a list or tuple of ints as uint32 bytes (uint16 when ``narrow`` and every id is below
  *     2**16); None at the first item that is not an int in [0, 2**32) (the caller's slower path
@@ -288,11 +288,11 @@ static PyObject *fits32(PyObject *self, PyObject *arg)
 
 static PyObject *reversed_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 1 && nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "reversed_runs(runs[, unit]) takes 1 or 2 arguments");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "reversed_runs(runs, unit) takes 2 arguments");
         return NULL;
     }
-    PyObject *runs = args[0], *unit = nargs == 2 ? args[1] : NULL;
+    PyObject *runs = args[0], *unit = args[1];
     if (!PyList_Check(runs)) {
         PyErr_SetString(PyExc_TypeError, "reversed_runs: a list of uint32 buffers is required");
         return NULL;
@@ -313,38 +313,29 @@ static PyObject *reversed_runs(PyObject *self, PyObject *const *args, Py_ssize_t
         }
         total += views[got].len / 4;
     }
-    Py_buffer target = {0};
-    uint32_t *dst = NULL;
-    if (unit != NULL) { /* unit repeated total times (e.g. an array('I') of one id), filled */
-        out = PySequence_Repeat(unit, total);
-        if (out == NULL)
-            goto done;
-        if (PyObject_GetBuffer(out, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        if (target.itemsize != 4 || target.len != total * 4) {
-            PyBuffer_Release(&target);
-            Py_CLEAR(out);
-            PyErr_SetString(PyExc_ValueError, "reversed_runs: unit must be one 4-byte item");
-            goto done;
-        }
-        dst = (uint32_t *)target.buf;
-    } else {
-        out = PyBytes_FromStringAndSize(NULL, total * 4);
-        dst = out != NULL ? (uint32_t *)PyBytes_AS_STRING(out) : NULL;
+    out = PySequence_Repeat(unit, total); /* e.g. array('I', [0]) * total: filled below */
+    if (out == NULL)
+        goto done;
+    Py_buffer target;
+    if (PyObject_GetBuffer(out, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_CLEAR(out);
+        goto done;
     }
-    if (out != NULL) {
-        for (Py_ssize_t r = 0; r < k; r++) {  /* run r, reversed, right after run r-1's */
-            const uint32_t *src = (const uint32_t *)views[r].buf;
-            Py_ssize_t n = views[r].len / 4;
-            for (Py_ssize_t i = 0; i < n; i++)
-                dst[i] = src[n - 1 - i];
-            dst += n;
-        }
-        if (unit != NULL)
-            PyBuffer_Release(&target);
+    if (target.itemsize != 4 || target.len != total * 4) {
+        PyBuffer_Release(&target);
+        Py_CLEAR(out);
+        PyErr_SetString(PyExc_ValueError, "reversed_runs: unit must be one 4-byte item");
+        goto done;
     }
+    uint32_t *dst = (uint32_t *)target.buf;
+    for (Py_ssize_t r = 0; r < k; r++) { /* run r, reversed, right after run r-1's */
+        const uint32_t *src = (const uint32_t *)views[r].buf;
+        Py_ssize_t n = views[r].len / 4;
+        for (Py_ssize_t i = 0; i < n; i++)
+            dst[i] = src[n - 1 - i];
+        dst += n;
+    }
+    PyBuffer_Release(&target);
 done:
     for (Py_ssize_t r = 0; r < got; r++)
         PyBuffer_Release(&views[r]);
@@ -407,8 +398,8 @@ static PyMethodDef methods[] = {
      "Native 64-bit ints as uint16 (narrow, all < 2**16) or uint32 bytes; None if any is outside [0, 2**32)."},
     {"fits32", fits32, METH_O, "Whether every native 64-bit int of the buffer is in [0, 2**32)."},
     {"reversed_runs", (PyCFunction)(void (*)(void))reversed_runs, METH_FASTCALL,
-     "The uint32 runs (a list of buffers) concatenated in order, each reversed: as bytes, or "
-     "as ``unit`` (one 4-byte item, e.g. array('I', [0])) repeated to their length."},
+     "The uint32 runs (a list of buffers) concatenated in order, each reversed, into ``unit`` "
+     "(one 4-byte item, e.g. array('I', [0])) repeated to their length."},
     {"common_bytes", common_bytes, METH_VARARGS, "Common prefix length of a[a_off:] and b[b_off:], at most limit."},
     {NULL, NULL, 0, NULL},
 };
