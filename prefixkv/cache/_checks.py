@@ -65,7 +65,7 @@ def as_token_array(token_ids: Any, name: str = "token_ids", narrow: bool = False
                 return packed
         return _from_numpy(np.frombuffer(token_ids, dtype=np.dtype(code)), name, narrow)
     if kind is list or kind is tuple or kind is range:
-        if _keypack is not None and kind is not range:  # one C pass, about 2x array("I", ...)
+        if _keypack is not None and kind is not range:  # one C pass, 2-6x array("I", ...)
             words = _keypack.from_list(token_ids, narrow)
             if words is not None:  # (None: a non-int or out-of-range item, reported below)
                 return _from_helper(words, len(token_ids))

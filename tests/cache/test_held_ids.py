@@ -46,6 +46,7 @@ def test_claim_release_roundtrip(n, order):
     ("negative", "out of range"),
     ("float", "ints"),
     ("bool", "ints"),
+    ("bool-inside", "ints"),
 ])
 def test_bad_claims_mark_nothing(n, bad, msg):
     h = HeldIds(4 * BULK)
@@ -61,6 +62,9 @@ def test_bad_claims_mark_nothing(n, bad, msg):
         ids[n // 2] = -1
     elif bad == "float":
         ids[0] = 0.0
+    elif bad == "bool-inside":  # anywhere in a list: True is not block id 1
+        ids[n // 2] = True
+        ids[1] = n + 10
     else:  # a bool at either end is caught when packing
         ids[0] = True
         ids[1] = n + 10

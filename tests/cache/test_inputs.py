@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from prefixkv.cache._checks import as_token_array, as_token_list
+from prefixkv.cache._native import keypack
 
 TOKS = [5, 0, 149_999, 2**32 - 1, 7, 7, 3, 1]
 
@@ -200,3 +201,22 @@ def test_exact_ids_below_takes_only_plain_ints_in_range(monkeypatch):
         assert _checks.exact_ids_below([2**32 - 1], 2**32) is True
     monkeypatch.setattr(_checks, "_keypack", None)
     assert _checks.exact_ids_below([1, 2], 5) is None
+
+
+@pytest.mark.skipif(keypack is None, reason="the C helper prefixkv.cache._keypack is not built")
+def test_from_list_reads_every_int_size_as_array_does():
+    """The C list reader takes small ints from their digits and others the general way: both
+    give ``array('I')``'s values, and ``None`` (the caller's checked path) where it would fail
+    (negative, 2**32 and up, a bool or subclass when ``exact``)."""
+    k = keypack
+    edges = [0, 1, 2**15, 2**16 - 1, 2**16, 2**30 - 1, 2**30, 2**31, 2**32 - 1, 2**32, 2**33,
+             2**60, 2**70, -1, -(2**30), -(2**31), -(2**60), True, False]
+    for v in edges:
+        want = array("I", [int(v)]).tobytes() if 0 <= v < 2**32 else None
+        assert k.from_list([7, v], False) == (None if want is None else array("I", [7]).tobytes() + want), v
+        assert k.from_list((v,), False, True) == (None if type(v) is bool else want), v
+    many = [(i * 2654435761) % 2**32 for i in range(5000)]  # every digit count below 2**32
+    assert k.from_list(many, False) == array("I", many).tobytes()
+    assert k.from_list(many[:300], True) == array("I", many[:300]).tobytes()  # some >= 2**16
+    small = [i % 65536 for i in range(70_000)]
+    assert k.from_list(small, True) == array("H", small).tobytes()
