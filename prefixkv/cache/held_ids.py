@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 
@@ -105,7 +105,7 @@ class HeldIds:
             return ids
         listed = type(ids) is list or type(ids) is tuple
         if listed and _keypack is not None:
-            words = _keypack.from_list(ids, False, True)  # exact ints in [0, 2**32): one C pass
+            words = _keypack.from_list(cast("list[Any]", ids), False, True)  # exact, [0, 2**32)
             if words is not None:
                 packed = array(ID_TYPECODE)
                 packed.frombytes(words)
