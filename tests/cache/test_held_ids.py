@@ -1,4 +1,4 @@
-"""HeldIds: short (Python) and bulk (numpy) claims and releases agree, bad ids change nothing, and
+"""HeldIds: short (Python) and bulk (C helper or numpy) claims and releases agree, bad ids change nothing, and
 owner tags release whole entries in O(1) without ever freeing another entry's ids."""
 
 from __future__ import annotations
@@ -7,7 +7,18 @@ from array import array
 
 import pytest
 
+from prefixkv.cache import held_ids
 from prefixkv.cache.held_ids import BULK, MAX_BLOCKS, HeldIds, new_ids
+
+
+@pytest.fixture(params=["c", "numpy"], autouse=True)
+def helper(request, monkeypatch):
+    """Every test twice: bulk claims in the C helper (when built) and in numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(held_ids, "_keypack", None)
+    elif held_ids._keypack is None:
+        pytest.skip("the C helper prefixkv.cache._keypack is not built")
+    return request.param
 
 
 def claim(h: HeldIds, ids, cached=(), stop=None):
