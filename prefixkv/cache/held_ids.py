@@ -20,9 +20,11 @@ an index over a huge id space that uses few ids (a router's tree) allocates litt
 Block ids travel as :data:`BlockIds`, an ``array('I')`` (4 bytes an id, no Python int per id):
 :meth:`HeldIds.pack` packs a caller's ids once, in C; a claim returns the claimed ids as a new
 array that the entry keeps; matches and evictions concatenate those arrays (a memory copy, no
-per-id Python work). Cost: a claim or explicit release of ``n`` ids is O(n), in C (numpy over
-the arrays' buffers, indexing by ``intp``: numpy's uint32 fancy index is 2-3x slower) from
-:data:`BULK` ids on; short runs use a Python loop, faster below a few dozen ids.
+per-id Python work). Cost: a claim or explicit release of ``n`` ids is O(n) in C from
+:data:`BULK` ids on (a claim in one pass of the ``_keypack`` helper when it is built; releases,
+and claims without the helper, in numpy over the arrays' buffers, indexing by ``intp``:
+numpy's uint32 fancy index is 2-3x slower); short runs use a Python loop, faster below a few
+dozen ids.
 """
 
 from __future__ import annotations
