@@ -242,6 +242,21 @@ static PyObject *common_bytes(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(n);
 }
 
+/* ``obj``'s buffer, C-contiguous items of ``itemsize`` bytes (``flags`` adds e.g. PyBUF_WRITABLE),
+ * into ``view``: 0, or -1 with nothing held (``TypeError(msg)`` when the items are another size). */
+static int items_view(PyObject *obj, Py_buffer *view, int flags, Py_ssize_t itemsize,
+                      const char *msg)
+{
+    if (PyObject_GetBuffer(obj, view, flags | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->len % itemsize) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, msg);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *narrow64(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
@@ -252,13 +267,8 @@ static PyObject *narrow64(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (narrow < 0)
         return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0)
+    if (items_view(args[0], &view, 0, 8, "narrow64: a buffer of 8-byte ints is required") < 0)
         return NULL;
-    if (view.itemsize != 8 || view.len % 8) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_TypeError, "narrow64: a buffer of 8-byte ints is required");
-        return NULL;
-    }
     Py_ssize_t n = view.len / 8;
     const uint64_t *src = (const uint64_t *)view.buf;
     uint64_t any = or_all64(src, n);
@@ -282,13 +292,8 @@ static PyObject *narrow64(PyObject *self, PyObject *const *args, Py_ssize_t narg
 static PyObject *fits32(PyObject *self, PyObject *arg)
 {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS) < 0)
+    if (items_view(arg, &view, 0, 8, "fits32: a buffer of 8-byte ints is required") < 0)
         return NULL;
-    if (view.itemsize != 8 || view.len % 8) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_TypeError, "fits32: a buffer of 8-byte ints is required");
-        return NULL;
-    }
     uint64_t any = or_all64((const uint64_t *)view.buf, view.len / 8);
     PyBuffer_Release(&view);
     return PyBool_FromLong((any >> 32) == 0);
@@ -297,13 +302,8 @@ static PyObject *fits32(PyObject *self, PyObject *arg)
 static PyObject *max_u32(PyObject *self, PyObject *arg)
 {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS) < 0)
+    if (items_view(arg, &view, 0, 4, "max_u32: a buffer of 4-byte ids is required") < 0)
         return NULL;
-    if (view.itemsize != 4 || view.len % 4) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_TypeError, "max_u32: a buffer of 4-byte ids is required");
-        return NULL;
-    }
     const uint32_t *ids = (const uint32_t *)view.buf;
     uint32_t hi = 0;
     for (Py_ssize_t i = 0; i < view.len / 4; i++)
@@ -325,22 +325,23 @@ static PyObject *claim_free(PyObject *self, PyObject *const *args, Py_ssize_t na
     unsigned long owner = PyLong_AsUnsignedLong(args[3]);
     if (PyErr_Occurred())
         return NULL;
+    const char *need = "claim_free: uint32 tags, uint8 counts, uint32 ids and a tag within the "
+                       "counts are required";
     Py_buffer tv, av, iv;
-    if (PyObject_GetBuffer(args[0], &tv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+    if (items_view(args[0], &tv, PyBUF_WRITABLE, 4, need) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &av, PyBUF_C_CONTIGUOUS) < 0) {
+    if (items_view(args[1], &av, 0, 1, need) < 0) {
         PyBuffer_Release(&tv);
         return NULL;
     }
-    if (PyObject_GetBuffer(args[2], &iv, PyBUF_C_CONTIGUOUS) < 0) {
+    if (items_view(args[2], &iv, 0, 4, need) < 0) {
         PyBuffer_Release(&tv);
         PyBuffer_Release(&av);
         return NULL;
     }
     Py_ssize_t bad = -1;
-    if (tv.itemsize != 4 || av.itemsize != 1 || iv.itemsize != 4 || (Py_ssize_t)owner >= av.len) {
-        PyErr_SetString(PyExc_TypeError, "claim_free: uint32 tags, uint8 counts, uint32 ids and a "
-                                         "tag within the counts are required");
+    if ((Py_ssize_t)owner >= av.len) {
+        PyErr_SetString(PyExc_TypeError, need);
         bad = -2;
     } else {
         uint32_t *tags = (uint32_t *)tv.buf;
@@ -383,13 +384,9 @@ static PyObject *reversed_runs(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_ssize_t got = 0;
     PyObject *out = NULL;
     for (; got < k; got++) {
-        if (PyObject_GetBuffer(PyList_GET_ITEM(runs, got), &views[got], PyBUF_C_CONTIGUOUS) < 0)
+        if (items_view(PyList_GET_ITEM(runs, got), &views[got], 0, 4,
+                       "reversed_runs: every run must hold 4-byte ids") < 0)
             goto done;
-        if (views[got].itemsize != 4 || views[got].len % 4) {
-            PyBuffer_Release(&views[got]);
-            PyErr_SetString(PyExc_TypeError, "reversed_runs: every run must hold 4-byte ids");
-            goto done;
-        }
         total += views[got].len / 4;
     }
     out = PySequence_Repeat(unit, total); /* e.g. array('I', [0]) * total: filled below */
