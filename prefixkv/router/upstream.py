@@ -274,8 +274,11 @@ class UpstreamPool:
             self._busy.setdefault(base, set()).add(conn)
             conn.received = False
             assert conn.transport is not None
-            conn.transport.write(message)
             try:
+                if conn.closed or conn.transport.is_closing():  # lost since it was connected or
+                    # idle (uvloop's write would raise RuntimeError; asyncio's drops the bytes)
+                    raise UpstreamError(f"{base} closed the connection before the request")
+                conn.transport.write(message)
                 status, answer_headers = await self._head(conn)
                 return UpstreamResponse(conn, status, answer_headers, self.timeout)
             except UpstreamError:

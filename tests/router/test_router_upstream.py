@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Self
+from typing import Any, Self
 
 import pytest
 
@@ -148,6 +148,42 @@ def test_a_stale_idle_connection_is_dropped_and_a_request_it_loses_is_sent_again
             pool.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connection_lost_before_the_request_is_written_is_an_upstream_error(loop: str) -> None:
+    """The worker went away between the connect and the write (killed at that moment): the
+    request fails with ``UpstreamError``, which the router answers by trying another worker.
+    uvloop's ``write`` raised ``RuntimeError`` on the closed transport, which became a 500."""
+    async def main() -> None:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       n: int) -> None:
+            while True:
+                await srv.read_request(reader)
+                writer.write(answer(b"ok"))
+
+        async with Scripted(echo) as srv:
+            pool = UpstreamPool(timeout=5)
+            connect = pool._connect
+
+            async def lost_at_once(base: str, host: str, port: int) -> Any:
+                conn = await connect(base, host, port)
+                conn.transport.abort()
+                await asyncio.sleep(0)  # connection_lost runs: the transport is closed
+                return conn
+
+            pool._connect = lost_at_once  # type: ignore[method-assign]
+            with pytest.raises(UpstreamError):
+                await pool.post(srv.base, "/", b"1", {})
+            pool._connect = connect  # type: ignore[method-assign]
+            assert await (await pool.post(srv.base, "/", b"2", {})).read() == b"ok"
+            pool.close()
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(asyncio.wait_for(main(), 20))
+    else:
+        run(main())
 
 
 def test_failures_raise_upstream_error() -> None:
