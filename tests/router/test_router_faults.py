@@ -155,16 +155,20 @@ def test_a_dead_worker_leaves_at_once_through_the_immediate_probe(pair) -> None:
     assert a.posts <= 1 and not server.router.workers[a.url].healthy
 
 
-def _children(pid: int) -> list[int]:
+def _worker_children(pid: int) -> list[int]:
+    """The ``prefixkv serve`` children of ``pid``; other children (the router's imports run a
+    short-lived ``ldconfig -p`` while it starts) are not workers and would read as dead ones."""
     kids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
             except OSError:
                 continue
-            if int(fields[1]) == pid:
+            if int(fields[1]) == pid and b"serve" in argv:
                 kids.append(int(entry))
     return kids
 
@@ -191,7 +195,7 @@ def test_launch_stops_its_workers_on_sigterm_and_sighup(sig: signal.Signals) -> 
         deadline = time.monotonic() + 120
         while True:
             assert router.poll() is None and time.monotonic() < deadline, "router did not start"
-            workers = workers or _children(router.pid)
+            workers = workers or _worker_children(router.pid)
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
