@@ -2,8 +2,9 @@
 
 Every :class:`~prefixkv.config.EngineConfig` setting is one flag named after it
 (``max_num_seqs`` -> ``--max-num-seqs``, ``kv_offload_size`` -> ``--kv-offload-size``) with the
-config's default and help, so ``--help`` cannot drift from the code. ``MODEL`` is positional
-(``--model`` is the same). :func:`engine_kwargs` reads them back as ``EngineConfig.from_kwargs``
+config's default and help, so ``--help`` cannot drift from the code, except where
+:data:`SERVE_DEFAULTS` gives the server its own default (as vLLM's OpenAI server does). ``MODEL``
+is positional (``--model`` is the same). :func:`engine_kwargs` reads them back as ``EngineConfig.from_kwargs``
 arguments.
 """
 
@@ -20,6 +21,12 @@ GROUPS = {
     "tiers": "KV tiers (docs/tiers.md)",
 }
 _TYPES: dict[str, Any] = {"int": int, "float": float, "str": str}
+SERVE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 2048}
+"""Server defaults that differ from :class:`~prefixkv.config.EngineConfig`'s (the ``LLM`` ones).
+A step budget of 2,048 tokens is vLLM's OpenAI-server default on CPU (its ``LLM`` takes 4,096):
+a long prompt prefills in 2,048-token chunks, so requests already decoding wait at most one such
+chunk per token (demo model, a 4,000-token prompt: 160 ms -> 101-103 ms longest decode gap,
+``scripts/prefill_stall.py``)."""
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -36,7 +43,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add(g: argparse._ArgumentGroup, opt: Option) -> None:
-    kw: dict[str, Any] = {"dest": opt.name, "default": opt.default, "help": _escape(opt.help_text)}
+    help_text = opt.help_text
+    default = SERVE_DEFAULTS.get(opt.name, opt.default)
+    if opt.name in SERVE_DEFAULTS:
+        help_text = f"{opt.help} (default: {default}; {opt.shown} for LLM)"
+    kw: dict[str, Any] = {"dest": opt.name, "default": default, "help": _escape(help_text)}
     if opt.kind == "bool":
         kw["action"] = argparse.BooleanOptionalAction
     else:

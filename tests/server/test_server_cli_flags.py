@@ -12,7 +12,7 @@ from prefixkv.cache import make_cache
 from prefixkv.cli import build_parser, main
 from prefixkv.config import OPTIONS, EngineConfig
 from prefixkv.server.cli_compat import seed004_args
-from prefixkv.server.cli_flags import GROUPS, engine_kwargs
+from prefixkv.server.cli_flags import GROUPS, SERVE_DEFAULTS, engine_kwargs
 
 
 def _sub(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
@@ -36,8 +36,12 @@ def test_every_config_field_has_its_flag(command: argparse.ArgumentParser) -> No
             continue
         action = by_flag[opt.flag]
         assert action.dest == opt.name
-        assert action.default == opt.default, opt.name
-        assert action.help is not None and action.help.replace("%%", "%") == opt.help_text
+        assert action.default == SERVE_DEFAULTS.get(opt.name, opt.default), opt.name
+        assert action.help is not None
+        if opt.name in SERVE_DEFAULTS:
+            assert f"(default: {action.default}; {opt.shown} for LLM)" in action.help
+        else:
+            assert action.help.replace("%%", "%") == opt.help_text
         if opt.choices is not None:
             assert tuple(action.choices or ()) == opt.choices
 
@@ -50,8 +54,15 @@ def test_every_engine_flag_is_a_config_field(command: argparse.ArgumentParser) -
             assert action.dest in OPTIONS or action.dest == "model_flag", action.option_strings
 
 
-def test_no_flags_is_the_default_config(command: argparse.ArgumentParser) -> None:
+def test_no_flags_is_the_default_config_with_the_servers_step_budget(
+        command: argparse.ArgumentParser) -> None:
+    # vLLM's OpenAI server on CPU defaults to a 2,048-token step, its LLM to 4,096; so do we
     args = command.parse_args([])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config == EngineConfig.from_kwargs(max_num_batched_tokens=2048)
+    assert config.scheduler.max_num_batched_tokens == 2048
+    assert EngineConfig().scheduler.max_num_batched_tokens == 4096
+    args = command.parse_args(["--max-num-batched-tokens", "4096"])
     assert EngineConfig.from_kwargs(**engine_kwargs(args)) == EngineConfig()
 
 
