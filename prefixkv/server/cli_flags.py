@@ -4,8 +4,8 @@ Every :class:`~prefixkv.config.EngineConfig` setting is one flag named after it
 (``max_num_seqs`` -> ``--max-num-seqs``, ``kv_offload_size`` -> ``--kv-offload-size``) with the
 config's default and help, so ``--help`` cannot drift from the code, except where
 :data:`SERVE_DEFAULTS` gives the server its own default (as vLLM's OpenAI server does). ``MODEL``
-is positional (``--model`` is the same). :func:`engine_kwargs` reads them back as ``EngineConfig.from_kwargs``
-arguments.
+is positional (``--model`` is the same). :func:`engine_kwargs` reads them back as
+``EngineConfig.from_kwargs`` arguments.
 """
 
 from __future__ import annotations
