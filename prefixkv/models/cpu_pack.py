@@ -12,7 +12,9 @@ Ownership: a packed :class:`~prefixkv.models.llama.Linear` holds its weight once
 ``meta`` tensor (name, shape and dtype stay in the state dict; no data), so packing does not
 double the weight memory. Whatever reads weight values (the runner's model fingerprint) runs
 before packing. Packing is CPU-only and checked once per weight against ``F.linear``; when oneDNN is
-missing or disagrees, that weight keeps its plain tensor and stays on ``F.linear``.
+missing or disagrees, that weight keeps its plain tensor and stays on ``F.linear``. oneDNN's
+per-shape primitive caches are capped before the first weight is packed
+(:func:`bound_shape_caches`), so a server's memory does not grow with every new step size.
 
 Decode rows (at most ``cpu_gemv.MAX_ROWS``) of a float32 or bfloat16 weight go to a C loop
 that reads the same packed buffer (``cpu_gemv.py``: oneDNN reaches about 80% of the memory
@@ -22,12 +24,23 @@ bandwidth there); the buffer's address is kept beside the tensor that owns it, i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from prefixkv.models import cpu_gemv
+
+SHAPE_CACHE_CAPACITY = 64
+"""Entries kept by each of oneDNN's per-shape caches (ideep's ``LRU_CACHE_CAPACITY`` and oneDNN's
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; both default to 1,024). A matmul of a new row count creates
+(JIT-compiles) a primitive that these caches keep, about 0.3-0.55 MB each, and a server's
+prefill steps come in every row count up to the step budget: with the defaults a server's RSS
+crept up by ~45 MB a thousand requests toward a ~1 GB plateau (``docs/reliability.md``). The
+layers of one step share their weights' shapes, so only a step's first layer misses the cache."""
+SHAPE_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+"""The environment variables read (once, at the process's first oneDNN matmul) for those caps."""
 
 PACK_BATCH_HINT = 8
 """Batch size oneDNN tunes the blocked layout for (any batch is accepted)."""
@@ -71,6 +84,16 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     return out
 
 
+def bound_shape_caches() -> dict[str, str]:
+    """Cap oneDNN's per-shape caches at :data:`SHAPE_CACHE_CAPACITY` entries unless the
+    environment already sets them; returns the settings in effect. The libraries read them at
+    the process's first oneDNN matmul, so this runs before the first weight is packed (a process
+    that ran one earlier keeps what it read then)."""
+    for name in SHAPE_CACHE_VARS:
+        os.environ.setdefault(name, str(SHAPE_CACHE_CAPACITY))
+    return {name: os.environ[name] for name in SHAPE_CACHE_VARS}
+
+
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
     """oneDNN-packed copy of a 2-D ``[out, in]`` CPU weight, or ``None`` when it cannot be used.
 
@@ -80,6 +103,7 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     """
     if weight.dim() != 2 or not packing_available(weight.device, weight.dtype):
         return None
+    bound_shape_caches()
     with torch.inference_mode():
         try:
             tensor: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from prefixkv.models import llama
-from prefixkv.models.cpu_pack import pack_weight, packed_linear, packing_available
+from prefixkv.models.cpu_pack import (
+    SHAPE_CACHE_CAPACITY,
+    SHAPE_CACHE_VARS,
+    bound_shape_caches,
+    pack_weight,
+    packed_linear,
+    packing_available,
+)
 from prefixkv.models.demo import ensure_demo_model
 from prefixkv.models.loader import load_model
 from prefixkv.runner.kv_transfer import model_fingerprint
@@ -144,3 +151,50 @@ def test_bf16_packed_logits_close_to_fp32() -> None:
         logits.append(runner.execute([RunItem(toks, 0, [0])])[0])
     scale = logits[0].abs().max().item()
     assert (logits[1] - logits[0]).abs().max().item() < 0.1 * scale
+
+
+_SHAPES_PROBE = """
+import ctypes, json, os
+from prefixkv import LLM, SamplingParams
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+def in_use():
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+llm = LLM(enable_prefix_caching=False)
+greedy = SamplingParams(temperature=0.0, max_tokens=1)
+llm.generate([40 + i % 50 for i in range(64)], greedy)
+before = in_use()
+for n in range(40, 340, 3):  # 100 prompts, each prefilled in a step of a new size
+    llm.generate([40 + (7 * i) % 150 for i in range(n)], greedy)
+print(json.dumps({"grew": in_use() - before,
+                  "env": {v: os.environ.get(v) for v in VARS}}))
+""".replace("VARS", repr(SHAPE_CACHE_VARS))
+
+
+@needs_pack
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"),
+                    reason="needs glibc's mallinfo2")
+def test_memory_stays_bounded_across_new_step_sizes() -> None:
+    """A server's prefill steps come in every size; each new one makes oneDNN create a matmul
+    primitive (~0.5 MB) that its caches keep (1,024 each by default: 100 new sizes grew the heap
+    by ~220 MB). With the caps the engine sets, malloc's in-use bytes grow by far less."""
+    env = {k: v for k, v in os.environ.items() if k not in SHAPE_CACHE_VARS}
+    out = subprocess.run([sys.executable, "-c", _SHAPES_PROBE], env=env, capture_output=True,
+                         text=True, timeout=300, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["env"] == {v: str(SHAPE_CACHE_CAPACITY) for v in SHAPE_CACHE_VARS}
+    assert got["grew"] < 80 << 20, got
+
+
+def test_shape_cache_caps_leave_a_users_setting_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = SHAPE_CACHE_VARS
+    monkeypatch.setenv(first, "16")
+    monkeypatch.setenv(second, "x")  # recorded, so the test's end restores it
+    monkeypatch.delenv(second)
+    assert bound_shape_caches() == {first: "16", second: str(SHAPE_CACHE_CAPACITY)}
+    assert os.environ[first] == "16"
