@@ -188,6 +188,7 @@ class RouterServer:
         self.url = f"http://{host}:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, host=host, port=self.port, log_level="warning", lifespan="on",
+            timeout_keep_alive=config.timeout_keep_alive,
         ))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 

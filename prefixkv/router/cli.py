@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 from prefixkv.cache import POLICIES as CACHE_POLICIES
+from prefixkv.router.config import KEEP_ALIVE_S
 from prefixkv.router.policies import POLICY_NAMES
 
 LAUNCHED_KV_EVENTS = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
@@ -89,6 +90,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--failure-threshold", type=int, default=3,
                    help="failed requests in a row that take a worker out of rotation")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
+                   metavar="SECONDS", help="close a client's idle connection after this long "
+                   "(default %(default)s; longer than clients keep theirs)")
     p.add_argument("--admin-api-key", default=os.environ.get("PREFIXKV_ADMIN_API_KEY"),
                    help="the fleet's admin key: needed for the router's /v1/cache/* routes "
                         "(fanned out to every worker) and sent on to the workers (default: "
@@ -159,6 +163,7 @@ def run_route(args: argparse.Namespace) -> int:
             health_check_interval=args.health_check_interval,
             health_check_timeout=args.health_check_timeout,
             failure_threshold=args.failure_threshold, request_timeout=args.request_timeout,
+            timeout_keep_alive=args.timeout_keep_alive,
             admin_api_key=args.admin_api_key, kv_events=tuple(args.kv_events),
             kv_events_topic=args.kv_events_topic, kv_events_rehash=args.kv_events_rehash,
         )
@@ -171,7 +176,8 @@ def run_route(args: argparse.Namespace) -> int:
         print(f"prefixkv route: {config.policy} over {', '.join(config.worker_urls)} "
               f"on http://{args.host}:{args.port}", flush=True)
         server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host,
-                                               port=args.port, log_level=args.log_level))
+                                               port=args.port, log_level=args.log_level,
+                                               timeout_keep_alive=config.timeout_keep_alive))
         server.run()
     except _Stop as stop:
         return int(stop.code or 0)

@@ -9,7 +9,11 @@ from prefixkv.router.keys import DEFAULT_CHUNK_BYTES
 from prefixkv.router.policies import POLICY_NAMES
 from prefixkv.router.workers import normalize_worker_url
 
-__all__ = ["RouterConfig"]
+__all__ = ["KEEP_ALIVE_S", "RouterConfig"]
+
+KEEP_ALIVE_S = 20
+"""The default ``timeout_keep_alive``: longer than clients keep an idle connection (httpx 5 s,
+aiohttp 15 s), so none sends on one the router is closing (``prefixkv.server.cli.KEEP_ALIVE_S``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +27,8 @@ class RouterConfig:
     ``worker_eviction_policy`` (else each worker's policy from its stats, else LRU).
     ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas`` configure ``consistent_hash``.
     ``failure_threshold`` failed dispatches in a row open a worker's breaker.
+    ``timeout_keep_alive``: how long the router keeps a client's idle connection open
+    (:data:`KEEP_ALIVE_S`).
     ``admin_api_key``: the fleet's admin key, needed for the router's cache admin routes and
     sent on to the workers (and with the stats reads); see :mod:`prefixkv.router.admin`.
     ``kv_events`` / ``kv_events_topic``: the ``precise`` policy's event endpoints, one per worker
@@ -43,6 +49,7 @@ class RouterConfig:
     health_check_timeout: float = 5.0
     failure_threshold: int = 3
     request_timeout: float = 600.0
+    timeout_keep_alive: int = KEEP_ALIVE_S
     simulate_eviction: bool = False
     capacity_tokens: int | None = None
     worker_eviction_policy: str | None = None
@@ -83,7 +90,8 @@ class RouterConfig:
             parse_sources(urls, self.kv_events, self.kv_events_topic)  # ValueError if bad
         if self.failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold!r}")
-        for name in ("health_check_interval", "health_check_timeout", "request_timeout"):
+        for name in ("health_check_interval", "health_check_timeout", "request_timeout",
+                     "timeout_keep_alive"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

@@ -120,6 +120,17 @@ def test_models_health_metrics_and_bad_json(router: RouterServer) -> None:
     assert "prefixkv:router_tree_size" in text
 
 
+def test_idle_client_connections_outlast_the_clients_expiry() -> None:
+    """The router keeps a client's idle connection longer than httpx does (5 s), so a client
+    never sends on one the router is closing; the setting reaches uvicorn and is validated."""
+    config = RouterConfig(worker_urls=("http://127.0.0.1:9",))
+    assert config.timeout_keep_alive > httpx.Limits().keepalive_expiry
+    with pytest.raises(ValueError, match="timeout_keep_alive"):
+        RouterConfig(worker_urls=("http://127.0.0.1:9",), timeout_keep_alive=0)
+    server = RouterServer(RouterConfig(worker_urls=config.worker_urls, timeout_keep_alive=7))
+    assert server._server.config.timeout_keep_alive == 7
+
+
 def test_cli_rejects_bad_and_unreachable_worker_urls() -> None:
     def route(*urls: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -1,5 +1,6 @@
-"""``prefixkv serve`` as a real process (README examples run against it, SIGTERM stops it),
-``prefixkv generate`` offline, and a server with prefix caching off."""
+"""``prefixkv serve`` as a real process (README examples run against it, idle connections kept
+for ``--timeout-keep-alive``, SIGTERM stops it), ``prefixkv generate`` offline, and a server
+with prefix caching off."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +20,7 @@ from server_live import start_server, wait_for_health
 
 from prefixkv.cli import build_parser, main
 from prefixkv.engine import AsyncEngine
+from prefixkv.server.cli import KEEP_ALIVE_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,16 +44,62 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in out, flag
 
 
+def _response(sock: socket.socket) -> bytes:
+    """One HTTP/1.1 response with a Content-Length body, or b"" when the server closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b""
+        body += chunk
+    return head
+
+
+def _answers_after_idle(port: int, idle_s: float) -> bool:
+    """Whether one keep-alive connection, idle ``idle_s`` after a first request, answers a
+    second (the server closes it after its ``--timeout-keep-alive``)."""
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        assert _response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(idle_s)
+        try:
+            sock.sendall(request)
+            return _response(sock).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
+
+
+def test_keep_alive_outlasts_the_clients_idle_expiry() -> None:
+    """httpx (the OpenAI SDK's transport) drops an idle connection after 5 s: a server that
+    closes it first races the client's next request (a reset, ReadError)."""
+    assert KEEP_ALIVE_S > httpx.Limits().keepalive_expiry
+    args = build_parser().parse_args(["serve"])
+    assert args.timeout_keep_alive == KEEP_ALIVE_S
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--timeout-keep-alive", "0"])
+
+
 def test_serve_process_runs_examples_and_stops_on_sigterm() -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PREFIXKV_BASE_URL": url, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixkv.cli", "serve", "--port", str(port),
-         "--num-kv-blocks", "512", "--log-level", "warning"],
+         "--num-kv-blocks", "512", "--log-level", "warning", "--timeout-keep-alive", "2"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_health(url, proc)
+        assert _answers_after_idle(port, 0.3)  # kept while idle under 2 s
+        assert not _answers_after_idle(port, 3.0)  # closed by the server after 2 s
         run = subprocess.run([sys.executable, "examples/openai_client.py"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120, check=False)
         assert run.returncode == 0, run.stdout + run.stderr
