@@ -53,7 +53,7 @@ KEEP_ALIVE_S = 20
 and vLLM's is 5 s). A server must keep an idle connection longer than its clients do, or a
 client can send on a connection in the very moment the server closes it and get a reset: httpx,
 which the OpenAI SDK uses, drops idle connections after 5 s, so at 5 s here about one request in
-2,000 of ``prefixkv bench load`` failed with ``ReadError`` on a connection idle 4.9 s; aiohttp
+3,300 of ``prefixkv bench load`` failed with ``ReadError`` on a connection idle 4.9 s; aiohttp
 keeps them 15 s."""
 
 
