@@ -4,8 +4,10 @@ A bounded load test for operators (and docs/reliability.md): ``--clients`` concu
 send ``--requests`` completions in all, over a shared system prompt plus a unique question;
 a share of them stream, and a share of the streams hang up after the first chunk (clients that
 go away). Afterwards it waits for the server to go idle and reads its stats: every KV block
-must be free or cached (``leaked_blocks`` 0) and none locked. With ``--pid`` it also reports
-the server's RSS before and after. Only loopback or your own servers: it sends real load.
+must be free or cached (``leaked_blocks`` 0) and none locked. Behind ``prefixkv route`` the
+router's stats list every worker's, and the counts are summed over them (``engines``). With
+``--pid`` it also reports the server's RSS before and after. Only loopback or your own servers:
+it sends real load.
 
     prefixkv bench load --url http://127.0.0.1:8000 --clients 128 --requests 1000 --pid 1234
 """
@@ -38,6 +40,7 @@ class LoadReport:
     rss_after_mb: float | None = None
     leaked_blocks: int = 0
     locked_blocks: int = 0
+    engines: int = 0  # engines whose stats were read (a router's workers); 0: none readable
     healthy_after: bool = False
 
     @property
@@ -127,21 +130,47 @@ async def run_load(url: str, *, clients: int, requests: int, max_tokens: int = 8
         await asyncio.gather(*(client() for _ in range(clients)))
         report.wall_s = time.perf_counter() - start
         deadline = time.monotonic() + 60
-        while True:  # the server is idle once nothing runs and nothing is locked
-            stats = (await http.get("/v1/cache/stats")).json()
-            cache = stats.get("cache") or {}
-            if stats["num_running"] == stats["num_waiting"] == 0 and not cache.get("locked_blocks"):
-                break
-            if time.monotonic() > deadline:
+        while True:  # the server is idle once nothing runs and nothing is locked anywhere
+            engines = engine_stats(await http.get("/v1/cache/stats"))
+            if all(_idle(e) for e in engines) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
-        report.leaked_blocks = stats["num_kv_blocks"] - stats["num_free_blocks"] - stats[
-            "num_cached_blocks"]
-        report.locked_blocks = int(cache.get("locked_blocks", 0))
+        report.engines = len(engines)
+        for e in engines:
+            report.leaked_blocks += e["num_kv_blocks"] - e["num_free_blocks"] - e[
+                "num_cached_blocks"]
+            report.locked_blocks += int((e.get("cache") or {}).get("locked_blocks", 0))
         report.healthy_after = (await http.get("/health")).status_code == 200
     report.p50_s, report.p99_s = _quantile(latencies, 0.5), _quantile(latencies, 0.99)
     report.rss_after_mb = rss_mb(pid)
     return report
+
+
+_ENGINE_KEYS = ("num_running", "num_waiting", "num_kv_blocks", "num_free_blocks",
+                "num_cached_blocks")
+
+
+def engine_stats(resp: Any) -> list[dict[str, Any]]:
+    """The engine stats in a ``/v1/cache/stats`` answer: a server's own, or each worker's from
+    a router's list (``{"data": [{"worker", "status", "body"}, ...]}``); empty when the answer
+    is neither (an error status, another server), so nothing is claimed about its blocks."""
+    try:
+        payload = resp.json() if resp.status_code == 200 else None
+    except ValueError:
+        return []
+    if not isinstance(payload, dict):
+        return []
+    listed = payload.get("data")
+    bodies: list[Any] = ([w.get("body") for w in listed if isinstance(w, dict)]
+                         if isinstance(listed, list) else [payload])
+    engines = [b for b in bodies
+               if isinstance(b, dict) and all(isinstance(b.get(k), int) for k in _ENGINE_KEYS)]
+    return engines if bodies and len(engines) == len(bodies) else []
+
+
+def _idle(stats: dict[str, Any]) -> bool:
+    return (stats["num_running"] == stats["num_waiting"] == 0
+            and not (stats.get("cache") or {}).get("locked_blocks"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,9 +199,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"{report.clients} clients, {report.requests} requests in {report.wall_s:.1f} s: "
               f"{report.ok} ok, {report.cut_streams} streams cut by the client, "
               f"{report.num_failures} failed {report.failures or ''}")
+        blocks = (f"leaked blocks {report.leaked_blocks}, locked {report.locked_blocks}"
+                  f"{f' over {report.engines} engines' if report.engines > 1 else ''}"
+                  if report.engines else "blocks not checked (no engine stats at /v1/cache/stats)")
         print(f"latency p50 {report.p50_s * 1000:.0f} ms, p99 {report.p99_s * 1000:.0f} ms; "
-              f"RSS {report.rss_before_mb} -> {report.rss_after_mb} MB; leaked blocks "
-              f"{report.leaked_blocks}, locked {report.locked_blocks}; healthy after: "
-              f"{report.healthy_after}")
+              f"RSS {report.rss_before_mb} -> {report.rss_after_mb} MB; {blocks}; healthy "
+              f"after: {report.healthy_after}")
     bad = report.num_failures or report.leaked_blocks or report.locked_blocks
-    return 1 if bad or not report.healthy_after else 0
+    return 1 if bad or not report.healthy_after or not report.engines else 0

@@ -7,10 +7,12 @@ import os
 import sys
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from server_live import start_server
 
-from prefixkv.bench.load import run_load
+from prefixkv.bench.load import engine_stats, run_load
 from prefixkv.engine import AsyncEngine
 
 
@@ -27,3 +29,19 @@ def test_a_bounded_load_leaves_a_healthy_server_with_no_leaked_blocks() -> None:
     assert report.ok + report.cut_streams == 48 and report.cut_streams > 0
     assert report.leaked_blocks == 0 and report.locked_blocks == 0 and report.healthy_after
     assert report.rss_before_mb and report.rss_after_mb and 0 < report.p50_s <= report.p99_s
+
+
+def test_stats_that_are_not_an_engines_check_nothing() -> None:
+    """Only answers that carry an engine's block counts are summed; anything else (an error, a
+    server that is not prefixkv, a worker that answered an error) leaves the check undone."""
+    engine = {"num_running": 0, "num_waiting": 0, "num_kv_blocks": 8, "num_free_blocks": 7,
+              "num_cached_blocks": 1}
+    assert engine_stats(httpx.Response(200, json=engine)) == [engine]
+    listed = {"object": "list", "data": [{"worker": "a", "status": 200, "body": engine}] * 2}
+    assert engine_stats(httpx.Response(200, json=listed)) == [engine, engine]
+    failed = {"data": [{"worker": "a", "status": 200, "body": engine},
+                       {"worker": "b", "status": 503, "body": {"error": {"message": "down"}}}]}
+    for resp in (httpx.Response(403, json=engine), httpx.Response(200, json={"ok": True}),
+                 httpx.Response(200, json=failed), httpx.Response(200, text="not json"),
+                 httpx.Response(200, json=[engine])):
+        assert engine_stats(resp) == []

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from prefixkv.bench.load import run_load
 from prefixkv.router import bench
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
 from prefixkv.router.bench import ready
@@ -129,6 +130,17 @@ def test_idle_client_connections_outlast_the_clients_expiry() -> None:
         RouterConfig(worker_urls=("http://127.0.0.1:9",), timeout_keep_alive=0)
     server = RouterServer(RouterConfig(worker_urls=config.worker_urls, timeout_keep_alive=7))
     assert server._server.config.timeout_keep_alive == 7
+
+
+def test_bench_load_through_the_router_checks_every_workers_blocks(
+    workers: LocalWorkers, router: RouterServer
+) -> None:
+    """``prefixkv bench load`` against a router: the router's stats list each worker's, and the
+    leak check sums them (it raised KeyError on the list before)."""
+    report = asyncio.run(run_load(router.url, clients=8, requests=24, max_tokens=2))
+    assert report.num_failures == 0, report.failures
+    assert report.engines == len(workers.urls) and report.healthy_after
+    assert report.leaked_blocks == 0 and report.locked_blocks == 0
 
 
 def test_cli_rejects_bad_and_unreachable_worker_urls() -> None:
