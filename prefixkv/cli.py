@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # Modules that add subcommands; each defines register(subparsers) and sets `func` defaults.
 _COMMAND_MODULES = (
     "prefixkv.server.cli",
+    "prefixkv.server.cache_cli",
     "prefixkv.router.cli",
     "prefixkv.bench.cli",
     "prefixkv.bench.compare",

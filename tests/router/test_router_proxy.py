@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from prefixkv.bench.load import run_load
+from prefixkv.cli import main
 from prefixkv.router import bench
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
 from prefixkv.router.bench import ready
@@ -141,6 +142,31 @@ def test_bench_load_through_the_router_checks_every_workers_blocks(
     assert report.num_failures == 0, report.failures
     assert report.engines == len(workers.urls) and report.healthy_after
     assert report.leaked_blocks == 0 and report.locked_blocks == 0
+
+
+def test_cache_cli_through_the_router_shows_every_worker(
+    workers: LocalWorkers, router: RouterServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``prefixkv cache ...`` against the router prints each worker's answer (a traceback on
+    the router's list before); a worker's error is shown and makes the exit status 1."""
+    tokens = ",".join(str(60 + i) for i in range(17))  # one block of 16, one token left over
+    url = ["--url", router.url]
+
+    def cli(*argv: str) -> tuple[int, str]:
+        code = main(["cache", *argv, *url])
+        return code, capsys.readouterr().out
+
+    code, out = cli("stats")
+    assert code == 0 and out.count("Prefix Cache Statistics:") == len(workers.urls)
+    code, out = cli("pin", "--tokens", tokens, "--description", "fleet")
+    assert code == 0, out
+    for w in workers.urls:
+        assert f"worker {w}:\n  pinned 16 tokens (1 blocks): fleet" in out
+    code, out = cli("list-pinned")
+    assert code == 0 and out.count("fleet") == len(workers.urls)
+    assert cli("unpin", "--tokens", tokens)[0] == 0
+    code, out = cli("unpin", "--tokens", tokens)  # nothing pinned any more: every worker 404s
+    assert code == 1 and out.count("error 404: that prefix is not pinned") == len(workers.urls)
 
 
 def test_cli_rejects_bad_and_unreachable_worker_urls() -> None:
