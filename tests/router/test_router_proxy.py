@@ -167,6 +167,8 @@ def test_cache_cli_through_the_router_shows_every_worker(
     assert cli("unpin", "--tokens", tokens)[0] == 0
     code, out = cli("unpin", "--tokens", tokens)  # nothing pinned any more: every worker 404s
     assert code == 1 and out.count("error 404: that prefix is not pinned") == len(workers.urls)
+    code, out = cli("unpin", "--tokens", tokens, "--json")
+    assert code == 1 and [w["status"] for w in json.loads(out)["data"]] == [404] * len(workers.urls)
 
 
 def test_cli_rejects_bad_and_unreachable_worker_urls() -> None:
