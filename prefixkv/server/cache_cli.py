@@ -22,8 +22,8 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``cache`` and its commands to the ``prefixkv`` parser."""
     p = sub.add_parser("cache", help="inspect and manage a running server's prefix cache",
-                       description="Cache commands against a running `prefixkv serve`, or `prefixkv route` "
-                                   "(every worker's answer, one by one).")
+                       description="Cache commands against a running `prefixkv serve`, or "
+                                   "`prefixkv route` (every worker's answer, one by one).")
     csub = p.add_subparsers(dest="cache_command", metavar="CACHE_COMMAND", required=True)
 
     def common(q: argparse.ArgumentParser) -> None:
