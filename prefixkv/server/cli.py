@@ -22,8 +22,6 @@ from prefixkv.server.cli_compat import register_engine
 from prefixkv.server.cli_flags import add_engine_flags, engine_kwargs
 from prefixkv.server.limits import ServerLimits
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``serve`` and ``generate`` to the ``prefixkv`` parser."""
