@@ -83,6 +83,8 @@ class KVEventSink:
         self._hashes: dict[int, bytes] = {}  # cached block id -> digest (thread-owned)
         self.published = 0
         self.dropped = 0
+        self._stopping = threading.Event()
+        self._publisher_closed = False
         self._thread = threading.Thread(target=self._run, name="prefixkv-kv-events", daemon=True)
         self._thread.start()
 
@@ -111,23 +113,42 @@ class KVEventSink:
         Sends :class:`AllBlocksCleared` when nothing stayed, else :class:`BlockRemoved`."""
         self._put(("reset", list(block_ids), num_cached_left))
 
-    def close(self, timeout: float = 1.0) -> None:
-        """Flush (up to ``timeout`` seconds), stop the thread, close the publisher. Idempotent."""
+    def close(self, timeout: float = 1.0, *, wait: bool = True) -> None:
+        """Flush (up to ``timeout`` seconds), stop the thread, close the publisher (the thread
+        closes it as it ends). ``wait=False``: return at once, the thread flushes and ends on
+        its own (a dropped engine's finalizer). Idempotent."""
+        self._stopping.set()
         if self._thread.is_alive():
             try:
-                self._queue.put(_STOP, timeout=timeout)
+                self._queue.put(_STOP, timeout=timeout if wait else 0)
             except queue.Full:
-                pass
+                pass  # the thread stops once the queue is empty
+            if not wait or self._thread is threading.current_thread():
+                return
             self._thread.join(timeout)
-        self.publisher.close()
+        if not self._thread.is_alive():
+            self._close_publisher()
+
+    def _close_publisher(self) -> None:
+        if not self._publisher_closed:
+            self._publisher_closed = True
+            self.publisher.close()
 
     # ---------------------------------------------------------- sink thread
     def _run(self) -> None:
+        try:
+            self._publish()
+        finally:
+            self._close_publisher()  # the sockets are this thread's: closed here, after the last
+
+    def _publish(self) -> None:
         while True:
             try:
                 self.publisher.service()
                 first = self._queue.get(timeout=self._poll)
             except queue.Empty:
+                if self._stopping.is_set():
+                    return
                 continue
             except Exception:
                 logger.exception("KV events: replay failed")

@@ -82,12 +82,28 @@ class LLM:
     ``LLM(model, **settings)`` or ``LLM(config=EngineConfig(...))``.
 
     Not thread safe; for concurrent serving use :class:`~prefixkv.engine.async_engine.AsyncEngine`.
+
+    With disk / remote KV tiers or KV events it runs background threads: :meth:`close` (or
+    leaving a ``with LLM(...) as llm:`` block) writes what is queued and stops them; an ``LLM``
+    dropped without it lets them finish on their own, and interpreter exit waits for queued tier
+    writes, so a script's disk tier is complete when it ends.
     """
 
     def __init__(
         self, model: str | Path | None = None, *, config: EngineConfig | None = None, **kwargs: Any
     ) -> None:
         self.engine = build_engine(model, config=config, **kwargs)
+
+    def close(self) -> None:
+        """Finish the lower tiers' queued writes and stop the background threads. Idempotent;
+        generation still works afterwards, with the pool and the host tier only."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

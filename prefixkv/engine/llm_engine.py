@@ -16,8 +16,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixkv.cache import make_cache
 from prefixkv.cache.protocol import PinnedPrefix
@@ -37,6 +38,10 @@ from prefixkv.engine.sequence import Sequence as Seq
 from prefixkv.engine.structured_output import GrammarCompiler
 from prefixkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from prefixkv.runner.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from prefixkv.engine.kv_events import KVEventSink
+    from prefixkv.tiers.store import TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +122,8 @@ class LLMEngine:
         self.fault_hook: FaultHook | None = None
         self.cache_admin = CacheAdmin(self.kv, cc.max_pinned_blocks_per_tenant)
         self._max_chars: int | None = None
+        # dropped without close(): the tier / KV-event threads write what is queued and end
+        weakref.finalize(self, _release_threads, self.kv.tiers, self.kv.events)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -361,8 +368,9 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Finish queued writes to the disk/remote tiers and stop their threads. Idempotent;
-        the engine is still usable for the pool and host tier afterwards."""
+        """Finish queued writes to the disk/remote tiers and stop their threads (and the KV
+        events'). Idempotent; the engine is still usable for the pool and host tier
+        afterwards. An engine dropped without it is finalized by :func:`_release_threads`."""
         if self.kv.tiers is not None:
             self.kv.tiers.close()
         if self.kv.events is not None:
@@ -426,3 +434,13 @@ class LLMEngine:
 def _namespace(cache_salt: Hashable | None, lora_id: Hashable | None) -> Hashable | None:
     """The index partition of a request: ``None`` unless a salt or LoRA id is given."""
     return None if cache_salt is None and lora_id is None else (cache_salt, lora_id)
+
+
+def _release_threads(tiers: TieredStore | None, events: KVEventSink | None) -> None:
+    """A dropped engine's finalizer: its lower tiers' and KV events' threads finish their
+    queues and end on their own (never blocks; interpreter exit waits for queued tier writes,
+    ``prefixkv/tiers/writer.py``)."""
+    if tiers is not None:
+        tiers.close(wait=False)
+    if events is not None:
+        events.close(wait=False)

@@ -169,9 +169,10 @@ class DiskTier:
         """Wait for queued writes; ``False`` on timeout."""
         return self._writer.flush(timeout)
 
-    def close(self) -> None:
-        """Finish queued writes and stop the writer thread."""
-        self._writer.close()
+    def close(self, *, wait: bool = True) -> None:
+        """Finish queued writes and stop the writer thread (``wait=False``: without waiting
+        for it, see :meth:`BackgroundWriter.close`)."""
+        self._writer.close(wait=wait)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:

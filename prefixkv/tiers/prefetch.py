@@ -109,9 +109,9 @@ class Prefetcher:
         """Wait until queued jobs are done; ``False`` on timeout."""
         return self._jobs.flush(timeout)
 
-    def close(self) -> None:
-        """Stop the thread (queued jobs run first). Idempotent."""
-        self._jobs.close()
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the thread (queued jobs run first; ``wait=False``: without waiting). Idempotent."""
+        self._jobs.close(wait=wait)
 
     def _stage(self, key: bytes, tier: str, payload: bytes, seconds: float) -> None:
         with self._lock:

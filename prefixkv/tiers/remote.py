@@ -208,10 +208,13 @@ class RemoteTier:
         """Wait for queued writes; ``False`` on timeout."""
         return self._writer.flush(timeout)
 
-    def close(self) -> None:
-        """Finish queued writes, stop the writer thread, close the connections."""
-        self._writer.close()
-        self._client.close()
+    def close(self, *, wait: bool = True) -> None:
+        """Finish queued writes, stop the writer thread, close the connections (``wait=False``:
+        return at once; the thread still writes what is queued and the connections close with
+        the tier's last reference)."""
+        self._writer.close(wait=wait)
+        if wait and not self._writer.running:
+            self._client.close()
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None

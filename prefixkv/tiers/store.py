@@ -314,10 +314,11 @@ class TieredStore:
                 ok = tier.flush(timeout) and ok
         return ok
 
-    def close(self) -> None:
-        """Finish queued writes and stop the writer threads. Idempotent."""
+    def close(self, *, wait: bool = True) -> None:
+        """Finish queued writes and stop the writer threads (``wait=False``: return at once,
+        the threads finish on their own: a dropped engine's finalizer). Idempotent."""
         if self.prefetcher is not None:
-            self.prefetcher.close()
+            self.prefetcher.close(wait=wait)
         for tier in (self.disk, self.remote):
             if tier is not None:
-                tier.close()
+                tier.close(wait=wait)

@@ -7,10 +7,12 @@ prefixkv's classes against themselves.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -267,3 +269,50 @@ def test_config_defaults_follow_vllm() -> None:
                                     ).enabled
     with pytest.raises(OSError, match="cannot open"):
         ZmqEventPublisher(KVEventsConfig.parse('{"endpoint": "tcp://*:notaport"}'))
+
+
+def test_a_dropped_llm_publishes_what_it_queued_then_frees_its_thread_and_sockets(
+    demo_model: Any
+) -> None:
+    """Without ``close()``: the sink thread sends the queued batch, closes its sockets and ends
+    (it ran, with its bound port, for the life of the process)."""
+    before = set(threading.enumerate())
+    llm, sub = make(demo_model, block_size=4)
+    try:
+        llm.generate([list(range(3, 40))], greedy(2))
+        threads = {t for t in threading.enumerate() if t not in before}
+        assert threads
+        del llm
+        gc.collect()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+        assert any(isinstance(e, BlockStored) for e in sub.drain())
+    finally:
+        sub.close()  # (an open SUB socket would block the context's term at exit)
+
+
+def test_close_without_waiting_lets_the_sink_finish_on_its_own() -> None:
+    class Slow:
+        endpoint, replay_endpoint, topic = "inproc://x", None, "kv"
+        sent = 0
+        closed = False
+
+        def send(self, batch: Any) -> None:
+            time.sleep(0.2)
+            self.sent += 1
+
+        def service(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    pub = Slow()
+    sink = KVEventSink(4, pub)
+    sink.stored([1], None, [5, 6, 7, 8], None)
+    start = time.monotonic()
+    sink.close(wait=False)
+    assert time.monotonic() - start < 0.1  # does not wait for the slow send
+    sink._thread.join(5)
+    assert pub.sent == 1 and pub.closed  # the queued record went out, then the sockets closed

@@ -6,6 +6,11 @@ restarted engine answers from disk; corrupt / truncated files are misses, never 
 
 from __future__ import annotations
 
+import gc
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +252,66 @@ def test_randomized_ops_keep_outputs_and_accounting(
     assert tier(llm, "host").hits + tier(llm, "disk").hits > 0
     assert len(list(tmp_path.glob("*.kvb"))) == len(kv.tiers.disk)
     llm.engine.close()
+
+
+def _new_threads(before: set[threading.Thread]) -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t not in before}
+
+
+def _ended(threads: set[threading.Thread], within: float = 10.0) -> bool:
+    end = time.monotonic() + within
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+EXIT_SCRIPT = """
+import sys
+from prefixkv.engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], kv_disk_dir=sys.argv[2], num_kv_blocks=1100)
+prompts = [[32 + (7 * i + 13 * j) % 95 for j in range(1000)] for i in range(16)]
+llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+"""  # and exits at once: no close(), queued disk writes still in flight
+
+
+def test_a_script_that_exits_without_close_leaves_its_disk_tier_complete(
+    demo_model: Path, make_llm: Any, tmp_path: Path
+) -> None:
+    """Interpreter exit waits for the queued writes (they were lost before: about half of
+    them, so a rerun of the script recomputed half its prompts)."""
+    subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(demo_model), str(tmp_path)],
+                   check=True, timeout=300)
+    assert len(list(tmp_path.glob("*.kvb"))) == 16 * (1000 // 16)  # every full block
+    rerun = make_llm(kv_disk_dir=tmp_path, num_kv_blocks=1100)
+    prompts = [[32 + (7 * i + 13 * j) % 95 for j in range(1000)] for i in range(16)]
+    outs = rerun.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+    assert [o.num_cached_tokens for o in outs] == [1000 // 16 * 16] * 16
+    rerun.close()
+
+
+def test_a_dropped_llm_writes_its_queue_and_stops_its_threads(
+    make_llm: Any, helpers: Any, tmp_path: Path
+) -> None:
+    before = set(threading.enumerate())
+    llm = make_llm(kv_disk_dir=tmp_path, kv_offload_size=64)
+    llm.generate([helpers.tokens(44, 500)], GREEDY)
+    threads = _new_threads(before)
+    assert threads  # the disk writer and the prefetcher
+    del llm
+    gc.collect()
+    assert _ended(threads)  # were left running for the life of the process
+    assert len(list(tmp_path.glob("*.kvb"))) == (500 + 4 - 1) // 16
+
+
+def test_leaving_a_with_block_closes_the_llm(make_llm: Any, helpers: Any, tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    prompt = helpers.tokens(45, 300)
+    with make_llm(kv_disk_dir=tmp_path) as llm:
+        cold = llm.generate([prompt], GREEDY)[0]
+        threads = _new_threads(before)
+    assert threads and not any(t.is_alive() for t in threads)  # joined by close()
+    assert len(list(tmp_path.glob("*.kvb"))) == (300 + 4 - 1) // 16
+    warm = llm.generate([prompt], GREEDY)[0]  # still usable: the pool and the host tier
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.num_cached_tokens == (300 - 1) // 16 * 16
+    llm.close()  # idempotent
