@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from prefixkv.tiers.codec import CorruptBlockError, decode, encode
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".kvb"
 KEY_BYTES = 32
 """Length of a block key (sha256)."""
+WARN_EVERY_S = 60.0
+"""Write failures are logged at most this often (each one is counted in ``errors``)."""
 
 
 class DiskTier:
@@ -45,21 +47,25 @@ class DiskTier:
 
     def __init__(
         self, directory: str | Path, capacity: int, layout: str, nbytes: int,
-        pinned: PinnedKeys | None = None,
+        pinned: PinnedKeys | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"kv_disk_size must be >= 1 block, got {capacity}")
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"kv_disk_dir {str(directory)!r} is not a directory")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            _probe_write(self.directory)  # a directory it cannot write to fails here, not per block
         except OSError as exc:
             raise ValueError(f"kv_disk_dir {str(directory)!r} is not usable: {exc}") from exc
-        if not self.directory.is_dir():
-            raise ValueError(f"kv_disk_dir {str(directory)!r} is not a directory")
         self.capacity = capacity
         self.layout = layout
         self.nbytes = nbytes
         self.counters = TierCounters("disk", capacity)
+        self._clock = clock
+        self._unreported = 0  # write failures since the last warning
+        self._warned_at: float | None = None
         self.pinned = pinned if pinned is not None else PinnedKeys()
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first; pending keys too
@@ -228,8 +234,24 @@ class DiskTier:
             _unlink(self.path(v))
 
     def _write_failed(self, exc: BaseException) -> None:
-        logger.warning("disk tier: write failed: %s", exc)
+        """Count a failed write; warn at the first and then at most every
+        :data:`WARN_EVERY_S` seconds (a full or read-only disk fails every block)."""
         self.counters.add(errors=1)
+        self._unreported += 1
+        now = self._clock()
+        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
+            more = (f" ({self._unreported} failed since the last warning)"
+                    if self._warned_at is not None else "")
+            logger.warning("disk tier: write failed: %s%s; requests recompute instead", exc, more)
+            self._warned_at, self._unreported = now, 0
+
+
+def _probe_write(directory: Path) -> None:
+    """Create and remove a file in ``directory`` (``OSError`` if it cannot be written)."""
+    probe = directory / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(probe, "wb") as f:
+        f.write(b"prefixkv")
+    probe.unlink()
 
 
 def _unlink(path: Path) -> None:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -80,18 +82,38 @@ def test_corrupt_and_missing_files_are_misses(tmp_path: Path) -> None:
     other.close()
 
 
-def test_write_errors_are_counted(tmp_path: Path) -> None:
-    d = DiskTier(tmp_path / "x", 8, LAYOUT, 16)
+def test_write_errors_are_counted_and_warned_about_once_a_minute(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk that fails every block (full, gone, read-only) warns once, then once a minute
+    with the count: it was one warning per block, thousands a second under load."""
+    now = [0.0]
+    d = DiskTier(tmp_path / "x", 64, LAYOUT, 16, clock=lambda: now[0])
     (tmp_path / "x").rename(tmp_path / "gone")
-    d.submit(key(0), payload(0))
-    assert d.flush()
-    assert d.counters.get("errors") == 1 and not d.contains(key(0))
+    with caplog.at_level(logging.WARNING, logger="prefixkv.tiers.disk"):
+        for i in range(20):
+            d.submit(key(i), payload(i))
+        assert d.flush()
+        assert d.counters.get("errors") == 20 and not d.contains(key(0))
+        assert len(caplog.records) == 1 and "write failed" in caplog.text
+        now[0] = 61.0
+        d.submit(key(99), payload(99))
+        assert d.flush()
+    assert len(caplog.records) == 2 and "20 failed since the last warning" in caplog.text
     d.close()
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match="kv_disk_dir"):
+    with pytest.raises(ValueError, match="kv_disk_dir .* is not a directory"):
         DiskTier(tmp_path / "file", 4, LAYOUT, 16)
     with pytest.raises(ValueError, match="kv_disk_size"):
         DiskTier(tmp_path, 0, LAYOUT, 16)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_directory_it_cannot_write_is_refused_at_start() -> None:
+    """(Was accepted; every block's write then failed. /proc refuses new files even to root,
+    where a chmod would not.)"""
+    with pytest.raises(ValueError, match="kv_disk_dir '/proc/self' is not usable"):
+        DiskTier("/proc/self", 4, LAYOUT, 16)
