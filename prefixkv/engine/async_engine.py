@@ -45,6 +45,7 @@ import concurrent.futures
 import logging
 import threading
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from typing import Any, Self, TypeVar
@@ -70,13 +71,11 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: deque[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future[Any]]] = deque()
-        self._wake = threading.Condition()
-        self._sinks: dict[str, _Sink] = {}
-        self._stopping = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="prefixkv-engine", daemon=True)
-        self._thread.start()
+        self._core = _EngineLoop(engine)
+        self._sinks = self._core.sinks
+        # dropped without shutdown(): the thread (which holds the loop, never this object)
+        # stops, its streams end with RuntimeError, and the engine can be freed
+        weakref.finalize(self, self._core.stop)
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncEngine:
@@ -130,7 +129,8 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """Whether the engine thread is alive and has not failed."""
-        return self._thread.is_alive() and self._error is None and not self._stopping
+        core = self._core
+        return core.thread.is_alive() and core.error is None and not core.stopping
 
     # ------------------------------------------------------------- requests
     async def generate(
@@ -160,7 +160,7 @@ class AsyncEngine:
         try:
             await self.call(submit)
         except asyncio.CancelledError:  # the submission may still land: take it back
-            self._post(lambda e: self._abort(e, rid), None)
+            self._core.post(lambda e: self._abort(e, rid), None)
             raise
         finished = False
         try:
@@ -174,7 +174,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._post(lambda e: self._abort(e, rid), None)
+                self._core.post(lambda e: self._abort(e, rid), None)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request, freeing its blocks; ``False`` if it is unknown or already done.
@@ -186,7 +186,7 @@ class AsyncEngine:
     def _abort(self, engine: LLMEngine, request_id: str) -> bool:
         out = engine.abort_request(request_id)
         if out is not None:
-            self._dispatch([out])
+            self._core.dispatch([out])
         self._sinks.pop(request_id, None)
         return out is not None
 
@@ -249,23 +249,22 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._post(fn, fut)
+        self._core.post(fn, fut)
         return await asyncio.wrap_future(fut)
 
     def call_sync(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
         """Blocking :meth:`call` for code outside an event loop (never from the engine thread)."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._post(fn, fut)
+        self._core.post(fn, fut)
         return fut.result(timeout)
 
     # ------------------------------------------------------------- lifecycle
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stop the engine thread; running streams end with ``RuntimeError``. Idempotent."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        """Stop the engine thread; running streams end with ``RuntimeError``. Idempotent.
+        An ``AsyncEngine`` dropped without it stops the same way (a finalizer), without waiting."""
+        self._core.stop()
+        if threading.current_thread() is not self._core.thread:
+            self._core.thread.join(timeout)
             self.engine.close()  # queued disk/remote tier writes finish; their threads stop
 
     async def __aenter__(self) -> Self:
@@ -274,35 +273,53 @@ class AsyncEngine:
     async def __aexit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _post(
+
+class _EngineLoop:
+    """The engine thread and what it shares with callers: the command queue, the streams'
+    sinks, the stop flag and the error that ended it. The thread holds this object and the
+    :class:`LLMEngine`, never the :class:`AsyncEngine` (so dropping that stops the thread)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.commands: deque[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future[Any]]] = deque()
+        self.wake = threading.Condition()
+        self.sinks: dict[str, _Sink] = {}
+        self.stopping = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.run, name="prefixkv-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to stop after the command or step it is running (never blocks)."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+
+    def post(
         self, fn: Callable[[LLMEngine], Any], fut: concurrent.futures.Future[Any] | None
     ) -> None:
-        with self._wake:
-            if self._stopping or self._error is not None:
+        with self.wake:
+            if self.stopping or self.error is not None:
                 if fut is not None:
-                    fut.set_exception(RuntimeError("the engine is not running", self._error))
+                    fut.set_exception(RuntimeError("the engine is not running", self.error))
                 return
-            self._commands.append((fn, fut if fut is not None else concurrent.futures.Future()))
-            self._wake.notify()
+            self.commands.append((fn, fut if fut is not None else concurrent.futures.Future()))
+            self.wake.notify()
 
-    def _loop(self) -> None:
+    def run(self) -> None:
         engine = self.engine
         failures = 0
         try:
             while True:
-                with self._wake:
-                    while not (self._stopping or self._commands or engine.has_unfinished_requests()):
-                        self._wake.wait()
-                    if self._stopping:
+                with self.wake:
+                    while not (self.stopping or self.commands or engine.has_unfinished_requests()):
+                        self.wake.wait()
+                    if self.stopping:
                         break
-                    commands = list(self._commands)
-                    self._commands.clear()
-                for fn, fut in commands:
-                    if fut.set_running_or_notify_cancel():
-                        try:
-                            fut.set_result(fn(engine))
-                        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                            fut.set_exception(exc)
+                    commands = list(self.commands)
+                    self.commands.clear()
+                _run_commands(engine, commands)
+                del commands  # (a command's closure may hold the AsyncEngine: not while idle)
                 if engine.has_unfinished_requests():
                     try:
                         outs = engine.step()
@@ -313,21 +330,21 @@ class AsyncEngine:
                         if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                             raise
                         outs = engine.fail_all_requests(exc)  # raising here ends the engine
-                    self._dispatch(outs)
+                    self.dispatch(outs)
         except BaseException as exc:  # noqa: BLE001 - unrecoverable: fail every stream, stop
             logger.critical("the engine thread stopped: %r", exc)
-            self._error = exc
-        self._fail_all(self._error or RuntimeError("the engine was shut down"))
+            self.error = exc
+        self.fail_all(self.error or RuntimeError("the engine was shut down"))
 
-    def _dispatch(self, outs: Sequence[RequestOutput]) -> None:
+    def dispatch(self, outs: Sequence[RequestOutput]) -> None:
         for out in outs:
-            sink = self._sinks.get(out.request_id)
+            sink = self.sinks.get(out.request_id)
             if sink is None:
                 continue
             loop, queue = sink
             item: RequestOutput | BaseException = out
             if out.finished:
-                del self._sinks[out.request_id]
+                del self.sinks[out.request_id]
                 if out.error is not None:
                     caused = any(o.finish_reason == "error" for o in out.outputs)
                     item = RequestFailedError(out.request_id, out.error, request_caused=caused)
@@ -336,17 +353,29 @@ class AsyncEngine:
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._wake:
-            commands = list(self._commands)
-            self._commands.clear()
-            self._stopping = True
+    def fail_all(self, exc: BaseException) -> None:
+        with self.wake:
+            commands = list(self.commands)
+            self.commands.clear()
+            self.stopping = True
         for _, fut in commands:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("the engine is not running"))
-        for loop, queue in list(self._sinks.values()):
+        for loop, queue in list(self.sinks.values()):
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine stopped: {exc!r}"))
             except RuntimeError:
                 pass
-        self._sinks.clear()
+        self.sinks.clear()
+
+
+def _run_commands(
+    engine: LLMEngine,
+    commands: list[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future[Any]]],
+) -> None:
+    for fn, fut in commands:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(engine))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,3 +160,24 @@ def test_max_tokens_none_runs_to_the_pool_limit(engine: AsyncEngine) -> None:
     assert len(out.outputs[0].token_ids) == 96 * 4 - n + 1
     assert out.outputs[0].finish_reason == "length"
     no_leak(engine)
+
+
+def test_a_dropped_engine_stops_its_thread_and_frees_the_model(demo_model: Any) -> None:
+    """Without ``shutdown()``: the engine thread (which held the AsyncEngine) ran for the life
+    of the process and kept the model and the KV pool alive."""
+    before = set(threading.enumerate())
+    eng = AsyncEngine.from_args(demo_model, block_size=4, num_kv_blocks=32)
+
+    async def run() -> list[RequestOutput]:
+        return [o async for o in eng.generate("hello", LONG)]
+
+    assert asyncio.run(run())[-1].finished
+    threads = {t for t in threading.enumerate() if t not in before}
+    runner = weakref.ref(eng.engine.runner)
+    del eng
+    gc.collect()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    gc.collect()
+    assert runner() is None  # the model and its KV pool are freed
