@@ -290,7 +290,7 @@ class _EngineLoop:
         self.thread.start()
 
     def stop(self) -> None:
-        """Ask the thread to stop after the command or step it is running (never blocks)."""
+        """Ask the thread to stop after the command or step it is running; does not wait for it."""
         with self.wake:
             self.stopping = True
             self.wake.notify()

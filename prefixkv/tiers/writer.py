@@ -57,15 +57,16 @@ class BackgroundWriter(Generic[T]):
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until everything submitted so far is written; ``False`` on timeout."""
+        """Wait until everything submitted so far is written; ``False`` on timeout, or at once
+        when the thread has ended (after :meth:`close`) with something still queued."""
         q = self._queue
         end = time.monotonic() + timeout
         with q.all_tasks_done:
             while q.unfinished_tasks:
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or not self._thread.is_alive():
                     return False
-                q.all_tasks_done.wait(left)
+                q.all_tasks_done.wait(min(left, 0.5))
         return True
 
     @property

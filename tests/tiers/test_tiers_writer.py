@@ -71,3 +71,14 @@ def test_exit_drain_waits_for_every_live_writer() -> None:
             assert w.submit(10 * k + i)
     drain_at_exit(timeout=10, writers=writers)  # (all live ones at exit: not in a test process)
     assert sorted(done) == list(range(20)) and not any(w.running for w in writers)
+
+
+def test_flush_after_the_thread_ended_does_not_wait_out_its_timeout() -> None:
+    """A close racing the thread's last item can leave the stop marker queued after the thread
+    ended; a flush then (a cache reset after ``close()``) answers at once, not in 30 s."""
+    w: BackgroundWriter[int] = BackgroundWriter("t", lambda i: None, lambda exc: None)
+    w.close(timeout=5)
+    assert not w.running and w.flush()
+    w._queue.put_nowait(object())  # what that race leaves behind
+    start = time.monotonic()
+    assert w.flush(timeout=30) is False and time.monotonic() - start < 2
