@@ -18,7 +18,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefixkv.cache import make_cache
 from prefixkv.cache.protocol import PinnedPrefix
@@ -38,10 +38,6 @@ from prefixkv.engine.sequence import Sequence as Seq
 from prefixkv.engine.structured_output import GrammarCompiler
 from prefixkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from prefixkv.runner.model_runner import ModelRunner
-
-if TYPE_CHECKING:
-    from prefixkv.engine.kv_events import KVEventSink
-    from prefixkv.tiers.store import TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +90,8 @@ class LLMEngine:
                                hash_algo=cc.hash_algo, max_pinned_blocks=cc.max_pinned_blocks)
         self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows,
                             make_tier_store(config.tiers, runner))
+        # dropped without close() (or failing below): the tier / KV-event threads finish
+        weakref.finalize(self, _release_threads, self.kv)
         if cc.kv_events_config is not None:
             from prefixkv.engine.kv_events_zmq import make_kv_event_sink
 
@@ -122,8 +120,6 @@ class LLMEngine:
         self.fault_hook: FaultHook | None = None
         self.cache_admin = CacheAdmin(self.kv, cc.max_pinned_blocks_per_tenant)
         self._max_chars: int | None = None
-        # dropped without close(): the tier / KV-event threads write what is queued and end
-        weakref.finalize(self, _release_threads, self.kv.tiers, self.kv.events)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -436,11 +432,11 @@ def _namespace(cache_salt: Hashable | None, lora_id: Hashable | None) -> Hashabl
     return None if cache_salt is None and lora_id is None else (cache_salt, lora_id)
 
 
-def _release_threads(tiers: TieredStore | None, events: KVEventSink | None) -> None:
-    """A dropped engine's finalizer: its lower tiers' and KV events' threads finish their
-    queues and end on their own (never blocks; interpreter exit waits for queued tier writes,
-    ``prefixkv/tiers/writer.py``)."""
-    if tiers is not None:
-        tiers.close(wait=False)
-    if events is not None:
-        events.close(wait=False)
+def _release_threads(kv: KVManager) -> None:
+    """A dropped engine's finalizer (also one whose construction failed after its tiers
+    started): the lower tiers' and KV events' threads finish their queues and end on their own
+    (no waiting; interpreter exit waits for queued tier writes, ``prefixkv/tiers/writer.py``)."""
+    if kv.tiers is not None:
+        kv.tiers.close(wait=False)
+    if kv.events is not None:
+        kv.events.close(wait=False)

@@ -132,8 +132,13 @@ class TieredStore:
             disk = DiskTier(spec.disk_dir, parse_size(size, nbytes, "kv_disk_size"), layout, nbytes)
         remote = None
         if spec.remote is not None:
-            remote = RemoteTier(spec.remote, layout, nbytes, timeout=spec.remote_timeout,
-                                ttl=spec.remote_ttl)
+            try:
+                remote = RemoteTier(spec.remote, layout, nbytes, timeout=spec.remote_timeout,
+                                    ttl=spec.remote_ttl)
+            except BaseException:
+                if disk is not None:
+                    disk.close()  # its writer thread started
+                raise
         prefetcher = None
         if spec.prefetch_blocks and (disk is not None or remote is not None):
             prefetcher = Prefetcher(disk, remote, spec.prefetch_blocks)

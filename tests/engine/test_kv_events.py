@@ -316,3 +316,27 @@ def test_close_without_waiting_lets_the_sink_finish_on_its_own() -> None:
     assert time.monotonic() - start < 0.1  # does not wait for the slow send
     sink._thread.join(5)
     assert pub.sent == 1 and pub.closed  # the queued record went out, then the sockets closed
+
+
+def test_a_construction_that_fails_after_the_tiers_started_leaves_no_thread(
+    demo_model: Any, tmp_path: Any
+) -> None:
+    """The KV events endpoint is taken: ``LLM(...)`` raises, and the disk tier's threads it had
+    already started end (they ran for the life of the process, one pair per attempt)."""
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    try:
+        taken.bind("tcp://127.0.0.1:*")
+        port = taken.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}", "topic": "kv"}}'
+        before = set(threading.enumerate())
+        with pytest.raises(OSError, match="Address already in use"):
+            LLM(demo_model, kv_disk_dir=tmp_path, kv_events_config=config)
+        gc.collect()
+        threads = {t for t in threading.enumerate() if t not in before}
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        taken.close(linger=0)
+        ctx.term()
