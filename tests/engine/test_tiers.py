@@ -315,3 +315,13 @@ def test_leaving_a_with_block_closes_the_llm(make_llm: Any, helpers: Any, tmp_pa
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert warm.num_cached_tokens == (300 - 1) // 16 * 16
     llm.close()  # idempotent
+
+
+def test_a_bad_remote_url_refuses_the_engine_and_stops_the_disk_tier_it_started(
+    make_llm: Any, tmp_path: Path
+) -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="not a valid redis URL"):
+        make_llm(kv_disk_dir=tmp_path, kv_remote="redis://127.0.0.1:99999")
+    gc.collect()
+    assert _ended(_new_threads(before))  # the disk writer ran on after the error
