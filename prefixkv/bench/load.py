@@ -42,6 +42,7 @@ class LoadReport:
     locked_blocks: int = 0
     engines: int = 0  # engines whose stats were read (a router's workers); 0: none readable
     healthy_after: bool = False
+    unreachable_after: str | None = None  # why the server did not answer after the load
 
     @property
     def num_failures(self) -> int:
@@ -129,21 +130,29 @@ async def run_load(url: str, *, clients: int, requests: int, max_tokens: int = 8
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         report.wall_s = time.perf_counter() - start
-        deadline = time.monotonic() + 60
-        while True:  # the server is idle once nothing runs and nothing is locked anywhere
-            engines = engine_stats(await http.get("/v1/cache/stats"))
-            if all(_idle(e) for e in engines) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.1)
-        report.engines = len(engines)
-        for e in engines:
-            report.leaked_blocks += e["num_kv_blocks"] - e["num_free_blocks"] - e[
-                "num_cached_blocks"]
-            report.locked_blocks += int((e.get("cache") or {}).get("locked_blocks", 0))
-        report.healthy_after = (await http.get("/health")).status_code == 200
+        try:
+            await _check_after(http, report)
+        except httpx.HTTPError as exc:  # the server went away (or never was there)
+            report.unreachable_after = f"{type(exc).__name__}: {exc}"
     report.p50_s, report.p99_s = _quantile(latencies, 0.5), _quantile(latencies, 0.99)
     report.rss_after_mb = rss_mb(pid)
     return report
+
+
+async def _check_after(http: Any, report: LoadReport) -> None:
+    """Wait (up to a minute) until nothing runs or is locked, then sum every engine's leaked
+    and locked blocks into ``report`` and ask ``/health``."""
+    deadline = time.monotonic() + 60
+    while True:  # the server is idle once nothing runs and nothing is locked anywhere
+        engines = engine_stats(await http.get("/v1/cache/stats"))
+        if all(_idle(e) for e in engines) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    report.engines = len(engines)
+    for e in engines:
+        report.leaked_blocks += e["num_kv_blocks"] - e["num_free_blocks"] - e["num_cached_blocks"]
+        report.locked_blocks += int((e.get("cache") or {}).get("locked_blocks", 0))
+    report.healthy_after = (await http.get("/health")).status_code == 200
 
 
 _ENGINE_KEYS = ("num_running", "num_waiting", "num_kv_blocks", "num_free_blocks",
@@ -201,7 +210,10 @@ def run_from_args(args: argparse.Namespace) -> int:
               f"{report.num_failures} failed {report.failures or ''}")
         blocks = (f"leaked blocks {report.leaked_blocks}, locked {report.locked_blocks}"
                   f"{f' over {report.engines} engines' if report.engines > 1 else ''}"
-                  if report.engines else "blocks not checked (no engine stats at /v1/cache/stats)")
+                  if report.engines else
+                  f"blocks not checked (the server did not answer: {report.unreachable_after})"
+                  if report.unreachable_after else
+                  "blocks not checked (no engine stats at /v1/cache/stats)")
         print(f"latency p50 {report.p50_s * 1000:.0f} ms, p99 {report.p99_s * 1000:.0f} ms; "
               f"RSS {report.rss_before_mb} -> {report.rss_after_mb} MB; {blocks}; healthy "
               f"after: {report.healthy_after}")

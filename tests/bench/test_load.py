@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from server_live import start_server
 
-from prefixkv.bench.load import engine_stats, run_load
+from prefixkv.bench.load import engine_stats, run_from_args, run_load
 from prefixkv.engine import AsyncEngine
 
 
@@ -45,3 +48,17 @@ def test_stats_that_are_not_an_engines_check_nothing() -> None:
                  httpx.Response(200, json=failed), httpx.Response(200, text="not json"),
                  httpx.Response(200, json=[engine])):
         assert engine_stats(resp) == []
+
+
+def test_a_server_that_is_not_there_is_a_report_not_a_traceback(capsys: Any) -> None:
+    """Every request fails to connect and the checks after the load cannot run: the report
+    says so and the exit status is 1 (it raised httpx.ConnectError after the load)."""
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = argparse.Namespace(url=f"http://127.0.0.1:{port}", clients=2, requests=4, max_tokens=2,
+                              stream_share=0.5, cut_share=0.5, api_key=None, pid=None, json=False)
+    assert run_from_args(args) == 1
+    out = capsys.readouterr().out
+    assert "4 failed {'ConnectError': 4}" in out
+    assert "blocks not checked (the server did not answer: ConnectError" in out
