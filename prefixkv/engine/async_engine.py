@@ -72,7 +72,6 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._core = _EngineLoop(engine)
-        self._sinks = self._core.sinks
         # dropped without shutdown(): the thread (which holds the loop, never this object)
         # stops, its streams end with RuntimeError, and the engine can be freed
         weakref.finalize(self, self._core.stop)
@@ -150,12 +149,12 @@ class AsyncEngine:
         resolved = {"prompt": text, "prompt_token_ids": ids}
 
         def submit(engine: LLMEngine) -> None:
-            if rid in self._sinks:
+            if rid in self._core.sinks:
                 raise ValueError(f"request_id {rid!r} is already running")
             engine.add_request(
                 resolved, sampling_params, request_id=rid, cache_salt=cache_salt, lora_id=lora_id
             )
-            self._sinks[rid] = (loop, queue)
+            self._core.sinks[rid] = (loop, queue)
 
         try:
             await self.call(submit)
@@ -187,7 +186,7 @@ class AsyncEngine:
         out = engine.abort_request(request_id)
         if out is not None:
             self._core.dispatch([out])
-        self._sinks.pop(request_id, None)
+        self._core.sinks.pop(request_id, None)
         return out is not None
 
     # ------------------------------------------------------------- admin (run between steps)

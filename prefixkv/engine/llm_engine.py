@@ -367,11 +367,8 @@ class LLMEngine:
         """Finish queued writes to the disk/remote tiers and stop their threads (and the KV
         events'). Idempotent; the engine is still usable for the pool and host tier
         afterwards. An engine dropped without it is finalized by :func:`_release_threads`."""
-        if self.kv.tiers is not None:
-            self.kv.tiers.close()
-        if self.kv.events is not None:
-            self.kv.events.close()
-            self.kv.events = None  # a closed sink takes no more records
+        _release_threads(self.kv, wait=True)
+        self.kv.events = None  # a closed sink takes no more records
 
     def reset_prefix_cache(self, tiers: str | Sequence[str] = "local") -> bool:
         """Drop every cached block not in use, and the lower tiers ``tiers`` names (``local``:
@@ -432,11 +429,12 @@ def _namespace(cache_salt: Hashable | None, lora_id: Hashable | None) -> Hashabl
     return None if cache_salt is None and lora_id is None else (cache_salt, lora_id)
 
 
-def _release_threads(kv: KVManager) -> None:
-    """A dropped engine's finalizer (also one whose construction failed after its tiers
-    started): the lower tiers' and KV events' threads finish their queues and end on their own
-    (no waiting; interpreter exit waits for queued tier writes, ``prefixkv/tiers/writer.py``)."""
+def _release_threads(kv: KVManager, wait: bool = False) -> None:
+    """Close ``kv``'s lower tiers and KV events sink: their threads finish their queues and end.
+    :meth:`LLMEngine.close` waits for them; without ``wait`` this is a dropped engine's
+    finalizer (also one whose construction failed after its tiers started), which must not
+    block (interpreter exit waits for queued tier writes, ``prefixkv/tiers/writer.py``)."""
     if kv.tiers is not None:
-        kv.tiers.close(wait=False)
+        kv.tiers.close(wait=wait)
     if kv.events is not None:
-        kv.events.close(wait=False)
+        kv.events.close(wait=wait)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,19 @@ class Helpers:
         prompts.append(cls.tokens(7, 50))  # unrelated
         prompts.append(system[:23])  # a strict prefix of the shared part
         return prompts
+
+    @staticmethod
+    def new_threads(before: set[threading.Thread]) -> set[threading.Thread]:
+        """Threads alive now that were not in ``before`` (``set(threading.enumerate())``)."""
+        return {t for t in threading.enumerate() if t not in before}
+
+    @staticmethod
+    def all_end(threads: set[threading.Thread], within: float = 10.0) -> bool:
+        """Whether every thread of ``threads`` has ended within ``within`` seconds."""
+        end = time.monotonic() + within
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
 
     @staticmethod
     def assert_no_leak(llm: LLM) -> None:

@@ -162,7 +162,9 @@ def test_max_tokens_none_runs_to_the_pool_limit(engine: AsyncEngine) -> None:
     no_leak(engine)
 
 
-def test_a_dropped_engine_stops_its_thread_and_frees_the_model(demo_model: Any) -> None:
+def test_a_dropped_engine_stops_its_thread_and_frees_the_model(
+    demo_model: Any, helpers: Any
+) -> None:
     """Without ``shutdown()``: the engine thread (which held the AsyncEngine) ran for the life
     of the process and kept the model and the KV pool alive."""
     before = set(threading.enumerate())
@@ -172,12 +174,10 @@ def test_a_dropped_engine_stops_its_thread_and_frees_the_model(demo_model: Any) 
         return [o async for o in eng.generate("hello", LONG)]
 
     assert asyncio.run(run())[-1].finished
-    threads = {t for t in threading.enumerate() if t not in before}
+    threads = helpers.new_threads(before)
     runner = weakref.ref(eng.engine.runner)
     del eng
     gc.collect()
-    for t in threads:
-        t.join(10)
-    assert not any(t.is_alive() for t in threads)
+    assert helpers.all_end(threads)
     gc.collect()
     assert runner() is None  # the model and its KV pool are freed

@@ -272,7 +272,7 @@ def test_config_defaults_follow_vllm() -> None:
 
 
 def test_a_dropped_llm_publishes_what_it_queued_then_frees_its_thread_and_sockets(
-    demo_model: Any
+    demo_model: Any, helpers: Any
 ) -> None:
     """Without ``close()``: the sink thread sends the queued batch, closes its sockets and ends
     (it ran, with its bound port, for the life of the process)."""
@@ -280,13 +280,11 @@ def test_a_dropped_llm_publishes_what_it_queued_then_frees_its_thread_and_socket
     llm, sub = make(demo_model, block_size=4)
     try:
         llm.generate([list(range(3, 40))], greedy(2))
-        threads = {t for t in threading.enumerate() if t not in before}
+        threads = helpers.new_threads(before)
         assert threads
         del llm
         gc.collect()
-        for t in threads:
-            t.join(10)
-        assert not any(t.is_alive() for t in threads)
+        assert helpers.all_end(threads)
         assert any(isinstance(e, BlockStored) for e in sub.drain())
     finally:
         sub.close()  # (an open SUB socket would block the context's term at exit)
@@ -319,7 +317,7 @@ def test_close_without_waiting_lets_the_sink_finish_on_its_own() -> None:
 
 
 def test_a_construction_that_fails_after_the_tiers_started_leaves_no_thread(
-    demo_model: Any, tmp_path: Any
+    demo_model: Any, helpers: Any, tmp_path: Any
 ) -> None:
     """The KV events endpoint is taken: ``LLM(...)`` raises, and the disk tier's threads it had
     already started end (they ran for the life of the process, one pair per attempt)."""
@@ -333,10 +331,7 @@ def test_a_construction_that_fails_after_the_tiers_started_leaves_no_thread(
         with pytest.raises(OSError, match="Address already in use"):
             LLM(demo_model, kv_disk_dir=tmp_path, kv_events_config=config)
         gc.collect()
-        threads = {t for t in threading.enumerate() if t not in before}
-        for t in threads:
-            t.join(10)
-        assert not any(t.is_alive() for t in threads)
+        assert helpers.all_end(helpers.new_threads(before))
     finally:
         taken.close(linger=0)
         ctx.term()

@@ -10,7 +10,6 @@ import gc
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -254,17 +253,6 @@ def test_randomized_ops_keep_outputs_and_accounting(
     llm.engine.close()
 
 
-def _new_threads(before: set[threading.Thread]) -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t not in before}
-
-
-def _ended(threads: set[threading.Thread], within: float = 10.0) -> bool:
-    end = time.monotonic() + within
-    for t in threads:
-        t.join(max(0.0, end - time.monotonic()))
-    return not any(t.is_alive() for t in threads)
-
-
 EXIT_SCRIPT = """
 import sys
 from prefixkv.engine import LLM, SamplingParams
@@ -295,11 +283,11 @@ def test_a_dropped_llm_writes_its_queue_and_stops_its_threads(
     before = set(threading.enumerate())
     llm = make_llm(kv_disk_dir=tmp_path, kv_offload_size=64)
     llm.generate([helpers.tokens(44, 500)], GREEDY)
-    threads = _new_threads(before)
+    threads = helpers.new_threads(before)
     assert threads  # the disk writer and the prefetcher
     del llm
     gc.collect()
-    assert _ended(threads)  # were left running for the life of the process
+    assert helpers.all_end(threads)  # were left running for the life of the process
     assert len(list(tmp_path.glob("*.kvb"))) == (500 + 4 - 1) // 16
 
 
@@ -308,7 +296,7 @@ def test_leaving_a_with_block_closes_the_llm(make_llm: Any, helpers: Any, tmp_pa
     prompt = helpers.tokens(45, 300)
     with make_llm(kv_disk_dir=tmp_path) as llm:
         cold = llm.generate([prompt], GREEDY)[0]
-        threads = _new_threads(before)
+        threads = helpers.new_threads(before)
     assert threads and not any(t.is_alive() for t in threads)  # joined by close()
     assert len(list(tmp_path.glob("*.kvb"))) == (300 + 4 - 1) // 16
     warm = llm.generate([prompt], GREEDY)[0]  # still usable: the pool and the host tier
@@ -318,10 +306,10 @@ def test_leaving_a_with_block_closes_the_llm(make_llm: Any, helpers: Any, tmp_pa
 
 
 def test_a_bad_remote_url_refuses_the_engine_and_stops_the_disk_tier_it_started(
-    make_llm: Any, tmp_path: Path
+    make_llm: Any, helpers: Any, tmp_path: Path
 ) -> None:
     before = set(threading.enumerate())
     with pytest.raises(ValueError, match="not a valid redis URL"):
         make_llm(kv_disk_dir=tmp_path, kv_remote="redis://127.0.0.1:99999")
     gc.collect()
-    assert _ended(_new_threads(before))  # the disk writer ran on after the error
+    assert helpers.all_end(helpers.new_threads(before))  # the disk writer ran on after the error
