@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixkv.fanout import worker_rows
+
 
 @dataclass(slots=True)
 class LoadReport:
@@ -169,9 +171,8 @@ def engine_stats(resp: Any) -> list[dict[str, Any]]:
         return []
     if not isinstance(payload, dict):
         return []
-    listed = payload.get("data")
-    bodies: list[Any] = ([w.get("body") for w in listed if isinstance(w, dict)]
-                         if isinstance(listed, list) else [payload])
+    rows = worker_rows(payload)
+    bodies: list[Any] = [payload] if rows is None else [w["body"] for w in rows]
     engines = [b for b in bodies
                if isinstance(b, dict) and all(isinstance(b.get(k), int) for k in _ENGINE_KEYS)]
     return engines if bodies and len(engines) == len(bodies) else []

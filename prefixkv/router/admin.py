@@ -26,6 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixkv.fanout import worker_row
 from prefixkv.router.errors import error_response
 
 __all__ = ["add_admin_routes", "admin_headers"]
@@ -70,14 +71,14 @@ def add_admin_routes(app: FastAPI, worker_urls: tuple[str, ...], client: Any,
             resp = await client().request(method, url + path, content=body or None,
                                           headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
-            return {"worker": url, "status": 502, "body": {"error": {
+            return worker_row(url, 502, {"error": {
                 "message": f"worker unreachable: {exc!r}", "type": "worker_error",
-                "param": None, "code": "worker_unreachable"}}}
+                "param": None, "code": "worker_unreachable"}})
         try:
             payload: Any = resp.json()
         except ValueError:
             payload = resp.text
-        return {"worker": url, "status": resp.status_code, "body": payload}
+        return worker_row(url, resp.status_code, payload)
 
     def handler(method: str, path: str) -> Any:
         async def fan_out(request: Request) -> Response:

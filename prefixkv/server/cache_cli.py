@@ -16,6 +16,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from prefixkv.fanout import worker_rows
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -81,7 +83,7 @@ def _request(args: argparse.Namespace, method: str, path: str,
         data = r.json()
     except ValueError:
         data = None
-    if r.status_code >= 400 and not _fanned_out(data):
+    if r.status_code >= 400 and worker_rows(data) is None:
         msg = (data or {}).get("error", {}).get("message") if isinstance(data, dict) else None
         raise RuntimeError(f"{r.status_code} from {url}: {msg or r.text.strip()[:200]}")
     if isinstance(data, dict):
@@ -107,25 +109,18 @@ def _prefix_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-def _fanned_out(data: Any) -> bool:
-    """Whether ``data`` is a router's fan-out: ``{"object": "list", "data": [{"worker",
-    "status", "body"}, ...]}`` (a server's pinned list has rows without ``worker``)."""
-    rows = data.get("data") if isinstance(data, dict) else None
-    return (isinstance(rows, list) and bool(rows)
-            and all(isinstance(w, dict) and {"worker", "status", "body"} <= w.keys() for w in rows))
-
-
 def _show(args: argparse.Namespace, data: dict[str, Any], render: Callable[[Any], str]) -> int:
     """Print a server's answer as ``render`` words it (or the JSON); a router's, worker by
     worker, each answer or its error. Exit status 1 when a worker failed."""
     if args.json:
         print(json.dumps(data, indent=2))
-    if not _fanned_out(data):
+    rows = worker_rows(data)
+    if rows is None:
         if not args.json:
             print(render(data))
         return 0
     failed = 0
-    for w in data["data"]:
+    for w in rows:
         ok = 200 <= w["status"] < 300 and isinstance(w["body"], dict)
         failed += not ok
         if args.json:
