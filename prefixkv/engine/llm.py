@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,10 @@ class LLM:
     """Offline generation with prefix caching. Arguments as :func:`build_engine`:
     ``LLM(model, **settings)`` or ``LLM(config=EngineConfig(...))``.
 
-    Not thread safe; for concurrent serving use :class:`~prefixkv.engine.async_engine.AsyncEngine`.
+    Thread safe: calls from several threads share the engine (one thread steps it at a time,
+    under ``_lock``), so their requests are batched together and each call returns its own
+    outputs; a request that finishes in another thread's step is parked for its caller. For an
+    asyncio server use :class:`~prefixkv.engine.async_engine.AsyncEngine`.
 
     With disk / remote KV tiers or KV events it runs background threads: :meth:`close` (or
     leaving a ``with LLM(...) as llm:`` block) writes what is queued and stops them; an ``LLM``
@@ -93,11 +97,14 @@ class LLM:
         self, model: str | Path | None = None, *, config: EngineConfig | None = None, **kwargs: Any
     ) -> None:
         self.engine = build_engine(model, config=config, **kwargs)
+        self._lock = threading.Lock()  # held for every call into the engine (one thread's state)
+        self._parked: dict[str, RequestOutput] = {}  # finished in a step another caller ran
 
     def close(self) -> None:
         """Finish the lower tiers' queued writes and stop the background threads. Idempotent;
         generation still works afterwards, with the pool and the host tier only."""
-        self.engine.close()
+        with self._lock:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -135,13 +142,15 @@ class LLM:
         else:
             params_list = [sampling_params or SamplingParams()] * len(batch)
         ids: list[str] = []
-        try:
-            for p, sp in zip(batch, params_list):
-                ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt, lora_id=lora_id))
-        except ValueError:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+        with self._lock:
+            try:
+                for p, sp in zip(batch, params_list):
+                    ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt,
+                                                       lora_id=lora_id))
+            except ValueError:
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                raise
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -173,17 +182,28 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         wanted = set(ids)
         try:
-            while wanted - done.keys():
-                if not self.engine.has_unfinished_requests():
-                    raise RuntimeError("requests lost by the engine")
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+            while len(done) < len(wanted):
+                with self._lock:
+                    before = len(done)
+                    for rid in wanted - done.keys():  # finished in another caller's step
+                        if rid in self._parked:
+                            done[rid] = self._parked.pop(rid)
+                    if len(done) < len(wanted):
+                        if not self.engine.has_unfinished_requests():
+                            raise RuntimeError("requests lost by the engine")
+                        for out in self.engine.step():
+                            if out.finished:
+                                if out.request_id in wanted:
+                                    done[out.request_id] = out
+                                else:
+                                    self._parked[out.request_id] = out
+                if bar is not None:
+                    bar.update(len(done) - before)
         except BaseException:
-            for rid in wanted - done.keys():
-                self.engine.abort_request(rid)
+            with self._lock:
+                for rid in wanted - done.keys():
+                    self._parked.pop(rid, None)
+                    self.engine.abort_request(rid)
             raise
         finally:
             if bar is not None:
@@ -195,15 +215,17 @@ class LLM:
         """Drop every cached block (``False`` with prefix caching off), and the lower KV tiers
         ``tiers`` names: ``local`` (default: the host tier), ``all`` (also the disk and the
         shared remote tier), ``none``, or names like ``"host,disk"`` (docs/tiers.md)."""
-        return self.engine.reset_prefix_cache(tiers)
+        with self._lock:
+            return self.engine.reset_prefix_cache(tiers)
 
     def get_cache_stats(self) -> CacheStats | None:
         """The prefix index's statistics (``None`` with prefix caching off)."""
-        return self.engine.get_stats().cache
+        return self.get_stats().cache
 
     def get_stats(self) -> EngineStats:
         """Engine statistics: queues, KV blocks, counters, and the index's stats."""
-        return self.engine.get_stats()
+        with self._lock:
+            return self.engine.get_stats()
 
     def pin_prefix(
         self, prompt: PromptInput, *, cache_salt: Hashable | None = None, description: str | None = None
@@ -216,10 +238,14 @@ class LLM:
         _, ids = self.engine.tokenize(prompt)
         error: PinError | None = None
         for _attempt in range(PIN_ATTEMPTS):
-            if self.engine.prepare_pin(ids, cache_salt=cache_salt):
+            with self._lock:
+                prefill = self.engine.prepare_pin(ids, cache_salt=cache_salt)
+            if prefill:
                 self.generate({"prompt_token_ids": ids}, PIN_PREFILL, cache_salt=cache_salt)
             try:
-                return self.engine.pin_prefix(ids, cache_salt=cache_salt, description=description)
+                with self._lock:
+                    return self.engine.pin_prefix(ids, cache_salt=cache_salt,
+                                                  description=description)
             except PinError as exc:  # evicted between the prefill and the pin: once more
                 error = exc
         assert error is not None
@@ -228,11 +254,13 @@ class LLM:
     def unpin_prefix(self, prompt: PromptInput, *, cache_salt: Hashable | None = None) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""
         _, ids = self.engine.tokenize(prompt)
-        return self.engine.unpin_prefix(ids, cache_salt=cache_salt)
+        with self._lock:
+            return self.engine.unpin_prefix(ids, cache_salt=cache_salt)
 
     def list_pinned(self) -> list[PinnedPrefix]:
         """Pinned prefixes, oldest first."""
-        return self.engine.list_pinned()
+        with self._lock:
+            return self.engine.list_pinned()
 
 
 def _as_batch(prompts: Any) -> list[PromptInput]:

@@ -185,3 +185,57 @@ def test_hash_collisions_never_change_outputs_or_leak(make_llm, helpers, monkeyp
     got = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
     assert got == expected
     helpers.assert_no_leak(llm)
+
+
+def test_threads_sharing_one_llm_each_get_their_own_outputs(make_llm: Any, helpers: Any) -> None:
+    """A web app's worker threads calling ``generate`` on one ``LLM``: each call returns its
+    own prompts' outputs, equal to the same prompts run alone (greedy), nothing leaks, and a
+    thread whose call is refused does not disturb the others (before: KeyErrors, a corrupt
+    block table, threads hung for good)."""
+    import threading
+
+    llm = make_llm()
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prefix = helpers.tokens(40, 48)
+    prompts = [prefix + helpers.tokens(50 + i, 5 + i) for i in range(6)]
+    alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    llm.reset_prefix_cache()
+    results: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+    refused: list[str] = []
+    start = threading.Barrier(len(prompts) + 2)
+
+    def worker(i: int) -> None:
+        try:
+            start.wait()
+            for _ in range(3):
+                outs = llm.generate([prompts[i], prompts[(i + 1) % len(prompts)]], sp)
+                results.setdefault(i, []).extend(o.outputs[0].token_ids for o in outs)
+        except BaseException as exc:  # collected: the assertion below names it
+            errors.append(exc)
+
+    def bad_caller() -> None:
+        start.wait()
+        for _ in range(5):
+            try:
+                llm.generate([prompts[0], [10**9]], sp)
+            except ValueError as exc:
+                refused.append(str(exc))
+            llm.get_stats()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    threads.append(threading.Thread(target=bad_caller))
+    for t in threads:
+        t.start()
+    start.wait()
+    for t in threads:
+        t.join(60)
+    assert not [t for t in threads if t.is_alive()]
+    assert errors == []
+    assert len(refused) == 5
+    for i, got in results.items():
+        want = [alone[i], alone[(i + 1) % len(prompts)]] * 3
+        assert got == want, i
+    assert len(results) == len(prompts)
+    assert not llm.engine.has_unfinished_requests() and llm._parked == {}
+    helpers.assert_no_leak(llm)
