@@ -66,6 +66,7 @@ def engine_gauges(s: EngineStats) -> EngineGauges:
         query_hit_rate=c.query_hit_rate if c else 0.0,
         token_hit_rate=c.token_hit_rate if c else 0.0,
         tiers=tuple(s.tiers or ()),
+        num_preemptions=s.num_preemptions,
     )
 
 

@@ -9,10 +9,12 @@ one process (tests) never share counters. Two kinds of series:
 
 * Per-request series, updated by the server as requests finish: prompt / generation tokens,
   prefix-cache queries and hits *counted in tokens* (vLLM's definition: a request queries its
-  prompt tokens and hits its cached tokens), request outcomes, TTFT and end-to-end latency.
+  prompt tokens and hits its cached tokens), request outcomes, TTFT and end-to-end latency, and
+  vLLM's per-phase histograms from the engine's own clock (queue, prefill, decode, inference
+  time, time per output token; prompt and generation lengths).
 * Engine state, passed in as an :class:`EngineGauges` snapshot at scrape time: running /
-  waiting requests and the cache's cached / pinned / locked / free blocks, evictions and hit
-  rates.
+  waiting requests, preemptions, and the cache's cached / pinned / locked / free blocks,
+  evictions and hit rates.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixkv.engine.outputs import RequestMetrics
 from prefixkv.tiers.stats import TierStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -32,12 +35,26 @@ _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+_PHASES = (  # (name, help): vLLM's per-request phase histograms, engine clock
+    ("request_queue_time_seconds", "Time a request waited before its first step."),
+    ("request_prefill_time_seconds", "Time from a request's first step to its first token."),
+    ("request_decode_time_seconds", "Time from a request's first token to its last."),
+    ("request_inference_time_seconds", "Time from a request's first step to its last token."),
+    ("request_time_per_output_token_seconds",
+     "Mean time between a request's output tokens (its decode time / (tokens - 1))."),
+)
 
 
 VLLM_ALIASES = (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
     "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+    "num_preemptions", "request_prompt_tokens", "request_generation_tokens",
+    *(name for name, _ in _PHASES),
 )
 """Our ``prefixkv:<name>`` series that are also exported as ``vllm:<name>``."""
 
@@ -58,6 +75,7 @@ class EngineGauges:
     query_hit_rate: float
     token_hit_rate: float
     tiers: tuple[TierStats, ...] = ()
+    num_preemptions: int = 0
 
 
 class _EngineCollector(Collector):
@@ -101,6 +119,8 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_evictions", "Eviction calls that freed blocks.", s.evictions)
         yield counter("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache.",
                       s.evicted_blocks)
+        yield counter("num_preemptions", "Running requests preempted (their KV freed, to be "
+                      "recomputed) for room.", s.num_preemptions)
         yield from _tier_metrics(self._model, s.tiers)
 
 
@@ -159,8 +179,19 @@ class ServerMetrics:
         self.e2e = Histogram(
             "prefixkv:e2e_request_latency_seconds", "Request latency, arrival to last token.",
             lbl, buckets=_LATENCY_BUCKETS, registry=r)
+        self.phases = {name: Histogram(f"prefixkv:{name}", doc, lbl, registry=r,
+                                       buckets=_TPOT_BUCKETS if "per_output" in name
+                                       else _LATENCY_BUCKETS)
+                       for name, doc in _PHASES}
+        self.request_prompt_tokens = Histogram(
+            "prefixkv:request_prompt_tokens", "Prompt length of finished requests.", lbl,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            "prefixkv:request_generation_tokens", "Tokens generated per finished request "
+            "(all its choices).", lbl, buckets=_TOKEN_BUCKETS, registry=r)
         for series in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
-                       self.prefix_cache_hits, self.ttft, self.e2e):
+                       self.prefix_cache_hits, self.ttft, self.e2e, self.request_prompt_tokens,
+                       self.request_generation_tokens, *self.phases.values()):
             series.labels(model_name)  # report 0 before the first request
         self._hits_total = 0
         self._queries_total = 0
@@ -179,14 +210,35 @@ class ServerMetrics:
         self._hits_total += cached_tokens
 
     def observe_finished(self, generated_tokens: int, finish_reasons: list[str],
-                         ttft_s: float | None, e2e_s: float) -> None:
-        """A request finished (all its choices)."""
-        self.generation_tokens.labels(self._model).inc(generated_tokens)
+                         ttft_s: float | None, e2e_s: float, *, prompt_tokens: int = 0,
+                         longest: int = 0, timings: RequestMetrics | None = None) -> None:
+        """A request finished (all its choices): ``generated_tokens`` in all, ``longest`` by
+        its longest choice, TTFT and end-to-end seconds on the server's clock; ``timings``
+        (the engine's) give the phases a request reached (an aborted one may lack some)."""
+        m = self._model
+        self.generation_tokens.labels(m).inc(generated_tokens)
         for reason in finish_reasons:
-            self.request_success.labels(self._model, reason or "unknown").inc()
+            self.request_success.labels(m, reason or "unknown").inc()
         if ttft_s is not None:
-            self.ttft.labels(self._model).observe(ttft_s)
-        self.e2e.labels(self._model).observe(e2e_s)
+            self.ttft.labels(m).observe(ttft_s)
+        self.e2e.labels(m).observe(e2e_s)
+        self.request_prompt_tokens.labels(m).observe(prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(generated_tokens)
+        if timings is None:
+            return
+        t = timings
+        spans = {
+            "request_queue_time_seconds": (t.arrival_time, t.first_scheduled_time),
+            "request_prefill_time_seconds": (t.first_scheduled_time, t.first_token_time),
+            "request_decode_time_seconds": (t.first_token_time, t.finished_time),
+            "request_inference_time_seconds": (t.first_scheduled_time, t.finished_time),
+        }
+        for name, (a, b) in spans.items():
+            if a is not None and b is not None:
+                self.phases[name].labels(m).observe(max(0.0, b - a))
+        if longest > 1 and t.first_token_time is not None and t.finished_time is not None:
+            self.phases["request_time_per_output_token_seconds"].labels(m).observe(
+                max(0.0, t.finished_time - t.first_token_time) / (longest - 1))
 
     def observe_error(self, status: int) -> None:
         """A request was answered with an error status."""

@@ -325,9 +325,8 @@ class OpenAIServing:
             job.ttft = now - t0
         if out.finished and not job.done:
             job.done = True
-            self.metrics.observe_finished(
-                sum(len(o.token_ids) for o in out.outputs),
-                [o.finish_reason or "unknown" for o in out.outputs], job.ttft, now - t0)
+            self._observe_end(out, [o.finish_reason or "unknown" for o in out.outputs],
+                              job.ttft, now - t0)
 
     async def _abort_unfinished(self, jobs: list[_Job], t0: float | None = None) -> None:
         """Abort every engine request of ``jobs`` that has not finished (frees its blocks):
@@ -338,10 +337,15 @@ class OpenAIServing:
                 job.done = True
                 await job.stream.aclose()  # type: ignore[attr-defined]
                 if t0 is not None:
-                    outs = job.last.outputs
-                    self.metrics.observe_finished(
-                        sum(len(o.token_ids) for o in outs), ["abort"] * len(outs), job.ttft,
-                        time.perf_counter() - t0)
+                    self._observe_end(job.last, ["abort"] * len(job.last.outputs), job.ttft,
+                                      time.perf_counter() - t0)
+
+    def _observe_end(self, out: RequestOutput, reasons: list[str], ttft: float | None,
+                     e2e: float) -> None:
+        lengths = [len(o.token_ids) for o in out.outputs]
+        self.metrics.observe_finished(sum(lengths), reasons, ttft, e2e,
+                                      prompt_tokens=len(out.prompt_token_ids),
+                                      longest=max(lengths, default=0), timings=out.metrics)
 
     # ------------------------------------------------------------------ bodies
 

@@ -83,3 +83,50 @@ def test_vllm_metric_names_for_existing_dashboards(http: httpx.Client, client: o
     ours = {line.split("{")[0].replace("prefixkv:", "vllm:"): line.rsplit(" ", 1)[1]
             for line in text.splitlines() if line.startswith("prefixkv:prefix_cache_queries_total")}
     assert values["vllm:prefix_cache_queries_total"].rsplit(" ", 1)[1] == ours["vllm:prefix_cache_queries_total"]
+
+
+PHASES = ["request_queue_time_seconds", "request_prefill_time_seconds",
+          "request_decode_time_seconds", "request_inference_time_seconds",
+          "request_time_per_output_token_seconds"]
+
+
+def test_vllm_phase_histograms_and_preemptions(http: httpx.Client, client: openai.OpenAI) -> None:
+    """The series vLLM's Grafana dashboard reads beyond TTFT and latency: per-phase times,
+    time per output token, prompt / generation lengths, preemptions; under both prefixes."""
+    before = _scrape(http)
+    for prefix in ("prefixkv:", "vllm:"):
+        for name in [*(f"{p}_count" for p in PHASES), "request_prompt_tokens_sum",
+                     "request_generation_tokens_sum", "num_preemptions_total"]:
+            assert prefix + name in before, prefix + name
+    prompt = unique_text("phases", 40)
+    rs = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True}) for _ in range(2)]
+    after = _scrape(http)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    for p in PHASES:
+        assert delta(f"prefixkv:{p}_count") == 2, p
+        assert delta(f"vllm:{p}_count") == 2, p
+    assert delta("prefixkv:request_prompt_tokens_sum") == sum(r.usage.prompt_tokens for r in rs)
+    assert delta("prefixkv:request_generation_tokens_sum") == 12
+    decode = delta("prefixkv:request_decode_time_seconds_sum")
+    inference = delta("prefixkv:request_inference_time_seconds_sum")
+    prefill = delta("prefixkv:request_prefill_time_seconds_sum")
+    assert 0 < decode < inference and abs(inference - prefill - decode) < 1e-6
+    assert abs(delta("prefixkv:request_time_per_output_token_seconds_sum") - decode / 5) < 1e-6
+    assert delta("prefixkv:e2e_request_latency_seconds_sum") >= inference
+    assert delta("prefixkv:num_preemptions_total") == 0
+
+
+def test_preemptions_are_reported_from_the_engine_stats() -> None:
+    from prefixkv.server.metrics import EngineGauges, ServerMetrics
+
+    g = EngineGauges(num_requests_running=1, num_requests_waiting=2, num_kv_blocks=8,
+                     free_blocks=0, cached_blocks=0, pinned_blocks=0, locked_blocks=0,
+                     evictions=0, evicted_blocks=0, query_hit_rate=0.0, token_hit_rate=0.0,
+                     num_preemptions=3)
+    text = ServerMetrics("m").render(g).decode()
+    assert 'prefixkv:num_preemptions_total{model_name="m"} 3.0' in text
+    assert 'vllm:num_preemptions_total{model_name="m"} 3.0' in text
