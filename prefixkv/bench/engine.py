@@ -6,7 +6,7 @@
    on an empty cache (reset before each), *warm* reuses the prefix (a different suffix each
    time) right after it; a second warm request follows (the steady state of a cached prefix:
    the first one also re-reads what the cold prefill pushed out of the caches). Target: cold /
-   warm >= 20x (prefill cost follows uncached tokens).
+   warm >= 30x (issue 16; seed 004 asked 20x; prefill cost follows uncached tokens).
 2. **Decode**: greedy tokens per second, ours vs ``transformers``' ``generate`` on the same
    model directory (its ``Qwen3ForCausalLM``), same process. Target: ratio >= 1.0.
 3. **Seed 003's demo**: the long markdown table and two questions; the second is faster.
@@ -171,7 +171,7 @@ def _print_table(res: dict[str, Any]) -> None:
     rows = [
         ("TTFT cold (2,048+32 tok)", f"{t['ttft_cold_s'] * 1000:.1f} ms", ""),
         ("TTFT warm (prefix cached)", f"{t['ttft_warm_s'] * 1000:.1f} ms", f"cached {t['cached_tokens_warm']}"),
-        ("TTFT speedup (medians)", f"{t['speedup']:.1f}x", "target >= 20x"),
+        ("TTFT speedup (medians)", f"{t['speedup']:.1f}x", "target >= 30x"),
         ("TTFT speedup (best runs)", f"{t['speedup_best']:.1f}x",
          f"{t['ttft_cold_best_s'] * 1000:.1f} / {t['ttft_warm_best_s'] * 1000:.1f} ms"),
         ("TTFT warm, the next request", f"{t['ttft_warm_steady_s'] * 1000:.1f} ms",
