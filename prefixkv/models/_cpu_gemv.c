@@ -21,8 +21,9 @@
  * supported_bf16() -> bool
  *     whether they also run its bfloat16 form (AVX512_BF16: vdpbf16ps).
  * gemv(w, n, k, kb, x, x_st, y, y_st, b, rows, threads, bf16=False) -> None
- *     y[r, :n] = x[r, :k] W^T (+ b[:n] when b != 0); strides in floats; 16-column strips of
- *     the output split evenly over torch's OpenMP team (libgomp, shared by soname). The sum
+ *     y[r, :n] = x[r, :k] W^T (+ b[:n] when b != 0); strides in floats; chunks of whole
+ *     64-column blocks of the output shared out dynamically over torch's OpenMP team
+ *     (libgomp, shared by soname; each output is one thread's, in the same order). The sum
  *     over k runs in blocks of kb inputs, each from zero, added to the output block by block:
  *     oneDNN's matmul sums in blocks too (512 or 1,024 inputs, by K), and the caller picks the
  *     kb that gives oneDNN's floats exactly, so a row's result does not depend on whether a
@@ -47,6 +48,7 @@
 
 #define ROWS 4   /* rows of x a pass over a block computes */
 #define BLOCK 64 /* outputs per packed block */
+#define CHUNKS 4 /* work chunks per thread in a call (dynamically scheduled; see gemv) */
 #define PREFETCH 8 /* k-rows of a block prefetched ahead, non-temporal: the weights stream
                       past the caches instead of evicting the activations, the KV and the
                       interpreter's own data (decode steps 5-6% faster than without) */
@@ -291,11 +293,16 @@ static PyObject *gemv(PyObject *self, PyObject *args)
     }
     long nstrips = (n + 15) / 16;
     int nt = nstrips >= 8 * threads ? (int)threads : 1;
+    /* Chunks of whole blocks (4 strips), about CHUNKS per thread, taken in turn by whichever
+     * thread is free: the threads stream from memory at rates that differ from call to call,
+     * and an even static split left the faster one waiting at the barrier. */
+    long ch = nstrips / (CHUNKS * nt);
+    ch = ch < 4 ? 4 : ch - ch % 4;
+    long nchunks = (nstrips + ch - 1) / ch;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        long t = omp_get_thread_num(), team = omp_get_num_threads();
-        long s0 = nstrips * t / team, s1 = nstrips * (t + 1) / team;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
+    for (long c = 0; c < nchunks; c++) {
+        long s0 = c * ch, s1 = s0 + ch < nstrips ? s0 + ch : nstrips;
         if (bf16)
             strip_range_bf16((const uint16_t *)w, n, k, kb, (const uint16_t *)x, x_st,
                              (uint16_t *)y, y_st, (const uint16_t *)b, rows, s0, s1);
