@@ -96,7 +96,19 @@ class LLM:
     def __init__(
         self, model: str | Path | None = None, *, config: EngineConfig | None = None, **kwargs: Any
     ) -> None:
-        self.engine = build_engine(model, config=config, **kwargs)
+        self._attach(build_engine(model, config=config, **kwargs))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An ``LLM`` over an engine built elsewhere (e.g. a second engine on the same
+        ``ModelRunner``: ``LLM.from_engine(LLMEngine(llm.engine.runner, ...))``, one model in
+        memory). The engine is then this ``LLM``'s: do not step it from elsewhere."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
         self._lock = threading.Lock()  # held for every call into the engine (one thread's state)
         self._parked: dict[str, RequestOutput] = {}  # finished in a step another caller ran
 

@@ -239,3 +239,18 @@ def test_threads_sharing_one_llm_each_get_their_own_outputs(make_llm: Any, helpe
     assert len(results) == len(prompts)
     assert not llm.engine.has_unfinished_requests() and llm._parked == {}
     helpers.assert_no_leak(llm)
+
+
+def test_an_llm_over_an_engine_built_elsewhere(make_llm: Any, helpers: Any) -> None:
+    """``LLM.from_engine``: a second engine on the same runner (one model in memory), here
+    without a prefix index; same greedy tokens, and it is as thread safe as any ``LLM``."""
+    from prefixkv.engine import LLM, LLMEngine
+
+    llm = make_llm()
+    prompt = helpers.tokens(70, 40)
+    cached = llm.generate(prompt, GREEDY)[0]
+    llm.reset_prefix_cache()  # the second engine reuses the same pool's blocks
+    off = LLM.from_engine(LLMEngine(llm.engine.runner, enable_prefix_caching=False))
+    cold = off.generate(prompt, GREEDY)[0]
+    assert off.get_cache_stats() is None
+    assert cold.outputs[0].token_ids == cached.outputs[0].token_ids

@@ -52,8 +52,8 @@ def test_greedy_tokens_identical_with_and_without_the_cache(llm: LLM) -> None:
     warm = llm.chat(convs[:1], params)  # caches the system prompt
     cached = llm.chat(convs, params)  # batched, the shared prefix from the cache
     assert all(o.num_cached_tokens > 0 for o in cached)
-    off = LLM.__new__(LLM)  # same weights, no prefix index (saves loading the model twice)
-    off.engine = LLMEngine(llm.engine.runner, enable_prefix_caching=False)
+    # same weights, no prefix index (saves loading the model twice)
+    off = LLM.from_engine(LLMEngine(llm.engine.runner, enable_prefix_caching=False))
     cold = off.chat(convs, params)
     llm.reset_prefix_cache()  # the cache-off engine reused the pool's blocks
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in cold]

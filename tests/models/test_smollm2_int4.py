@@ -60,8 +60,7 @@ def test_greedy_tokens_identical_with_and_without_the_cache(q4: LLM) -> None:
     q4.chat(convs[:1], params)  # caches the system prompt
     cached = q4.chat(convs, params)
     assert all(o.num_cached_tokens > 0 for o in cached)
-    off = LLM.__new__(LLM)  # same weights, no prefix index
-    off.engine = LLMEngine(q4.engine.runner, enable_prefix_caching=False)
+    off = LLM.from_engine(LLMEngine(q4.engine.runner, enable_prefix_caching=False))  # same weights
     cold = off.chat(convs, params)
     q4.reset_prefix_cache()
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in cold]
