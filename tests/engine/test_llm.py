@@ -254,3 +254,30 @@ def test_an_llm_over_an_engine_built_elsewhere(make_llm: Any, helpers: Any) -> N
     cold = off.generate(prompt, GREEDY)[0]
     assert off.get_cache_stats() is None
     assert cold.outputs[0].token_ids == cached.outputs[0].token_ids
+
+
+def test_a_short_call_is_not_held_behind_a_long_one_in_another_thread(make_llm: Any) -> None:
+    """Whoever holds the lock steps the engine for everyone: a 2-token request started while
+    another thread runs a 600-token one returns first (its output parked, then collected)."""
+    import threading
+    import time
+
+    llm = make_llm()
+    order: list[str] = []
+    started = threading.Event()
+
+    def long_call() -> None:
+        started.set()
+        llm.generate([5] * 40, SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True))
+        order.append("long")
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    started.wait()
+    deadline = time.monotonic() + 30
+    while not llm.get_stats().num_running and time.monotonic() < deadline:
+        pass  # until the long request is in the engine
+    llm.generate([7] * 40, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    order.append("short")
+    t.join(60)
+    assert order == ["short", "long"]
