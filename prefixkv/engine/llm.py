@@ -197,8 +197,8 @@ class LLM:
             while len(done) < len(wanted):
                 with self._lock:
                     before = len(done)
-                    for rid in wanted - done.keys():  # finished in another caller's step
-                        if rid in self._parked:
+                    if self._parked:  # finished in another caller's step (empty when alone)
+                        for rid in [r for r in self._parked if r in wanted]:
                             done[rid] = self._parked.pop(rid)
                     if len(done) < len(wanted):
                         if not self.engine.has_unfinished_requests():
