@@ -39,13 +39,18 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
-_PHASES = (  # (name, help): vLLM's per-request phase histograms, engine clock
-    ("request_queue_time_seconds", "Time a request waited before its first step."),
-    ("request_prefill_time_seconds", "Time from a request's first step to its first token."),
-    ("request_decode_time_seconds", "Time from a request's first token to its last."),
-    ("request_inference_time_seconds", "Time from a request's first step to its last token."),
+_PHASES = (  # (name, help, buckets): vLLM's per-request phase histograms, engine clock
+    ("request_queue_time_seconds", "Time a request waited before its first step.",
+     _LATENCY_BUCKETS),
+    ("request_prefill_time_seconds", "Time from a request's first step to its first token.",
+     _LATENCY_BUCKETS),
+    ("request_decode_time_seconds", "Time from a request's first token to its last.",
+     _LATENCY_BUCKETS),
+    ("request_inference_time_seconds", "Time from a request's first step to its last token.",
+     _LATENCY_BUCKETS),
     ("request_time_per_output_token_seconds",
-     "Mean time between a request's output tokens (its decode time / (tokens - 1))."),
+     "Mean time between a request's output tokens (its decode time / (tokens - 1)).",
+     _TPOT_BUCKETS),
 )
 
 
@@ -54,7 +59,7 @@ VLLM_ALIASES = (
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
     "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
     "num_preemptions", "request_prompt_tokens", "request_generation_tokens",
-    *(name for name, _ in _PHASES),
+    *(name for name, _, _ in _PHASES),
 )
 """Our ``prefixkv:<name>`` series that are also exported as ``vllm:<name>``."""
 
@@ -179,10 +184,8 @@ class ServerMetrics:
         self.e2e = Histogram(
             "prefixkv:e2e_request_latency_seconds", "Request latency, arrival to last token.",
             lbl, buckets=_LATENCY_BUCKETS, registry=r)
-        self.phases = {name: Histogram(f"prefixkv:{name}", doc, lbl, registry=r,
-                                       buckets=_TPOT_BUCKETS if "per_output" in name
-                                       else _LATENCY_BUCKETS)
-                       for name, doc in _PHASES}
+        self.phases = {name: Histogram(f"prefixkv:{name}", doc, lbl, buckets=buckets, registry=r)
+                       for name, doc, buckets in _PHASES}
         self.request_prompt_tokens = Histogram(
             "prefixkv:request_prompt_tokens", "Prompt length of finished requests.", lbl,
             buckets=_TOKEN_BUCKETS, registry=r)
