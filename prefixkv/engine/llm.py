@@ -78,13 +78,53 @@ def _with_template(tok: Tokenizer, template: str | Path) -> Tokenizer:
     return Tokenizer(tok.backend, bos_token=tok.bos_token, eos_token=tok.eos_token, chat_template=text)
 
 
+class _TurnLock:
+    """A lock granted in the order it was asked for (tickets): a thread that steps the engine
+    over and over cannot take it again ahead of a thread already waiting (``threading.Lock``
+    may hand it straight back to the releasing thread, holding a short call behind a long one).
+    A waiter interrupted (``KeyboardInterrupt``) gives up its turn and blocks no one."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next = 0  # the next ticket to hand out
+        self._serving = 0  # the ticket that holds the lock (or may take it)
+        self._abandoned: set[int] = set()
+
+    def __enter__(self) -> None:
+        with self._cv:
+            ticket = self._next
+            self._next += 1
+            try:
+                while ticket != self._serving:
+                    self._cv.wait()
+            except BaseException:
+                if ticket == self._serving:  # its turn came as it was interrupted: pass it on
+                    self._serving += 1
+                else:
+                    self._abandoned.add(ticket)
+                self._pass_on()
+                raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._cv:
+            self._serving += 1
+            self._pass_on()
+
+    def _pass_on(self) -> None:
+        while self._serving in self._abandoned:
+            self._abandoned.remove(self._serving)
+            self._serving += 1
+        self._cv.notify_all()
+
+
 class LLM:
     """Offline generation with prefix caching. Arguments as :func:`build_engine`:
     ``LLM(model, **settings)`` or ``LLM(config=EngineConfig(...))``.
 
     Thread safe: calls from several threads share the engine (one thread steps it at a time,
-    under ``_lock``), so their requests are batched together and each call returns its own
-    outputs; a request that finishes in another thread's step is parked for its caller. For an
+    under ``_lock``, taken in turn), so their requests are batched together and each call
+    returns its own outputs; a request that finishes in another thread's step is parked for its
+    caller. For an
     asyncio server use :class:`~prefixkv.engine.async_engine.AsyncEngine`.
 
     With disk / remote KV tiers or KV events it runs background threads: :meth:`close` (or
@@ -109,7 +149,7 @@ class LLM:
 
     def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()  # held for every call into the engine (one thread's state)
+        self._lock = _TurnLock()  # held for every call into the engine (one thread's state)
         self._parked: dict[str, RequestOutput] = {}  # finished in a step another caller ran
 
     def close(self) -> None:
