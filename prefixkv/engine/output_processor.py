@@ -110,7 +110,7 @@ class OutputProcessor:
         ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None and out.detokenizer is not None:
-            out.text += out.detokenizer.flush()  # a character cut by the end comes out as U+FFFD
+            out.text += out.detokenizer.flush()  # less a character cut by the end
 
     def visible_text(self, seq: Sequence) -> str:
         """Text safe to report: while running, hold back what could start a stop string."""

@@ -148,7 +148,9 @@ class IncrementalDetokenizer:
     Text is held back while the newest tokens decode to an incomplete character (U+FFFD at the
     end); it is released once the character completes. Decoding uses a window of previous
     tokens so tokenizers that drop leading spaces on a lone token (SentencePiece) still join up.
-    ``flush()`` releases whatever is held back (at the end of the stream).
+    ``flush()`` releases whatever is held back at the end of the stream, less a character the
+    stream ends in the middle of (as vLLM's detokenizer: a reply cut by ``max_tokens`` mid-way
+    through a multi-byte character ends at the last whole one, not in U+FFFD).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
@@ -174,12 +176,13 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """Release held-back text, broken characters included (as U+FFFD)."""
+        """Release held-back text, less the broken character at its end (the U+FFFD an incomplete
+        UTF-8 sequence decodes to; one in the middle, followed by text, stays)."""
         prefix_text = self._tok.decode(
             self._ids[self._prefix : self._read], skip_special_tokens=self._skip
         )
         full = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
-        delta = full[len(prefix_text) :]
+        delta = full[len(prefix_text) :].rstrip(_REPLACEMENT)
         self._prefix = self._read = len(self._ids)
         self.text += delta
         return delta

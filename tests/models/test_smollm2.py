@@ -81,3 +81,17 @@ def test_logits_match_transformers_gguf_loader(smol: Path, llm: LLM) -> None:
         step = runner.execute([RunItem([ids[p]], p, table)])[0]
         torch.testing.assert_close(step, ref[p], atol=1e-3, rtol=0)
     assert torch.equal(step.argmax(), ref[-1].argmax())
+
+
+def test_a_reply_cut_mid_character_ends_at_the_last_whole_one(llm: LLM) -> None:
+    # Chinese takes two or three byte-level tokens a character: max_tokens cuts some mid-way;
+    # the text then ends before that character (as vLLM's), never in U+FFFD, streamed or not.
+    chat = [{"role": "user", "content": "请用中文介绍一下北京。"}]
+    full = llm.chat(chat, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    cut = 0
+    for k in range(1, 8):
+        out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=k))[0].outputs[0]
+        assert out.token_ids == full.token_ids[:k]
+        assert not out.text.endswith("\ufffd") and full.text.startswith(out.text)
+        cut += llm.tokenizer.decode(list(out.token_ids)).endswith("\ufffd")
+    assert cut  # some k did end mid-character

@@ -88,5 +88,12 @@ def test_incremental_detokenizer_skips_specials_and_flushes(tok):
     detok = IncrementalDetokenizer(tok)
     assert detok.push([ord("o"), ord("k"), 258]) == "ok"
     assert detok.push(list("é".encode())[:1]) == ""
-    assert detok.flush() == "\ufffd"
-    assert detok.text == "ok\ufffd"
+    assert detok.flush() == ""  # the stream ends mid-character: vLLM's text ends before it
+    assert detok.text == "ok"
+
+
+def test_a_broken_character_followed_by_text_stays(tok):
+    detok = IncrementalDetokenizer(tok)
+    lead = list("é".encode())[:1]  # a lead byte whose character never completes
+    assert detok.push(lead) == "" and detok.push([ord("A")]) == "\ufffdA"
+    assert detok.push(lead) == "" and detok.flush() == "" and detok.text == "\ufffdA"
