@@ -110,7 +110,8 @@ class LLMEngine:
         self.output = OutputProcessor(
             lambda sp: IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sp.skip_special_tokens),
             self._eos, self.max_model_len)
-        self._prompt_logprobs = PromptLogprobsRunner(runner, self.sampler)
+        self._prompt_logprobs = PromptLogprobsRunner(
+            runner, self.sampler, lambda: IncrementalDetokenizer(self.tokenizer))
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()

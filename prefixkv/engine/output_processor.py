@@ -12,19 +12,22 @@ output; the state is dropped). :meth:`snapshot` reads without changing anything;
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from prefixkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from prefixkv.engine.sampling_params import SamplingParams
-from prefixkv.engine.sequence import Request, Sequence
+from prefixkv.engine.sequence import Request
+from prefixkv.engine.sequence import Sequence as Seq
 
 
 class TextStream(Protocol):
     """Incremental detokenizer of one sample (``push`` new ids -> new text; ``flush`` at end)."""
 
     def push(self, token_ids: Iterable[int]) -> str: ...
+
+    def peek(self, token_ids: Sequence[int]) -> list[str]: ...
 
     def flush(self) -> str: ...
 
@@ -71,11 +74,11 @@ class OutputProcessor:
             for s in req.seqs
         ]
 
-    def sample(self, seq: Sequence) -> SampleOutput:
+    def sample(self, seq: Seq) -> SampleOutput:
         """The output state of ``seq``."""
         return self._samples[seq.request.request_id][seq.index]
 
-    def process_token(self, seq: Sequence, token_id: int, logprobs: dict[int, Logprob] | None = None) -> None:
+    def process_token(self, seq: Seq, token_id: int, logprobs: dict[int, Logprob] | None = None) -> None:
         """Append a sampled token, extend the text, and set ``seq.finish_reason`` if it must stop.
 
         vLLM's rules: no stop (EOS, stop id, stop string) before ``min_tokens`` tokens, and no
@@ -85,6 +88,8 @@ class OutputProcessor:
         out = self.sample(seq)
         seq.append_token(token_id)
         if logprobs is not None and out.logprobs is not None:
+            if out.detokenizer is not None:  # each candidate's text in this sample's context
+                logprobs = in_context(logprobs, out.detokenizer)
             out.logprobs.append(logprobs)
             out.cumulative_logprob += logprobs[token_id].logprob
         params = seq.params
@@ -112,7 +117,7 @@ class OutputProcessor:
         if seq.finish_reason is not None and out.detokenizer is not None:
             out.text += out.detokenizer.flush()  # less a character cut by the end
 
-    def visible_text(self, seq: Sequence) -> str:
+    def visible_text(self, seq: Seq) -> str:
         """Text safe to report: while running, hold back what could start a stop string."""
         out = self.sample(seq)
         stops = seq.params.stop_strings
@@ -160,7 +165,14 @@ class OutputProcessor:
         )
 
 
-def _check_stop_strings(seq: Sequence, out: SampleOutput, old_len: int) -> bool:
+def in_context(entry: dict[int, Logprob], stream: TextStream) -> dict[int, Logprob]:
+    """``entry`` with each ``decoded_token`` the text its token adds after what ``stream`` has
+    seen (:meth:`~prefixkv.models.tokenizer.IncrementalDetokenizer.peek`), as vLLM reports it."""
+    texts = stream.peek(list(entry))
+    return {t: Logprob(lp.logprob, lp.rank, text) for (t, lp), text in zip(entry.items(), texts)}
+
+
+def _check_stop_strings(seq: Seq, out: SampleOutput, old_len: int) -> bool:
     # Only a match ending in the new text is new: the text before it was checked already.
     stops = seq.params.stop_strings
     start = max(out.stop_check_from, old_len - max(len(s) for s in stops) + 1)

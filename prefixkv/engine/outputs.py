@@ -17,7 +17,10 @@ class Logprob:
     """Log-probability of one token at one position (vLLM's ``Logprob``).
 
     ``rank`` is the token's place in that position's distribution (1 = most likely);
-    ``decoded_token`` is the token's own text (``tokenizer.decode([id])``).
+    ``decoded_token`` is the text the token adds in its context, as vLLM's: ``""`` for a token
+    that leaves a multi-byte character incomplete, the whole character on the one completing
+    it (joined, a sample's token texts give its text, stops aside); a special token shows as
+    itself.
     """
 
     logprob: float

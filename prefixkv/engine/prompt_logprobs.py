@@ -4,12 +4,16 @@ A request with ``SamplingParams.prompt_logprobs`` does not read its prompt from 
 cache (``KVManager.admit`` skips the match for sample 0 until its prompt is prefilled), so
 every prompt position is computed here and its logprobs are exact; the blocks still go into
 the cache for later requests. A recompute after preemption overwrites the same entries.
+Each ``decoded_token`` is the text its token adds after the prompt before it (vLLM's), read
+from a detokenizer primed with the :data:`CONTEXT` tokens before a chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from prefixkv.engine.output_processor import TextStream, in_context
 from prefixkv.engine.sampling import SeqSampler
 from prefixkv.engine.sequence import Sequence as Seq
 from prefixkv.runner.logits_processors import token_logprobs
@@ -17,12 +21,18 @@ from prefixkv.runner.model_runner import ModelRunner, RunItem
 from prefixkv.runner.prompt_logits import execute_with_prompt_logits
 
 
-class PromptLogprobsRunner:
-    """Wraps ``runner.execute`` (the engine's ``Execute`` for ``run_model_isolated``)."""
+CONTEXT = 8
+"""Prompt tokens a chunk's detokenizer is primed with: more than a UTF-8 character's 4 bytes."""
 
-    def __init__(self, runner: ModelRunner, sampler: SeqSampler) -> None:
+
+class PromptLogprobsRunner:
+    """Wraps ``runner.execute`` (the engine's ``Execute`` for ``run_model_isolated``);
+    ``stream`` makes a fresh detokenizer (the prompt's texts)."""
+
+    def __init__(self, runner: ModelRunner, sampler: SeqSampler, stream: Callable[[], TextStream]) -> None:
         self.runner = runner
         self.sampler = sampler
+        self._stream = stream
 
     def execute(self, seqs: list[Seq], items: list[RunItem]) -> Any:
         """The runner's last-token logits of ``items`` (``items[i]`` is ``seqs[i]``'s work);
@@ -47,5 +57,9 @@ class PromptLogprobsRunner:
             seq.token_ids[start + 1 : end + 1],
             [req.params.prompt_logprobs or 0] * (end - start),
         )
+        stream = self._stream()
+        for tok in seq.token_ids[max(0, start + 1 - CONTEXT) : start + 1]:
+            stream.push((tok,))
         for pos, t in enumerate(found, start + 1):
-            req.prompt_logprobs[pos] = self.sampler.logprob_entry(t)
+            req.prompt_logprobs[pos] = in_context(self.sampler.logprob_entry(t), stream)
+            stream.push((seq.token_ids[pos],))

@@ -175,6 +175,22 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def peek(self, token_ids: Sequence[int]) -> list[str]:
+        """The text each of ``token_ids``, pushed next, would release now (``""`` while it leaves a
+        character incomplete); changes nothing. vLLM's ``decoded_token`` of a logprob: the text a
+        token adds in its context, so a character split over tokens shows on the one completing
+        it (with what was held back) and a special token shows as itself."""
+        window = self._ids[self._prefix :]
+        prefix_len = len(self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip))
+        out = []
+        for t in token_ids:
+            full = self._tok.decode([*window, t], skip_special_tokens=self._skip)
+            text = "" if full.endswith(_REPLACEMENT) else full[prefix_len:]
+            if not text and self._skip and not full.endswith(_REPLACEMENT):
+                text = self._tok.decode([t], skip_special_tokens=False)  # a skipped special
+            out.append(text)
+        return out
+
     def flush(self) -> str:
         """Release held-back text, less the broken character at its end (the U+FFFD an incomplete
         UTF-8 sequence decodes to; one in the middle, followed by text, stays)."""

@@ -65,6 +65,20 @@ def test_multibyte_characters_and_length(tokenizer: Tokenizer) -> None:
     assert proc.sample(seq).text == "é"  # not "é\ufffd": the cut character is left out
 
 
+def test_logprob_texts_are_the_text_each_token_adds(tokenizer: Tokenizer) -> None:
+    # vLLM's decoded_token: a character split over byte tokens shows on the one completing it,
+    # an alternative as what it would have added there; the chosen texts join up to the text
+    proc, seq = make(tokenizer, max_tokens=10, logprobs=1)
+    for b in "a€".encode():
+        proc.process_token(seq, b, {b: Logprob(-0.1, 1, "own"), ord("z"): Logprob(-3.0, 2, "own")})
+    out = proc.sample(seq)
+    assert out.logprobs is not None and out.text == "a€"
+    chosen = [e[t].decoded_token for e, t in zip(out.logprobs, seq.output_token_ids)]
+    assert chosen == ["a", "", "", "€"] and "".join(chosen) == out.text
+    assert [e[ord("z")].decoded_token for e in out.logprobs] == ["z", "z", "\ufffdz", "\ufffdz"]
+    assert [e[ord("z")].logprob for e in out.logprobs] == [-3.0] * 4
+
+
 def test_snapshot_changes_nothing_and_report_advances_the_deltas(tokenizer: Tokenizer) -> None:
     proc, seq = make(tokenizer, max_tokens=10, logprobs=0)
     proc.process_token(seq, ord("a"), {ord("a"): Logprob(-0.5)})

@@ -95,3 +95,13 @@ def test_a_reply_cut_mid_character_ends_at_the_last_whole_one(llm: LLM) -> None:
         assert not out.text.endswith("\ufffd") and full.text.startswith(out.text)
         cut += llm.tokenizer.decode(list(out.token_ids)).endswith("\ufffd")
     assert cut  # some k did end mid-character
+
+
+def test_logprob_texts_join_up_to_a_chinese_reply(llm: LLM) -> None:
+    # byte-level BPE splits these characters over tokens: each token's decoded_token is the text
+    # it adds (vLLM's), "" until a character completes, so they join up to the reply
+    chat = [{"role": "user", "content": "请用中文介绍一下北京。"}]
+    out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=16, logprobs=2))[0].outputs[0]
+    assert out.logprobs is not None and any("\u4e00" <= ch <= "\u9fff" for ch in out.text)
+    texts = [entry[t].decoded_token for entry, t in zip(out.logprobs, out.token_ids)]
+    assert "".join(t or "" for t in texts) == out.text and "" in texts

@@ -97,3 +97,14 @@ def test_a_broken_character_followed_by_text_stays(tok):
     lead = list("é".encode())[:1]  # a lead byte whose character never completes
     assert detok.push(lead) == "" and detok.push([ord("A")]) == "\ufffdA"
     assert detok.push(lead) == "" and detok.flush() == "" and detok.text == "\ufffdA"
+
+
+def test_peek_gives_each_candidate_its_text_in_context_and_changes_nothing(tok):
+    detok = IncrementalDetokenizer(tok)
+    e1, e2, e3 = "世".encode()  # three byte tokens
+    assert detok.push([ord("a")]) == "a"
+    assert detok.peek([e1, ord("b"), 258]) == ["", "b", "<|im_end|>"]  # a special shows as itself
+    assert detok.push([e1]) == "" and detok.push([e2]) == ""
+    # the token completing the character carries all of it (what was held back included)
+    assert detok.peek([e3, ord("c")]) == ["世", "\ufffdc"]
+    assert detok.push([e3]) == "世" and detok.text == "a世"

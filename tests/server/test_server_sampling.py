@@ -52,6 +52,25 @@ def test_echo_with_max_tokens_zero(client: openai.OpenAI) -> None:
     assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens
 
 
+def test_logprob_tokens_of_multibyte_text_join_up_to_it(client: openai.OpenAI) -> None:
+    # the demo tokenizer has one token a byte: "é" is two tokens, "世" three. Each token reads as
+    # the text it adds (vLLM's), so tokens join up to the text and text_offset indexes into it
+    # (each token had read "\ufffd", and the offsets ran past the text)
+    prompt = "héllo 世界!"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == prompt
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=24, temperature=0, logprobs=True, top_logprobs=1)
+    content = chat.choices[0].logprobs.content
+    if chat.choices[0].finish_reason == "stop":
+        content = content[:-1]  # the EOS token's entry ("<|im_end|>"), not in the text
+    text = "".join(c.token for c in content)
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == text
+    assert chat.choices[0].message.content == text
+
+
 def test_streamed_logprobs_and_continuous_usage(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(
         model=MODEL, prompt="Hi", max_tokens=6, temperature=0, logprobs=1, stream=True, echo=True,
