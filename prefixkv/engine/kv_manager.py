@@ -99,7 +99,8 @@ class KVManager:
         match = None
         matched: list[int] = []
         cached = partial = 0
-        if self.cache is not None and not (seq.index == 0 and seq.request.needs_prompt_logprobs):
+        computes = seq.index == 0 and seq.request.computes_prompt
+        if self.cache is not None and not computes:
             # a prompt-logprobs request computes its whole prompt (it still fills the cache)
             match = self.cache.match_prefix(
                 tokens[:-1], namespace=seq.request.namespace, lock=True
@@ -107,7 +108,7 @@ class KVManager:
             matched = list(match.matched_kv_blocks)
             cached, partial = match.match_length, match.partial_tokens
         hits = []
-        if self.tiers is not None and use_tiers:
+        if self.tiers is not None and use_tiers and not computes:  # nor from a lower tier
             num_full = (len(tokens) - 1) // bs
             chain = self._chain(seq, num_full) if num_full > len(matched) else []
             if chain:
@@ -161,7 +162,7 @@ class KVManager:
         if tiers is None or tiers.prefetcher is None or seq.seq_id in self._prefetched:
             return False
         self._prefetched.add(seq.seq_id)
-        if seq.index > 0 or seq.request.needs_prompt_logprobs:  # shares / computes its prompt
+        if seq.index > 0 or seq.request.computes_prompt:  # shares / computes its prompt
             return False
         chain = self._chain(seq, (len(seq.token_ids) - 1) // self.block_size)
         host = tiers.host

@@ -64,6 +64,9 @@ class SamplingParams:
             in ``text``.
         structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
             a choice or a Lark grammar (see :class:`StructuredOutputsParams`).
+        skip_reading_prefix_cache: compute the whole prompt, reading nothing from the prefix
+            cache or a lower tier (vLLM's field; the prompt still fills the cache for later
+            requests). ``None`` or ``False``: read it, unless ``prompt_logprobs`` is set.
     """
 
     n: int = 1
@@ -86,6 +89,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    skip_reading_prefix_cache: bool | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     _bias: tuple[tuple[int, float], ...] = field(default=(), init=False, repr=False, compare=False)
@@ -159,6 +163,9 @@ class SamplingParams:
             raise ValueError(  # noqa: TRY004
                 f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"
             )
+        skip = self.skip_reading_prefix_cache
+        if skip is not None and not isinstance(skip, bool):
+            raise ValueError(f"skip_reading_prefix_cache must be a bool or None, got {skip!r}")  # noqa: TRY004
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {so!r}")

@@ -67,6 +67,13 @@ class Request:
         """Whether the prompt must still be computed (not read from the cache) for its logprobs."""
         return self.params.prompt_logprobs is not None and not self.prompt_prefilled
 
+    @property
+    def computes_prompt(self) -> bool:
+        """Whether the prompt must be computed, not read from the cache or a lower tier: for its
+        logprobs, or ``skip_reading_prefix_cache``, until it has been prefilled once."""
+        p = self.params
+        return (p.prompt_logprobs is not None or bool(p.skip_reading_prefix_cache)) and not self.prompt_prefilled
+
 
 @dataclass(slots=True, eq=False)
 class Sequence:

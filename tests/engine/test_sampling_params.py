@@ -40,6 +40,7 @@ from prefixkv.engine import SamplingParams
         ({"logit_bias": {"7": 1.0}}, "logit_bias"),
         ({"logit_bias": {7: float("nan")}}, "logit_bias"),
         ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+        ({"skip_reading_prefix_cache": "yes"}, "skip_reading_prefix_cache"),
         ({"structured_outputs": {"json": {}}}, "structured_outputs"),
     ],
 )

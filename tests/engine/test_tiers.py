@@ -72,6 +72,34 @@ def test_host_tier_hits_are_token_identical(
     assert llm.get_stats().num_cached_prompt_tokens >= host.hit_tokens
 
 
+def test_prompt_logprobs_and_skip_reading_compute_the_prompt_not_read_a_tier(
+    make_llm: Any, helpers: Any, demo_model: Any
+) -> None:
+    # the prompt is held only in host memory: a request for its prompt logprobs used to take
+    # it from there, leaving 192 of 200 entries None; one that skips reading does not read it
+    prompt = helpers.tokens(3, 200)
+    cold = LLM(demo_model, enable_prefix_caching=False, num_kv_blocks=64)
+    ask = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    want = cold.generate({"prompt_token_ids": prompt}, ask)[0]
+    llm = make_llm(kv_offload_size=256, block_size=16)
+    ref = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+    assert llm.engine.kv.spill() > 0
+    out = llm.generate({"prompt_token_ids": prompt}, ask)[0]
+    assert out.num_cached_tokens == 0 and tier(llm, "host").hits == 0
+    assert out.prompt_logprobs is not None and want.prompt_logprobs is not None
+    assert all(e is not None for e in out.prompt_logprobs[1:])
+    for got, exp in zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert got is not None and exp is not None and got.keys() == exp.keys()
+        assert [g.logprob for g in got.values()] == pytest.approx([e.logprob for e in exp.values()], abs=1e-4)
+    assert llm.engine.kv.spill() > 0
+    skip = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, skip_reading_prefix_cache=True)
+    out = llm.generate({"prompt_token_ids": prompt}, skip)[0]
+    assert out.num_cached_tokens == 0 and tier(llm, "host").hits == 0 and out.outputs[0].token_ids == ref
+    again = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]  # it still filled the cache
+    assert again.num_cached_tokens >= 192 and again.outputs[0].token_ids == ref
+    helpers.assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_disk_tier_hits_are_token_identical(
     name: str, make_llm: Any, helpers: Any, reference: list[list[int]], tmp_path: Path
