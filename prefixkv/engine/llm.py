@@ -20,7 +20,7 @@ from prefixkv.config import EngineConfig, parse_size
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestOutput
-from prefixkv.engine.prompts import PromptInput
+from prefixkv.engine.prompts import PromptInput, template_options
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.models.loader import load_tokenizer
 from prefixkv.models.tokenizer import Tokenizer
@@ -212,15 +212,19 @@ class LLM:
         use_tqdm: bool = False,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         cache_salt: Hashable | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of messages) or a list of them."""
+        """Generate replies to one conversation (a list of messages) or a list of them;
+        ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last
+        message instead of starting a new turn."""
         if not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of messages or conversations")
         convs: list[Any] = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        options = template_options(chat_template_kwargs, add_generation_prompt, continue_final_message)
         prompts: list[PromptInput] = [
-            self.engine.chat_prompt(c, add_generation_prompt, **(chat_template_kwargs or {}))
+            self.engine.chat_prompt(c, **options)
             for c in convs
         ]
         return self.generate(prompts, sampling_params, use_tqdm, cache_salt=cache_salt)

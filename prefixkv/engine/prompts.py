@@ -89,10 +89,39 @@ def _plain_id(t: Any, vocab_size: int) -> int:
     return v
 
 
+def template_options(
+    chat_template_kwargs: Mapping[str, Any] | None, add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> dict[str, Any]:
+    """The keyword arguments of :func:`render_chat`: ``chat_template_kwargs`` over the two
+    flags (a key there wins, as in vLLM). ``ValueError`` for a non-dict, a ``messages`` key, a
+    flag that is not a bool, or both flags true; its message starts with the field at fault
+    (``chat_template_kwargs`` or ``continue_final_message``)."""
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
+    opts = dict(chat_template_kwargs or {})
+    if "messages" in opts:
+        raise ValueError("chat_template_kwargs cannot set 'messages' (pass the messages themselves)")
+    opts.setdefault("add_generation_prompt", add_generation_prompt)
+    opts.setdefault("continue_final_message", continue_final_message)
+    for flag in ("add_generation_prompt", "continue_final_message"):
+        if not isinstance(opts[flag], bool):
+            raise ValueError(f"chat_template_kwargs.{flag} must be a bool, got {opts[flag]!r}")
+    if opts["continue_final_message"] and opts["add_generation_prompt"]:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    return opts
+
+
 def render_chat(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+    *, continue_final_message: bool = False, **kwargs: Any
 ) -> dict[str, Any]:
     """Render a conversation with the chat template: ``{"prompt": text, "prompt_token_ids": ids}``.
+
+    ``continue_final_message`` (vLLM's and transformers' flag): the prompt ends right after the
+    last message's content, so the model continues that message (an assistant reply begun by
+    the caller, "prefill") instead of starting a new turn; ``ValueError`` with
+    ``add_generation_prompt`` too, or when the template does not write the content out.
 
     The text is tokenized without adding special tokens (the template writes them). Special
     tokens typed *inside message content* (``"<|im_start|>"`` in a user's text) are plain text,
@@ -101,6 +130,8 @@ def render_chat(
     special tokens. (Content without such strings is tokenized with the whole rendered text,
     exactly as before.) ``ValueError`` for content that is not valid Unicode.
     """
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     msgs = [dict(m) for m in messages]
     specials = _special_strings(tokenizer)
     marked: dict[str, str] = {}
@@ -114,6 +145,8 @@ def render_chat(
             marked[mark] = content
             m["content"] = mark
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+    if continue_final_message:
+        text = _cut_after_final(text, msgs[-1].get("content") if msgs else None)
     if not marked:
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     pieces = re.split("(" + "|".join(re.escape(k) for k in marked) + ")", text)
@@ -130,6 +163,18 @@ def render_chat(
         elif piece:
             ids.extend(tokenizer.encode(piece, add_special_tokens=False))
     return {"prompt": "".join(marked.get(p, p) for p in pieces), "prompt_token_ids": ids}
+
+
+def _cut_after_final(text: str, final: Any) -> str:
+    """``text`` up to the end of the last place the final message's content (or, for templates
+    that trim it, its stripped form) appears."""
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    for needle in (final, final.strip()):
+        at = text.rfind(needle)
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise ValueError("continue_final_message: the chat template does not write the final message's content")
 
 
 def _special_strings(tokenizer: Any) -> tuple[str, ...]:

@@ -131,12 +131,9 @@ class Tokenizer:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be a dict with a string 'role'")  # noqa: TRY004
         try:
+            context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
             return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **kwargs,
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **context
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc

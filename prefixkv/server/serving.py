@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import RequestFailedError, RequestOutput
+from prefixkv.engine.prompts import template_options
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
@@ -202,12 +203,15 @@ class OpenAIServing:
         """``POST /v1/chat/completions``."""
         self._check_limits(req, 1)
         structured, tool_mode = structured_outputs(req)
-        template_kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            template_kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in req.tools])
         try:
-            prompt = await self.engine.chat_prompt_async(
-                req.plain_messages(), req.add_generation_prompt, **template_kwargs)
+            options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
+                                       req.continue_final_message)
+        except ValueError as exc:
+            raise APIError(str(exc), param=str(exc).split(".")[0].split()[0]) from exc
+        if req.tools:
+            options.setdefault("tools", [t.model_dump(exclude_none=True) for t in req.tools])
+        try:
+            prompt = await self.engine.chat_prompt_async(req.plain_messages(), **options)
         except ValueError as exc:
             raise APIError(f"cannot render messages: {exc}", param="messages") from exc
         max_tokens = req.effective_max_tokens

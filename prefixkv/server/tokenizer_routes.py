@@ -20,6 +20,7 @@ from fastapi import APIRouter
 from pydantic import Field, StrictBool, model_validator
 
 from prefixkv.engine.async_engine import AsyncEngine
+from prefixkv.engine.prompts import template_options
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.protocol import ChatMessage, TokenId, _Body
@@ -33,6 +34,7 @@ class TokenizeRequest(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -72,8 +74,12 @@ def build_tokenizer_router(engine: AsyncEngine, check_model: Callable[[str | Non
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                rendered = await engine.chat_prompt_async(
-                    messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+                options = template_options(body.chat_template_kwargs, body.add_generation_prompt,
+                                           body.continue_final_message)
+            except ValueError as exc:
+                raise APIError(str(exc), param=str(exc).split(".")[0].split()[0]) from exc
+            try:
+                rendered = await engine.chat_prompt_async(messages, **options)
             except ValueError as exc:
                 raise APIError(f"cannot render messages: {exc}", param="messages") from exc
             ids = list(rendered["prompt_token_ids"])

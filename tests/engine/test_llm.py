@@ -144,6 +144,32 @@ def test_chat_uses_template(make_llm: Any) -> None:
     assert len(two) == 2 and two[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
+def test_chat_continues_the_final_message(make_llm: Any) -> None:
+    # vLLM's continue_final_message: the prompt stops right after the caller's start of the
+    # assistant reply ("prefill"), so the model continues it and the turn's own prefix is cached
+    llm = make_llm()
+    conv = [{"role": "user", "content": "Give JSON."}, {"role": "assistant", "content": '{"a": '}]
+    out = llm.chat(conv, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt is not None and out.prompt.endswith('assistant\n{"a": ')
+    closed = llm.chat(conv, GREEDY, add_generation_prompt=False)[0]
+    assert closed.prompt is not None and closed.prompt.startswith(out.prompt) and len(closed.prompt) > len(out.prompt)
+    # a key of chat_template_kwargs wins over the flag (vLLM's rule), so this is the same prompt
+    same = llm.chat(conv, GREEDY, chat_template_kwargs={"add_generation_prompt": False, "continue_final_message": True})
+    assert same[0].prompt_token_ids == out.prompt_token_ids
+    for kwargs, match in [
+        ({"continue_final_message": True}, "cannot both be true"),  # add_generation_prompt defaults to True
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": "no"}}, "chat_template_kwargs.add_generation_prompt"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(conv, GREEDY, **kwargs)
+    with pytest.raises(ValueError, match="final message with text"):
+        llm.chat(conv + [{"role": "assistant", "content": ""}], GREEDY, add_generation_prompt=False,
+                 continue_final_message=True)
+    # the template's own variables can be overridden (bos_token was a TypeError)
+    assert llm.chat(conv, GREEDY, chat_template_kwargs={"bos_token": "<s>"})[0].outputs[0].token_ids
+
+
 def test_bad_engine_arguments_raise(make_llm: Any) -> None:
     for kwargs, name in [
         ({"index": "btree"}, "index"),

@@ -70,6 +70,16 @@ BAD_CHATS = [
     ("logprobs mistyped", {"messages": CHAT, "logprobs": 3}, "logprobs"),
     ("max_completion_tokens zero", {"messages": CHAT, "max_completion_tokens": 0},
      "max_completion_tokens"),
+    # a key of chat_template_kwargs that clashes with an argument was a 500
+    ("template kwargs set messages", {"messages": CHAT, "chat_template_kwargs": {"messages": []}},
+     "chat_template_kwargs"),
+    ("template kwargs flag mistyped", {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": 1}},
+     "chat_template_kwargs"),
+    ("continue and add_generation_prompt", {"messages": CHAT, "continue_final_message": True},
+     "continue_final_message"),
+    ("continue without text", {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+        "continue_final_message": True, "add_generation_prompt": False}, "messages"),
 ]
 
 

@@ -71,6 +71,24 @@ def test_logprob_tokens_of_multibyte_text_join_up_to_it(client: openai.OpenAI) -
     assert chat.choices[0].message.content == text
 
 
+def test_chat_continues_the_final_message_and_template_kwargs_win(http: httpx.Client) -> None:
+    msgs = [{"role": "user", "content": "Give JSON."}, {"role": "assistant", "content": '{"a": '}]
+    tokenized = http.post("/tokenize", json={"messages": msgs, "continue_final_message": True,
+                                            "add_generation_prompt": False}).json()
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 2, "temperature": 0}
+    cont = http.post("/v1/chat/completions", json={**body, "continue_final_message": True,
+                                                   "add_generation_prompt": False}).json()
+    assert cont["usage"]["prompt_tokens"] == tokenized["count"]
+    # the same through chat_template_kwargs (vLLM: its keys win); clashing keys were a 500
+    via = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {
+        "continue_final_message": True, "add_generation_prompt": False}}).json()
+    assert via["usage"]["prompt_tokens"] == cont["usage"]["prompt_tokens"]
+    assert via["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32  # the same prompt, cached
+    assert via["choices"][0]["message"] == cont["choices"][0]["message"]
+    closed = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": False}).json()
+    assert closed["usage"]["prompt_tokens"] > cont["usage"]["prompt_tokens"]  # the turn closed
+
+
 def test_streamed_logprobs_and_continuous_usage(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(
         model=MODEL, prompt="Hi", max_tokens=6, temperature=0, logprobs=1, stream=True, echo=True,
