@@ -120,8 +120,10 @@ class Tokenizer:
     ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
 
-        Extra keyword arguments are passed to the template (e.g. ``tools``). ``ValueError`` if
-        the model has no template, a message is malformed, or the template raises.
+        Extra keyword arguments are passed to the template (e.g. ``tools``; ``bos_token`` /
+        ``eos_token`` override the tokenizer's). ``ValueError`` if the model has no template, a
+        message is malformed, or the template raises anything (a ``TypeError`` from ``tools: 5``
+        included: the template runs on the caller's values).
         """
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat_template")
@@ -137,6 +139,8 @@ class Tokenizer:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        except Exception as exc:  # the template is code run on the caller's values (tools: 5)
+            raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
 class IncrementalDetokenizer:

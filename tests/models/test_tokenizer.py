@@ -66,6 +66,12 @@ def test_template_features_and_errors(tmp_path):
     assert out == '<|endoftext|>{"role": "user", "content": "é"}'
     with pytest.raises(ValueError, match="bad role"):
         t.apply_chat_template([{"role": "bad", "content": ""}])
+    # a caller's value the template cannot use is a ValueError, not the TypeError it raises
+    # (a server's 500: chat_template_kwargs {"tools": 5} with a template looping over tools)
+    t._template = t._template.environment.from_string("{% for x in tools %}{{ x }}{% endfor %}{{ bos_token }}")
+    with pytest.raises(ValueError, match="chat template failed: TypeError"):
+        t.apply_chat_template([{"role": "user", "content": ""}], tools=5)
+    assert t.apply_chat_template([], tools=["a"], bos_token="<s>") == "a<s>"  # the caller's bos wins
     (tmp_path / "tokenizer_config.json").unlink()
     with pytest.raises(ValueError, match="no chat_template"):
         Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
