@@ -94,6 +94,11 @@ class ModelSettings:
         "context length", shown="the model's max_position_embeddings", kind="int",
         group="vllm"))
     seed: int = field(default=0, metadata=_meta("engine seed for unseeded sampling", group="vllm"))
+    constrained_json_disable_any_whitespace: bool = field(default=False, metadata=_meta(
+        "structured JSON outputs (response_format, tools, json schemas) without free whitespace "
+        "between tokens, for every request (SGLang's flag; vLLM's disable_any_whitespace): for "
+        "a model that pads JSON with whitespace", shown="off: whitespace allowed, as vLLM and "
+        "SGLang", kind="bool", group="vllm"))
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "chat_template"):
@@ -105,8 +110,9 @@ class ModelSettings:
         if self.quantization is not None:
             _check_choice(self, "quantization", QUANTIZATIONS)
         _check_int(self, "threads", 1, optional=True)
-        if not isinstance(self.tune_malloc, bool):
-            raise ValueError(f"tune_malloc must be a bool, got {self.tune_malloc!r}")
+        for name in ("tune_malloc", "constrained_json_disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int(self, "max_model_len", 1, optional=True)
         _check_int(self, "seed", 0)
 

@@ -223,8 +223,8 @@ class LLMEngine:
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
             self._grammars = GrammarCompiler(
-                self.tokenizer.backend.to_str(), self.runner.config.vocab_size, self._eos
-            )
+                self.tokenizer.backend.to_str(), self.runner.config.vocab_size, self._eos,
+                self.config.model.constrained_json_disable_any_whitespace)
         return self._grammars
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

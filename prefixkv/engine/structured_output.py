@@ -20,8 +20,6 @@ from typing import Any
 
 import llguidance
 
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
-"""Compact JSON (no free whitespace between tokens), as vLLM's ``disable_any_whitespace``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +32,9 @@ class StructuredOutputsParams:
         regex: the output matches this regular expression (Rust ``regex`` syntax).
         choice: the output is exactly one of these strings.
         grammar: a Lark grammar (llguidance's dialect; GBNF is converted).
+        disable_any_whitespace: JSON without free whitespace between its tokens (compact). By
+            default, as in vLLM, the model may put whitespace there: models trained on
+            pretty-printed JSON write it (held to compact JSON, SmolLM2 answered ``{}``).
     """
 
     json: str | Mapping[str, Any] | None = None
@@ -41,6 +42,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [
@@ -55,6 +57,9 @@ class StructuredOutputsParams:
             )
         if self.json is not None and not isinstance(self.json, (str, Mapping)):
             raise ValueError(f"structured_outputs.json must be a schema dict or str, got {self.json!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(  # noqa: TRY004
+                f"structured_outputs.disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}")
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         for name in ("regex", "grammar"):
@@ -68,15 +73,17 @@ class StructuredOutputsParams:
         ):
             raise ValueError(f"structured_outputs.choice must be a list of non-empty str, got {self.choice!r}")
 
-    def to_grammar(self) -> str:
-        """The llguidance grammar text of this constraint (``ValueError`` if malformed)."""
+    def to_grammar(self, *, compact: bool = False) -> str:
+        """The llguidance grammar text of this constraint (``ValueError`` if malformed);
+        ``compact``: no free whitespace in JSON even if ``disable_any_whitespace`` is off."""
+        options: dict[str, Any] = {"whitespace_flexible": not (compact or self.disable_any_whitespace)}
         try:
             if self.json is not None:
                 schema = json.loads(self.json) if isinstance(self.json, str) else dict(self.json)
-                return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS))  # type: ignore[arg-type]
+                return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))  # type: ignore[arg-type]
             if self.json_object:
                 return str(
-                    llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+                    llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)  # type: ignore[arg-type]
                 )
             if self.regex is not None:
                 return str(llguidance.LLMatcher.grammar_from_regex(self.regex))
@@ -114,18 +121,22 @@ class GrammarCompiler:
         tokenizer_json: the Hugging Face ``tokenizers`` JSON of the model's tokenizer.
         vocab_size: the model's vocabulary (logits width), which may exceed the tokenizer's.
         eos_token_ids: the ids that end a sequence; a complete grammar allows only these.
+        compact_json: JSON without free whitespace for every request (the engine's
+            ``constrained_json_disable_any_whitespace``).
     """
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int],
+                 compact_json: bool = False) -> None:
         eos = sorted(set(eos_token_ids))
         self.vocab_size = vocab_size
+        self.compact_json = compact_json
         self._tok = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=eos if eos else None
         )
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         """A fresh state at the start of the output; ``ValueError`` if the grammar is invalid."""
-        matcher = llguidance.LLMatcher(self._tok, params.to_grammar(), log_level=0)
+        matcher = llguidance.LLMatcher(self._tok, params.to_grammar(compact=self.compact_json), log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: invalid grammar: {matcher.get_error()}")
         return GrammarState(matcher)

@@ -73,6 +73,7 @@ class StructuredOutputs(_Body):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: StrictBool = False
 
 
 class SamplingRequest(_Body):

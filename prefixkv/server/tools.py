@@ -44,7 +44,8 @@ def structured_outputs(req: SamplingRequest) -> tuple[StructuredOutputsParams | 
     if so_req is not None:
         found.append(("structured_outputs", _params(
             "structured_outputs", json=so_req.json_, json_object=so_req.json_object, regex=so_req.regex,
-            choice=so_req.choice, grammar=so_req.grammar), None))
+            choice=so_req.choice, grammar=so_req.grammar,
+            disable_any_whitespace=so_req.disable_any_whitespace), None))
     for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                      ("guided_grammar", "grammar")):
         value = getattr(req, name)

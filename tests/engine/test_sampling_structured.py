@@ -22,7 +22,25 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def llm(demo_model: Any) -> LLM:
-    return LLM(demo_model, num_kv_blocks=128)
+    # compact JSON: a random model pads JSON with whitespace (whitespace is allowed by default)
+    return LLM(demo_model, num_kv_blocks=128, constrained_json_disable_any_whitespace=True)
+
+
+def test_json_may_hold_whitespace_unless_disabled(demo_model: Any, llm: LLM) -> None:
+    # vLLM's and SGLang's default: whitespace between JSON tokens is allowed, so a model trained
+    # on pretty-printed JSON can write it (held to compact JSON, SmolLM2 answered "{}");
+    # disable_any_whitespace per request, or the engine flag, keeps it compact
+    space = {ord(c): 100.0 for c in " \n"}  # the demo's byte tokens; whitespace wherever allowed
+    free = LLM(demo_model, num_kv_blocks=64)
+    params = {"temperature": 0, "max_tokens": 6, "logit_bias": space}
+    obj = StructuredOutputsParams(json_object=True)
+    assert free.generate("x", SamplingParams(**params, structured_outputs=obj))[0].outputs[0].text[1:].strip() == ""
+    compact = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    for engine, so in ((free, compact), (llm, obj)):
+        text = engine.generate("x", SamplingParams(**params, structured_outputs=so))[0].outputs[0].text
+        assert text.startswith("{") and not any(c in " \n" for c in text[:2])
+    with pytest.raises(ValueError, match="disable_any_whitespace"):
+        StructuredOutputsParams(json_object=True, disable_any_whitespace=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -18,7 +18,10 @@ from prefixkv.engine import AsyncEngine
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[AsyncEngine]:
-    eng = AsyncEngine.from_args(None, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)
+    # compact JSON: the random demo model draws whitespace bytes as freely as any, so with the
+    # default (whitespace allowed, as vLLM) its JSON rarely closes within a test's max_tokens
+    eng = AsyncEngine.from_args(None, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+                                constrained_json_disable_any_whitespace=True)
     yield eng
     eng.shutdown()
 
