@@ -108,11 +108,13 @@ class KVManager:
             matched = list(match.matched_kv_blocks)
             cached, partial = match.match_length, match.partial_tokens
         hits = []
+        asked = 0
         if self.tiers is not None and use_tiers and not computes:  # nor from a lower tier
             num_full = (len(tokens) - 1) // bs
             chain = self._chain(seq, num_full) if num_full > len(matched) else []
             if chain:
                 hits = self.tiers.lookup(chain[len(matched) : num_full])
+                asked = (num_full - len(matched)) * bs
             if seq.seq_id in self._prefetched:  # read ahead no more: admission read its blocks
                 self.tiers.cancel_prefetch(seq.seq_id)
             if hits:
@@ -147,6 +149,7 @@ class KVManager:
         seq.num_indexed_blocks = len(matched)
         seq.cache_handle = match if match is not None and match.lock is not None else None
         seq.num_computed_tokens = cached + loaded + partial
+        seq.tier_tokens = (asked, loaded)
         if matched:
             self._pool_counters.add_load(len(matched), cached, 0, 0.0)
         if hits:

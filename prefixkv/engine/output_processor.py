@@ -162,6 +162,8 @@ class OutputProcessor:
             RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time),
             error=req.error,
             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            num_external_cached_tokens=req.num_external_cached_tokens,
+            num_external_queried_tokens=req.num_external_queried_tokens,
         )
 
 

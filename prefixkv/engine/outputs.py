@@ -106,6 +106,9 @@ class RequestOutput:
         finished: whether every sample is done.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache at the request's
             first scheduling (full cached blocks plus copied partial-block rows).
+        num_external_cached_tokens: of those, the tokens loaded from a lower tier (host,
+            disk, remote), vLLM's "external" prefix-cache hits; ``num_external_queried_tokens``
+            the tokens looked up there (the full blocks after the pool's match).
         metrics: timings.
         error: why the request failed (finished, every sample's ``finish_reason`` is
             ``"error"``), else ``None``. A failure is the request's alone: its blocks are freed
@@ -123,6 +126,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    num_external_cached_tokens: int = 0
+    num_external_queried_tokens: int = 0
 
     @property
     def arrival_time(self) -> float:

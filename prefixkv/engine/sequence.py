@@ -53,6 +53,8 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    num_external_cached_tokens: int = 0
+    num_external_queried_tokens: int = 0
     prompt_prefilled: bool = False
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
@@ -98,6 +100,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_indexed_blocks: int = 0
+    tier_tokens: tuple[int, int] = (0, 0)  # (looked up, loaded) in lower tiers at admission
     cache_handle: PrefixMatch | PrefixNode | None = None
     generator: object | None = None
     grammar: GrammarLike | None = None

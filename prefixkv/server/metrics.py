@@ -56,12 +56,19 @@ _PHASES = (  # (name, help, buckets): vLLM's per-request phase histograms, engin
 
 VLLM_ALIASES = (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+    "prefix_cache_queries", "prompt_tokens", "generation_tokens", "prompt_tokens_by_source",
+    "prompt_tokens_cached", "external_prefix_cache_queries", "external_prefix_cache_hits",
+    "request_prefill_kv_computed_tokens",
     "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
     "num_preemptions", "request_prompt_tokens", "request_generation_tokens",
     *(name for name, _, _ in _PHASES),
 )
-"""Our ``prefixkv:<name>`` series that are also exported as ``vllm:<name>``."""
+"""Our ``prefixkv:<name>`` series that are also exported as ``vllm:<name>``. Not
+``prefix_cache_hits``: ours counts every reused token, vLLM's only the pool's (its lower tiers'
+are ``external_prefix_cache_hits``), so ``vllm:prefix_cache_hits`` has its own counter."""
+
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+"""vLLM's ``source`` labels of ``prompt_tokens_by_source``: computed, the pool, a lower tier."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +199,27 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram(
             "prefixkv:request_generation_tokens", "Tokens generated per finished request "
             "(all its choices).", lbl, buckets=_TOKEN_BUCKETS, registry=r)
+        self.by_source = Counter(
+            "prefixkv:prompt_tokens_by_source", "Prompt tokens by where their KV came from: "
+            "computed, the pool's prefix cache, a lower tier (host, disk, remote).",
+            lbl + ["source"], registry=r)
+        self.cached = Counter("prefixkv:prompt_tokens_cached", "Prompt tokens whose KV was "
+                              "reused (the pool and the lower tiers).", lbl, registry=r)
+        self.external_queries = Counter(
+            "prefixkv:external_prefix_cache_queries", "Prompt tokens looked up in the lower "
+            "tiers (the full blocks after the pool's match).", lbl, registry=r)
+        self.external_hits = Counter(
+            "prefixkv:external_prefix_cache_hits", "Prompt tokens loaded from the lower tiers.",
+            lbl, registry=r)
+        self.computed = Histogram(
+            "prefixkv:request_prefill_kv_computed_tokens", "Prompt tokens a request computed "
+            "(its prompt less the reused tokens).", lbl, buckets=_TOKEN_BUCKETS, registry=r)
+        for source in SOURCES:
+            self.by_source.labels(model_name, source)
         for series in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
                        self.prefix_cache_hits, self.ttft, self.e2e, self.request_prompt_tokens,
-                       self.request_generation_tokens, *self.phases.values()):
+                       self.request_generation_tokens, *self.phases.values(), self.cached,
+                       self.external_queries, self.external_hits, self.computed):
             series.labels(model_name)  # report 0 before the first request
         self._hits_total = 0
         self._queries_total = 0
@@ -203,12 +228,28 @@ class ServerMetrics:
         r.register(self._engine)
         self._aliases = CollectorRegistry()
         self._aliases.register(_VllmAliases(self.registry))
+        self.local_hits = Counter(  # vLLM's meaning: the pool's hits only
+            "vllm:prefix_cache_hits", "Prompt tokens served from the pool's prefix cache.", lbl,
+            registry=self._aliases)
+        self.local_hits.labels(model_name)
 
-    def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """One sequence's prompt was looked up: ``cached_tokens`` of ``prompt_tokens`` hit."""
-        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
-        self.prefix_cache_queries.labels(self._model).inc(prompt_tokens)
-        self.prefix_cache_hits.labels(self._model).inc(cached_tokens)
+    def observe_prompt(self, prompt_tokens: int, cached_tokens: int, external_tokens: int = 0,
+                       external_queried: int = 0) -> None:
+        """One sequence's prompt was looked up: ``cached_tokens`` of ``prompt_tokens`` hit,
+        ``external_tokens`` of them loaded from a lower tier after ``external_queried`` were
+        looked up there."""
+        m = self._model
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.prefix_cache_queries.labels(m).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(m).inc(cached_tokens)
+        self.local_hits.labels(m).inc(cached_tokens - external_tokens)
+        self.cached.labels(m).inc(cached_tokens)
+        self.external_queries.labels(m).inc(external_queried)
+        self.external_hits.labels(m).inc(external_tokens)
+        self.computed.labels(m).observe(prompt_tokens - cached_tokens)
+        for source, n in zip(SOURCES, (prompt_tokens - cached_tokens, cached_tokens - external_tokens,
+                                       external_tokens)):
+            self.by_source.labels(m, source).inc(n)
         self._queries_total += prompt_tokens
         self._hits_total += cached_tokens
 

@@ -323,7 +323,8 @@ class OpenAIServing:
     def _observe(self, job: _Job, out: RequestOutput, t0: float, *, first_report: bool) -> None:
         now = time.perf_counter()
         if first_report:
-            self.metrics.observe_prompt(len(out.prompt_token_ids), out.num_cached_tokens)
+            self.metrics.observe_prompt(len(out.prompt_token_ids), out.num_cached_tokens,
+                                        out.num_external_cached_tokens, out.num_external_queried_tokens)
         job.last = out
         if job.ttft is None and any(o.token_ids for o in out.outputs):
             job.ttft = now - t0

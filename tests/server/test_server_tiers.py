@@ -22,6 +22,20 @@ def text(seed: int, n: int) -> str:
     return "".join(chr(rng.randrange(97, 123)) for _ in range(n))
 
 
+def sample_values(metrics: str) -> dict[str, float]:
+    """``name`` (or ``name|source``) -> value of each sample line of one model's metrics."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{")[0]
+        if 'source="' in name_labels:
+            name += "|" + name_labels.split('source="')[1].split('"')[0]
+        out[name] = float(value)
+    return out
+
+
 def test_host_tier_hits_are_cached_tokens_and_visible() -> None:
     engine = AsyncEngine.from_args(None, block_size=16, num_kv_blocks=48, kv_offload_size="4MiB")
     live = start_server(engine, model_name="prefixkv-demo")
@@ -53,6 +67,18 @@ def test_host_tier_hits_are_cached_tokens_and_visible() -> None:
             metrics = http.get("/metrics").text
             assert 'prefixkv:kv_tier_hits_total{model_name="prefixkv-demo",tier="host"}' in metrics
             assert 'prefixkv:kv_tier_occupancy_blocks{model_name="prefixkv-demo",tier="pool"}' in metrics
+            # vLLM's split: the pool's hits in prefix_cache_hits, the lower tiers' apart
+            v = sample_values(metrics)
+            host_tokens = tiers["host"]["hit_tokens"]
+            assert v["vllm:external_prefix_cache_hits_total"] == host_tokens > 0
+            assert v["vllm:external_prefix_cache_queries_total"] >= host_tokens
+            assert v["vllm:prompt_tokens_cached_total"] == v["prefixkv:prefix_cache_hits_total"]
+            assert v["vllm:prefix_cache_hits_total"] == v["vllm:prompt_tokens_cached_total"] - host_tokens
+            by = {src: v[f'vllm:prompt_tokens_by_source_total|{src}'] for src in
+                  ("local_compute", "local_cache_hit", "external_kv_transfer")}
+            assert by["external_kv_transfer"] == host_tokens
+            assert sum(by.values()) == v["vllm:prompt_tokens_total"] == v["vllm:prefix_cache_queries_total"]
+            assert v["vllm:request_prefill_kv_computed_tokens_sum"] == by["local_compute"]
     finally:
         live.stop()
         engine.shutdown()
