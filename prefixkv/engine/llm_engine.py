@@ -108,7 +108,8 @@ class LLMEngine:
             lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
         )
         self.output = OutputProcessor(
-            lambda sp: IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sp.skip_special_tokens),
+            lambda sp: IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sp.skip_special_tokens)
+            if sp.detokenize else None,
             self._eos, self.max_model_len)
         self._prompt_logprobs = PromptLogprobsRunner(
             runner, self.sampler, lambda: IncrementalDetokenizer(self.tokenizer))

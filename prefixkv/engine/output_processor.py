@@ -90,6 +90,8 @@ class OutputProcessor:
         if logprobs is not None and out.logprobs is not None:
             if out.detokenizer is not None:  # each candidate's text in this sample's context
                 logprobs = in_context(logprobs, out.detokenizer)
+            elif not seq.params.detokenize:
+                logprobs = {t: Logprob(lp.logprob, lp.rank) for t, lp in logprobs.items()}
             out.logprobs.append(logprobs)
             out.cumulative_logprob += logprobs[token_id].logprob
         params = seq.params

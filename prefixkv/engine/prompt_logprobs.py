@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixkv.engine.output_processor import TextStream, in_context
+from prefixkv.engine.outputs import Logprob
 from prefixkv.engine.sampling import SeqSampler
 from prefixkv.engine.sequence import Sequence as Seq
 from prefixkv.runner.logits_processors import token_logprobs
@@ -57,6 +58,11 @@ class PromptLogprobsRunner:
             seq.token_ids[start + 1 : end + 1],
             [req.params.prompt_logprobs or 0] * (end - start),
         )
+        if not req.params.detokenize:  # ids only: no decoded_token
+            for pos, t in enumerate(found, start + 1):
+                entry = self.sampler.logprob_entry(t)
+                req.prompt_logprobs[pos] = {i: Logprob(lp.logprob, lp.rank) for i, lp in entry.items()}
+            return
         stream = self._stream()
         for tok in seq.token_ids[max(0, start + 1 - CONTEXT) : start + 1]:
             stream.push((tok,))

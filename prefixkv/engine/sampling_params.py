@@ -64,6 +64,8 @@ class SamplingParams:
             in ``text``.
         structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
             a choice or a Lark grammar (see :class:`StructuredOutputsParams`).
+        detokenize: ``False``: token ids only (vLLM's field): ``text`` stays empty and logprobs
+            carry no ``decoded_token``; stop strings need text, so they are refused.
         skip_reading_prefix_cache: compute the whole prompt, reading nothing from the prefix
             cache or a lower tier (vLLM's field; the prompt still fills the cache for later
             requests). ``None`` or ``False``: read it, unless ``prompt_logprobs`` is set.
@@ -90,6 +92,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     skip_reading_prefix_cache: bool | None = None
+    detokenize: bool = True
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     _bias: tuple[tuple[int, float], ...] = field(default=(), init=False, repr=False, compare=False)
@@ -163,6 +166,10 @@ class SamplingParams:
             raise ValueError(  # noqa: TRY004
                 f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"
             )
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")  # noqa: TRY004
+        if not self.detokenize and self._stop:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         skip = self.skip_reading_prefix_cache
         if skip is not None and not isinstance(skip, bool):
             raise ValueError(f"skip_reading_prefix_cache must be a bool or None, got {skip!r}")  # noqa: TRY004

@@ -35,3 +35,23 @@ def test_parse_size_rejects_garbage(bad: Any) -> None:
         parse_size(bad, "kv_cache_memory")
     assert parse_size("1.5 KiB", "x") == 1536
 
+
+
+def test_detokenize_false_gives_ids_only(make_llm: Any) -> None:
+    # vLLM's detokenize=False: the same tokens, no text, no decoded_token (a token-only
+    # workload skips the detokenizer); stop strings need text, so they are refused
+    llm = make_llm()
+    base = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1, "prompt_logprobs": 1}
+    with_text = llm.generate("héllo world", SamplingParams(**base))[0]
+    ids_only = llm.generate("héllo world", SamplingParams(**base, detokenize=False))[0]
+    a, b = with_text.outputs[0], ids_only.outputs[0]
+    assert b.token_ids == a.token_ids and a.text and b.text == ""
+    assert b.logprobs is not None and a.logprobs is not None
+    assert [e[t].logprob for e, t in zip(b.logprobs, b.token_ids)] == [e[t].logprob for e, t in zip(a.logprobs, a.token_ids)]
+    assert all(lp.decoded_token is None for e in b.logprobs for lp in e.values())
+    assert ids_only.prompt_logprobs is not None
+    assert all(lp.decoded_token is None for e in ids_only.prompt_logprobs[1:] if e for lp in e.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize="no")  # type: ignore[arg-type]
