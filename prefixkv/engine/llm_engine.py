@@ -217,9 +217,10 @@ class LLMEngine:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.runner.config.vocab_size
-        bad = [t for t, _ in params.bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad}")
+        for name, ids in (("logit_bias", [t for t, _ in params.bias]), ("allowed_token_ids", params.allowed)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad}")
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:

@@ -116,10 +116,11 @@ class SeqSampler:
         if seq.num_output_tokens < p.min_tokens and seq.grammar is None:
             eos = () if p.ignore_eos else tuple(self._eos)
             banned = tuple(sorted(t for t in set(eos) | set(p.stop_ids) if t < self._vocab))
-        if not (banned or p.bias or p.has_penalties or p.min_p > 0.0):
+        if not (banned or p.bias or p.has_penalties or p.min_p > 0.0 or p.allowed_token_ids):
             return None
         n = seq.num_prompt_tokens
         return RowProcessing(
+            allowed=p.allowed,
             banned=banned,
             bias=p.bias,
             presence=float(p.presence_penalty),

@@ -49,6 +49,8 @@ class SamplingParams:
         repetition_penalty: > 0; tokens seen in the prompt or the output have positive logits
             divided by it and negative ones multiplied (1 disables it).
         logit_bias: ``{token_id: bias}`` added to the logits (biases clamped to [-100, 100]).
+        allowed_token_ids: only these ids may be sampled (vLLM's field; every other logit is
+            set to -inf before the other processing).
         min_p: in ``[0, 1]``: drop tokens less likely than ``min_p`` times the most likely one
             (after temperature).
         min_tokens: generate at least this many tokens: EOS and ``stop_token_ids`` are masked
@@ -93,6 +95,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     skip_reading_prefix_cache: bool | None = None
     detokenize: bool = True
+    allowed_token_ids: Sequence[int] | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     _bias: tuple[tuple[int, float], ...] = field(default=(), init=False, repr=False, compare=False)
@@ -166,6 +169,12 @@ class SamplingParams:
             raise ValueError(  # noqa: TRY004
                 f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"
             )
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            isinstance(allowed, (str, bytes)) or not isinstance(allowed, Sequence) or not allowed
+            or not all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}")
         if not isinstance(self.detokenize, bool):
             raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")  # noqa: TRY004
         if not self.detokenize and self._stop:
@@ -209,6 +218,11 @@ class SamplingParams:
     def bias(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as ``(token_id, clamped bias)`` pairs (possibly empty)."""
         return self._bias
+
+    @property
+    def allowed(self) -> tuple[int, ...]:
+        """``allowed_token_ids`` as a tuple (empty: every id allowed)."""
+        return tuple(self.allowed_token_ids or ())
 
     @property
     def has_penalties(self) -> bool:

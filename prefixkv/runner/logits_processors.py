@@ -30,6 +30,7 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 class RowProcessing:
     """What to do to one row's logits before sampling (all defaults: nothing).
 
+    ``allowed``: when not empty, every other id is masked to -inf (first).
     ``banned``: ids masked to -inf (EOS and stop ids while ``min_tokens`` is not reached).
     ``bias``: ``(token_id, bias)`` pairs added to the logits.
     ``presence`` / ``frequency``: penalties over ``output_ids``; ``repetition``: over
@@ -37,6 +38,7 @@ class RowProcessing:
     (ignored when greedy).
     """
 
+    allowed: Sequence[int] = ()
     banned: Sequence[int] = ()
     bias: Sequence[tuple[int, float]] = ()
     presence: float = 0.0
@@ -51,7 +53,8 @@ class RowProcessing:
     def is_noop(self) -> bool:
         """Whether this row's logits pass through unchanged."""
         return not (
-            self.banned
+            self.allowed
+            or self.banned
             or self.bias
             or self.presence
             or self.frequency
@@ -106,6 +109,11 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowProcessing | None]) -
         if r is None or r.is_noop:
             continue
         row = out[i]
+        if r.allowed:
+            keep = torch.tensor(list(r.allowed), dtype=torch.long, device=row.device)
+            kept = row[keep]
+            row.fill_(float("-inf"))
+            row[keep] = kept
         if r.banned:
             row[torch.tensor(list(r.banned), dtype=torch.long, device=row.device)] = float("-inf")
         if r.bias:

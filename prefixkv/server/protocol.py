@@ -94,6 +94,7 @@ class SamplingRequest(_Body):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False

@@ -76,6 +76,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: i
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=req.bias,
+            allowed_token_ids=req.allowed_token_ids,
             min_tokens=req.min_tokens if max_tokens is None else min(req.min_tokens, max_tokens),
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
@@ -98,8 +99,8 @@ def render_chat(engine: AsyncEngine, messages: list[dict[str, str]], *,
 def _param_of(message: str, default: str) -> str | None:
     """The request field an engine ``ValueError`` is about (``default``: the prompt)."""
     word = message.split(" ", 1)[0]
-    if word == "logit_bias":
-        return "logit_bias"
+    if word in ("logit_bias", "allowed_token_ids"):
+        return word
     if word == "structured_outputs:":
         return None  # response_format, tool_choice, guided_* or structured_outputs
     return default

@@ -55,3 +55,15 @@ def test_detokenize_false_gives_ids_only(make_llm: Any) -> None:
         SamplingParams(stop=["x"], detokenize=False)
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(detokenize="no")  # type: ignore[arg-type]
+
+
+def test_allowed_token_ids_limit_every_sampled_token(make_llm: Any) -> None:
+    # vLLM's allowed_token_ids (a classifier's label set): greedy or sampled, nothing else comes
+    llm = make_llm()
+    allowed = [ord("y"), ord("n")]
+    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        out = llm.generate("Answer y or n:", SamplingParams(**params, max_tokens=8, ignore_eos=True,
+                                                            allowed_token_ids=allowed))[0].outputs[0]
+        assert len(out.token_ids) == 8 and set(out.token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids has token ids outside the vocabulary"):
+        llm.generate("x", SamplingParams(allowed_token_ids=[10**6]))

@@ -41,6 +41,9 @@ from prefixkv.engine import SamplingParams
         ({"logit_bias": {7: float("nan")}}, "logit_bias"),
         ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
         ({"skip_reading_prefix_cache": "yes"}, "skip_reading_prefix_cache"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"allowed_token_ids": "ab"}, "allowed_token_ids"),
         ({"structured_outputs": {"json": {}}}, "structured_outputs"),
     ],
 )

@@ -125,6 +125,12 @@ def test_penalties_bias_and_stop_fields(client: openai.OpenAI) -> None:
     kept = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, stop=[stop],
                                      extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].text.endswith(stop)
+    only = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0,
+                                     extra_body={"allowed_token_ids": [ord("a"), ord("b")], "ignore_eos": True})
+    assert set(only.choices[0].text) <= {"a", "b"} and len(only.choices[0].text) == 6
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"allowed_token_ids": [10**6]})
+    assert bad.value.body["param"] == "allowed_token_ids"  # type: ignore[index]
     eos = client.completions.create(model=MODEL, prompt="Hello", max_tokens=9, temperature=0,
                                     extra_body={"ignore_eos": True, "min_tokens": 9, "skip_special_tokens": False})
     assert eos.usage.completion_tokens == 9
