@@ -109,6 +109,7 @@ class SamplingRequest(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    return_token_ids: StrictBool = False
     user: str | None = None
 
     @field_validator("stop")

@@ -36,7 +36,9 @@ class ChoiceRenderer:
     ``echo_only``: ``max_tokens=0`` with echo, the one generated token is hidden.
     ``prompt_logprobs``: vLLM's ``prompt_logprobs`` field on each choice.
     ``tool_mode``: forced tool calls (chat). ``decode``: a token id's text; ``decode_ids``:
-    the text of a list of ids.
+    the text of a list of ids. ``token_ids``: vLLM's ``return_token_ids``: each choice (and
+    stream delta) carries its generated ``token_ids``, a completions choice (on its first
+    delta) the ``prompt_token_ids`` too (a chat response has them at the top, ``serving.py``).
     """
 
     chat: bool
@@ -47,6 +49,7 @@ class ChoiceRenderer:
     echo_only: bool = False
     prompt_logprobs: bool = False
     tool_mode: ToolMode | None = None
+    token_ids: bool = False
     cursors: dict[tuple[int, int], StreamCursor] = field(default_factory=dict)
 
     def num_generated(self, o: CompletionOutput) -> int:
@@ -76,6 +79,10 @@ class ChoiceRenderer:
         choice["stop_reason"] = o.stop_reason
         if self.prompt_logprobs:
             choice["prompt_logprobs"] = _prompt_logprobs_field(out)
+        if self.token_ids:
+            choice["token_ids"] = [] if self.echo_only else list(o.token_ids)
+            if not self.chat:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return choice
 
     def _completion_piece(
@@ -104,7 +111,22 @@ class ChoiceRenderer:
 
     # ------------------------------------------------------------------ streaming
     def delta(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict[str, Any] | None:
-        """The chunk choice for what sample ``o`` added since the last call (``None``: nothing)."""
+        """The chunk choice for what sample ``o`` added since the last call (``None``: nothing;
+        with ``token_ids``, a token that added no text still gets a chunk, for its id)."""
+        cur = self.cursors.get((index, o.index))
+        start, first = (cur.tokens, not cur.started) if cur is not None else (0, True)
+        found = self._delta(index, out, o)
+        if not self.token_ids or (found is None and len(o.token_ids) == start and not first):
+            return found
+        piece: dict[str, Any] = found if found is not None else {
+            "index": index, "logprobs": None, "finish_reason": None,
+            **({"delta": {}} if self.chat else {"text": "", "stop_reason": None})}
+        piece["token_ids"] = [] if self.echo_only else list(o.token_ids[start:])
+        if first and not self.chat:
+            piece["prompt_token_ids"] = list(out.prompt_token_ids)
+        return piece
+
+    def _delta(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict[str, Any] | None:
         cur = self.cursors.setdefault((index, o.index), StreamCursor())
         first = not cur.started
         cur.started = True

@@ -189,6 +189,7 @@ class OpenAIServing:
             req, 1 if echo_only else (req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS),
             logprobs=req.logprobs, prompt_logprobs=prompt_lp, structured=structured)
         view = self._renderer(chat=False, num_logprobs=req.logprobs, echo=req.echo,
+                              token_ids=req.return_token_ids,
                               echo_only=echo_only, prompt_logprobs=req.prompt_logprobs is not None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await self._run(rid, prompts, params, req, is_disconnected, view)
@@ -223,6 +224,7 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens, logprobs=num_logprobs,
                                  prompt_logprobs=req.prompt_logprobs, structured=structured)
         view = self._renderer(chat=True, num_logprobs=num_logprobs, tool_mode=tool_mode,
+                              token_ids=req.return_token_ids,
                               prompt_logprobs=req.prompt_logprobs is not None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await self._run(rid, [prompt], params, req, is_disconnected, view)
@@ -370,7 +372,7 @@ class OpenAIServing:
                     ) -> dict[str, Any]:
         choices = [view.final(p * n + o.index, job.last, o)
                    for p, job in enumerate(jobs) for o in job.last.outputs]
-        return {
+        body: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion" if view.chat else "text_completion",
             "created": int(time.time()),
@@ -378,6 +380,9 @@ class OpenAIServing:
             "choices": choices,
             "usage": self._usage(jobs, view),
         }
+        if view.chat and view.token_ids:  # vLLM's return_token_ids: the prompt's at the top
+            body["prompt_token_ids"] = list(jobs[0].last.prompt_token_ids)
+        return body
 
     async def _stream(self, rid: str, jobs: list[_Job], n: int, view: ChoiceRenderer, *,
                       include_usage: bool, continuous_usage: bool, t0: float
@@ -388,10 +393,10 @@ class OpenAIServing:
         created = int(time.time())
         obj = "chat.completion.chunk" if view.chat else "text_completion"
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
-                  ) -> bytes:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                  **extra: Any) -> bytes:
             body: dict[str, Any] = {"id": rid, "object": obj, "created": created,
-                                    "model": self.model_name, "choices": choices}
+                                    "model": self.model_name, "choices": choices, **extra}
             if include_usage or continuous_usage:
                 body["usage"] = self._usage(jobs, view) if continuous_usage and usage is None else usage
             return sse(body)
@@ -405,7 +410,9 @@ class OpenAIServing:
         try:
             for p, job in enumerate(jobs):
                 first = deltas(p, job.first, job)
-                if first:
+                if first and view.chat and view.token_ids:  # the prompt's ids on the first chunk
+                    yield chunk(first, prompt_token_ids=list(job.first.prompt_token_ids))
+                elif first:
                     yield chunk(first)
             pending = {asyncio.ensure_future(self._advance(job, t0)): (p, job)
                        for p, job in enumerate(jobs) if not job.done}

@@ -89,6 +89,36 @@ def test_chat_continues_the_final_message_and_template_kwargs_win(http: httpx.Cl
     assert closed["usage"]["prompt_tokens"] > cont["usage"]["prompt_tokens"]  # the turn closed
 
 
+def test_return_token_ids_whole_and_streamed(http: httpx.Client) -> None:
+    # vLLM's return_token_ids (RL and agent loops feed ids back instead of re-tokenizing):
+    # generated ids on each choice / delta, the prompt's beside them; a multi-byte character
+    # split over byte tokens still sends every id, text or not
+    body = {"model": MODEL, "prompt": "héllo 世界", "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()
+    choice = whole["choices"][0]
+    tokenized = http.post("/tokenize", json={"prompt": "héllo 世界"}).json()["tokens"]
+    assert choice["prompt_token_ids"] == tokenized and len(choice["token_ids"]) == 6
+    chunks = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == tokenized
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "世界"}], "max_tokens": 5, "temperature": 0,
+            "return_token_ids": True}
+    whole = http.post("/v1/chat/completions", json=chat).json()
+    assert len(whole["prompt_token_ids"]) == whole["usage"]["prompt_tokens"]
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == whole["usage"]["completion_tokens"]
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
+    plain = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]
+
+
 def test_streamed_logprobs_and_continuous_usage(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(
         model=MODEL, prompt="Hi", max_tokens=6, temperature=0, logprobs=1, stream=True, echo=True,
