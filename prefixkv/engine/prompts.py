@@ -15,7 +15,9 @@ import numpy as np
 from prefixkv.cache._checks import exact_ids_below
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
-"""A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
+"""A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``; a dict
+may also say ``"add_special_tokens": False`` (text tokenized without BOS/EOS) and
+``"truncate_prompt_tokens": k`` (keep the last ``k`` tokens, vLLM's left truncation)."""
 
 
 def check_text(text: str, what: str = "prompt", max_chars: int | None = None) -> None:
@@ -39,23 +41,27 @@ def resolve_prompt(
 ) -> tuple[str | None, list[int]]:
     """``(text or None, token ids)`` of a prompt; ``ValueError`` naming ``prompt`` if malformed.
 
-    Text is encoded with the tokenizer's special tokens (e.g. BOS); ids must be ints in
+    Text is encoded with the tokenizer's special tokens (e.g. BOS) unless a dict says
+    ``"add_special_tokens": False``; a dict's ``"truncate_prompt_tokens": k`` keeps the last
+    ``k`` ids (the text is then dropped: it no longer matches). Ids must be ints in
     ``[0, vocab_size)`` (numpy integers and IntEnum members become plain ints, a bool is
     refused) and there must be at least one. Text longer than ``max_chars`` or
     with lone surrogates is refused before tokenizing (see :func:`check_text`).
     """
     text: str | None = None
+    keep: int | None = None
     if isinstance(prompt, str):
         check_text(prompt, max_chars=max_chars)
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, Mapping):
+        specials, keep = _prompt_options(prompt)
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             text = prompt.get("prompt")
         elif isinstance(prompt.get("prompt"), str):
             text = prompt["prompt"]
             check_text(text, max_chars=max_chars)
-            ids = tokenizer.encode(text)
+            ids = tokenizer.encode(text, add_special_tokens=specials)
         else:
             raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
     else:
@@ -63,6 +69,8 @@ def resolve_prompt(
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {ids!r}")  # noqa: TRY004
     ids = list(ids)
+    if keep is not None and len(ids) > keep:
+        ids, text = ids[len(ids) - keep :], None
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
     # fast path: plain ints in range (one C pass, or no per-item Python branch); else find
@@ -73,6 +81,18 @@ def resolve_prompt(
     if not ok:
         ids = [_plain_id(t, vocab_size) for t in ids]  # raises naming the first bad one
     return text, ids
+
+
+def _prompt_options(prompt: Mapping[str, Any]) -> tuple[bool, int | None]:
+    """A prompt dict's ``add_special_tokens`` (default ``True``) and ``truncate_prompt_tokens``
+    (``None``: keep all); ``ValueError`` naming the bad one."""
+    specials = prompt.get("add_special_tokens", True)
+    if not isinstance(specials, bool):
+        raise ValueError(f"add_special_tokens must be a bool, got {specials!r}")
+    keep = prompt.get("truncate_prompt_tokens")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or None, got {keep!r}")
+    return specials, keep
 
 
 def _plain_id(t: Any, vocab_size: int) -> int:

@@ -110,6 +110,7 @@ class SamplingRequest(_Body):
     guided_grammar: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     return_token_ids: StrictBool = False
+    truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
     user: str | None = None
 
     @field_validator("stop")
@@ -118,6 +119,13 @@ class SamplingRequest(_Body):
         stops = [value] if isinstance(value, str) else (value or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context length) or >= 1")
         return value
 
     @field_validator("logit_bias")
@@ -133,6 +141,16 @@ class SamplingRequest(_Body):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def prompt_options(self, prompt: Any, max_model_len: int, add_special_tokens: bool = True) -> Any:
+        """``prompt`` (text, ids, or a rendered chat dict) with vLLM's ``truncate_prompt_tokens``
+        (keep the last k tokens; -1: the context length) and ``add_special_tokens`` attached."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        if keep is None and add_special_tokens:
+            return prompt
+        base = ({"prompt": prompt} if isinstance(prompt, str) else
+                dict(prompt) if isinstance(prompt, dict) else {"prompt_token_ids": prompt})
+        return {**base, "add_special_tokens": add_special_tokens, "truncate_prompt_tokens": keep}
 
     def problems(self) -> list[tuple[str, str]]:
         """Cross-field errors as ``(param, message)`` (the server answers the first as a 400)."""
@@ -178,6 +196,7 @@ class CompletionRequest(SamplingRequest):
     echo: StrictBool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None
+    add_special_tokens: StrictBool = True
 
     @field_validator("suffix")
     @classmethod

@@ -89,13 +89,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: i
         raise APIError(str(exc)) from exc
 
 
-def render_chat(engine: AsyncEngine, messages: list[dict[str, str]], *,
-                add_generation_prompt: bool) -> dict[str, Any]:
-    """Chat messages as an engine prompt (``{"prompt", "prompt_token_ids"}``), rendered with
-    the model's chat template exactly as ``LLM.chat`` renders them."""
-    return engine.chat_prompt(messages, add_generation_prompt)
-
-
 def _param_of(message: str, default: str) -> str | None:
     """The request field an engine ``ValueError`` is about (``default``: the prompt)."""
     word = message.split(" ", 1)[0]
@@ -178,7 +171,8 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest,
                           is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
         """``POST /v1/completions``."""
-        prompts = req.prompts()
+        prompts = [req.prompt_options(p, self.engine.max_model_len, req.add_special_tokens)
+                   for p in req.prompts()]
         self._check_limits(req, len(prompts))
         structured, _ = structured_outputs(req)
         echo_only = req.max_tokens == 0  # echo the prompt (and its logprobs) only
@@ -216,6 +210,9 @@ class OpenAIServing:
             prompt = await self.engine.chat_prompt_async(req.plain_messages(), **options)
         except ValueError as exc:
             raise APIError(f"cannot render messages: {exc}", param="messages") from exc
+        keep = req.prompt_options(prompt, self.engine.max_model_len).get("truncate_prompt_tokens")
+        if keep is not None and len(prompt["prompt_token_ids"]) > keep:  # vLLM: keep the last k
+            prompt = {"prompt_token_ids": prompt["prompt_token_ids"][-keep:]}
         max_tokens = req.effective_max_tokens
         if max_tokens is None:
             room = await self._room_left(len(prompt["prompt_token_ids"]))

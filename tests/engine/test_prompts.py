@@ -32,12 +32,17 @@ def _resolve(ids):
 
 GOOD = [([1, 2, 258], [1, 2, 258]), ((5, 6), [5, 6]), (range(3), [0, 1, 2]),
         ([Tok.A, 1], [7, 1]), ([np.int64(3), np.uint16(4)], [3, 4]),
-        ({"prompt_token_ids": [4, 5]}, [4, 5])]  # IntEnum members and numpy ints: plain ints
+        ({"prompt_token_ids": [4, 5]}, [4, 5]),  # IntEnum members and numpy ints: plain ints
+        ({"prompt_token_ids": [4, 5, 6], "truncate_prompt_tokens": 2}, [5, 6]),  # the last k kept
+        ({"prompt_token_ids": [4], "truncate_prompt_tokens": 2}, [4])]
 BAD = [([True, 1], "id True is a bool"), ([np.True_], "is a bool"), ([1, -1], "id -1 out of range"),
        ([259], "id 259 out of range"), ([2**32], f"id {2**32} out of range"),
        ([2**70], f"id {2**70} out of range"), ([np.int64(300)], "id 300 out of range"),
        ([1.0], "id 1.0 is not an int"), (["a"], "id 'a' is not an int"), ([], "empty"),
-       (None, "must be a str")]
+       (None, "must be a str"),
+       ({"prompt_token_ids": [1], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be"),
+       ({"prompt_token_ids": [1], "truncate_prompt_tokens": True}, "truncate_prompt_tokens must be"),
+       ({"prompt_token_ids": [1], "add_special_tokens": "no"}, "add_special_tokens must be a bool")]
 
 
 @pytest.mark.parametrize("with_c", [True, False])

@@ -119,6 +119,25 @@ def test_return_token_ids_whole_and_streamed(http: httpx.Client) -> None:
     assert "token_ids" not in plain["choices"][0]
 
 
+def test_truncate_prompt_tokens_and_add_special_tokens(http: httpx.Client, server: LiveServer) -> None:
+    # vLLM's fields: keep the last k prompt tokens (-1: the context length); tokenize a text
+    # prompt without the tokenizer's special tokens (a pre-templated prompt: no second BOS)
+    body = {"model": MODEL, "prompt": "abcdefghij", "max_tokens": 1, "temperature": 0, "echo": True}
+    cut = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 4}).json()
+    assert cut["usage"]["prompt_tokens"] == 4 and cut["choices"][0]["text"].startswith("ghij")
+    whole = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == 10
+    msgs = [{"role": "user", "content": "x" * 50}]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1,
+                                                   "truncate_prompt_tokens": 8}).json()
+    assert chat["usage"]["prompt_tokens"] == 8
+    bad = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+    tok = server.engine.tokenizer
+    plain = http.post("/v1/completions", json={**body, "add_special_tokens": False}).json()
+    assert plain["usage"]["prompt_tokens"] == len(tok.encode("abcdefghij", add_special_tokens=False))
+
+
 def test_streamed_logprobs_and_continuous_usage(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(
         model=MODEL, prompt="Hi", max_tokens=6, temperature=0, logprobs=1, stream=True, echo=True,
