@@ -70,6 +70,15 @@ def engine_gauges(s: EngineStats) -> EngineGauges:
     )
 
 
+def _take_request_id(body: CompletionRequest | ChatCompletionRequest, request: Request) -> None:
+    """vLLM's request id: the body's ``request_id``, else a usable ``X-Request-Id`` header
+    (the router forwards it); an unusable header is ignored, not an error."""
+    header = request.headers.get("x-request-id", "")
+    if body.request_id is None and 0 < len(header) <= 256 and header.isascii() and header.isprintable() \
+            and " " not in header:
+        body.request_id = header
+
+
 def _auth_dependency(api_key: str | None) -> Any:
     """A dependency that rejects requests without ``Authorization: Bearer <api_key>``."""
 
@@ -164,6 +173,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                           request: Request) -> JSONResponse | StreamingResponse:
         policy.check(body)
         check_model(body.model)
+        _take_request_id(body, request)
         return await serving.completions(body, request.is_disconnected)
 
     @v1.post("/chat/completions", response_model=None, responses=_JSON_OR_EVENTS)
@@ -171,6 +181,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                                request: Request) -> JSONResponse | StreamingResponse:
         policy.check(body)
         check_model(body.model)
+        _take_request_id(body, request)
         return await serving.chat(body, request.is_disconnected)
 
     app.include_router(v1)

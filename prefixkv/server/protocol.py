@@ -111,6 +111,7 @@ class SamplingRequest(_Body):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     return_token_ids: StrictBool = False
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")] | None = None
     user: str | None = None
 
     @field_validator("stop")

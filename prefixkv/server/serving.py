@@ -185,8 +185,7 @@ class OpenAIServing:
         view = self._renderer(chat=False, num_logprobs=req.logprobs, echo=req.echo,
                               token_ids=req.return_token_ids,
                               echo_only=echo_only, prompt_logprobs=req.prompt_logprobs is not None)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        return await self._run(rid, prompts, params, req, is_disconnected, view)
+        return await self._run("cmpl", prompts, params, req, is_disconnected, view)
 
     def _renderer(self, **kwargs: Any) -> ChoiceRenderer:
         tok = self.engine.tokenizer
@@ -223,8 +222,7 @@ class OpenAIServing:
         view = self._renderer(chat=True, num_logprobs=num_logprobs, tool_mode=tool_mode,
                               token_ids=req.return_token_ids,
                               prompt_logprobs=req.prompt_logprobs is not None)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._run(rid, [prompt], params, req, is_disconnected, view)
+        return await self._run("chatcmpl", [prompt], params, req, is_disconnected, view)
 
     async def _room_left(self, prompt_tokens: int) -> int | None:
         """Chat's default ``max_tokens`` (vLLM's): the room the prompt leaves in the context,
@@ -235,12 +233,17 @@ class OpenAIServing:
         room = min(self.engine.max_model_len, self._pool_tokens) - prompt_tokens
         return room if room >= 1 else None
 
-    async def _run(self, rid: str, prompts: list[Any], params: SamplingParams,
+    async def _run(self, kind: str, prompts: list[Any], params: SamplingParams,
                    req: SamplingRequest, is_disconnected: Disconnected,
                    view: ChoiceRenderer) -> JSONResponse | StreamingResponse:
+        """Submit, then answer whole or streamed. The response id is ``<kind>-<request_id>``
+        (the body's ``request_id`` or the ``X-Request-Id`` header, as vLLM's) or a random one;
+        engine ids add a random suffix to a client's id (two clients may send the same)."""
         t0 = time.perf_counter()
         chat = view.chat
-        jobs = await self._submit(rid, prompts, params, req, chat=chat, t0=t0)
+        rid = f"{kind}-{req.request_id or uuid.uuid4().hex}"
+        engine_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if req.request_id else rid
+        jobs = await self._submit(engine_rid, prompts, params, req, chat=chat, t0=t0)
         if req.stream:
             opts = req.stream_options
             return EngineStreamingResponse(

@@ -138,6 +138,24 @@ def test_truncate_prompt_tokens_and_add_special_tokens(http: httpx.Client, serve
     assert plain["usage"]["prompt_tokens"] == len(tok.encode("abcdefghij", add_special_tokens=False))
 
 
+def test_request_ids_from_the_body_or_the_header(http: httpx.Client) -> None:
+    # vLLM's: the response id carries the client's id (the router forwards X-Request-Id), so a
+    # request can be followed through logs; two requests with one id both run
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    r = http.post("/v1/completions", json={**body, "request_id": "trace-1"}).json()
+    assert r["id"] == "cmpl-trace-1"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "trace-2"}).json()
+    assert r["id"] == "chatcmpl-trace-2"
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True, "request_id": "same"}) as a:
+        b = http.post("/v1/completions", json={**body, "request_id": "same"})
+        assert b.status_code == 200 and b.json()["id"] == "cmpl-same"
+        assert all(json.loads(x[6:])["id"] == "cmpl-same" for x in a.iter_lines() if x.startswith("data: {"))
+    assert http.post("/v1/completions", json={**body, "request_id": "has space"}).status_code == 400
+    odd = http.post("/v1/completions", json=body, headers={"X-Request-Id": "x" * 300})
+    assert odd.status_code == 200 and odd.json()["id"].startswith("cmpl-") and "x" * 300 not in odd.json()["id"]
+
+
 def test_streamed_logprobs_and_continuous_usage(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(
         model=MODEL, prompt="Hi", max_tokens=6, temperature=0, logprobs=1, stream=True, echo=True,
