@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -18,6 +18,17 @@ from pydantic import BaseModel
 from prefixkv.server.errors import APIError
 
 logger = logging.getLogger(__name__)
+
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "bad_words": lambda v: bool(v), "chat_template": lambda v: v is not None,
+    "use_beam_search": lambda v: v is True, "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "documents": lambda v: v is not None, "echo": lambda v: v is True,
+    "logprob_token_ids": lambda v: v is not None, "thinking_token_budget": lambda v: v is not None,
+}
+"""vLLM fields this server does not implement and that would change the answer if ignored: set
+to such a value (a tester), they are a 400 naming the field whatever the policy, never dropped
+(vLLM itself refuses a request's ``chat_template`` unless told to trust it). ``echo`` is here
+for chat (completions declares its own)."""
 
 MAX_WARNED_NAMES = 256
 """After this many distinct unknown names (a fuzzer, a broken client) nothing more is logged,
@@ -56,6 +67,11 @@ class FieldPolicy:
         names = list(unknown_fields(body))
         if not names:
             return names
+        extra = body.model_extra or {}
+        for name, changes_output in UNSUPPORTED.items():
+            if name in extra and changes_output(extra[name]):
+                raise APIError(f"{name} is not supported by this server (ignoring it would change "
+                               "the answer)", param=name, code="unsupported_field")
         if self.strict:
             raise APIError(f"unsupported field {names[0]!r} (the server runs with --strict-fields)",
                            param=names[0], code="extra_forbidden")

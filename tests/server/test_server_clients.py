@@ -76,6 +76,18 @@ def test_unknown_fields_warn_once_per_name(http: httpx.Client, server: LiveServe
     assert len(warned) == 2 and any("stream_options.frob_y" in w for w in warned)
 
 
+@pytest.mark.parametrize(("field", "value"), [("bad_words", ["x"]), ("chat_template", "{{ 1 }}"),
+                                             ("use_beam_search", True), ("echo", True)])
+def test_vllm_fields_that_would_change_the_answer_are_refused(http: httpx.Client, field: str, value: Any) -> None:
+    # not implemented here, and dropping them would answer a different question: a 400
+    # naming the field (unset or at their defaults they pass, like any unknown field)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    r = http.post("/v1/chat/completions", json={**chat, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    quiet = {"bad_words": [], "chat_template": None, "use_beam_search": False, "echo": False}[field]
+    assert http.post("/v1/chat/completions", json={**chat, field: quiet}).status_code == 200
+
+
 @pytest.fixture(scope="module")
 def strict_server(engine: AsyncEngine) -> Any:
     live = start_server(engine, model_name=MODEL, strict_fields=True)
