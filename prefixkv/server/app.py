@@ -3,7 +3,7 @@
 ``create_app(engine)`` wires an already running ``AsyncEngine`` (owned by the caller, who
 shuts it down) to HTTP. Routes::
 
-    GET  /health                      200 {"status": "ok"}
+    GET  /health (also GET/POST /ping) 200 {"status": "ok"}
     GET  /metrics                     Prometheus text (see metrics.py)
     GET  /v1/models                   the served model names (with max_model_len)
     GET  /v1/models/{id}              one of them
@@ -139,6 +139,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                            f"{list(listed)}", status=404, param="model", code="model_not_found")
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's SageMaker-style alias
+    @app.post("/ping")
     async def health() -> dict[str, str]:
         if not engine.is_running:
             raise APIError("the engine is not running", status=503, code="engine_dead")

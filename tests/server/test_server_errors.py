@@ -148,6 +148,7 @@ def test_api_key_required(auth_server: LiveServer) -> None:
     _assert_error(httpx.get(url + "/v1/cache/stats"), 401, None)
     _assert_error(httpx.post(url + "/reset_prefix_cache"), 401, None)
     assert httpx.get(url + "/health").status_code == 200  # probes stay open
+    assert httpx.get(url + "/ping").status_code == httpx.post(url + "/ping").status_code == 200  # vLLM's alias
     good = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
     assert good.completions.create(model=MODEL, prompt="x", max_tokens=1).usage
     bad = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
