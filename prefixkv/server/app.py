@@ -13,6 +13,8 @@ shuts it down) to HTTP. Routes::
     GET  /tokenizer_info, /version
     /v1/cache/...                     cache admin (see admin.py)
     POST /reset_prefix_cache          vLLM's name for POST /v1/cache/reset
+    POST /generate, /flush_cache,     SGLang's native API (sglang_routes.py)
+    GET  /model_info
 
 With ``api_key`` set, every ``/v1/*`` inference route needs ``Authorization: Bearer
 <api_key>`` (else 401); ``/health`` and ``/metrics`` stay open. The cache admin routes
@@ -45,6 +47,7 @@ from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.serving import OpenAIServing
+from prefixkv.server.sglang_routes import build_sglang_router
 from prefixkv.server.tokenizer_routes import build_tokenizer_router
 
 DEFAULT_MODEL_NAME = "prefixkv-demo"
@@ -195,6 +198,11 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     admin_check = [Depends(admin_dependency(admin_api_key, api_key))]
     app.include_router(admin, prefix="/v1", dependencies=admin_check)
     app.add_api_route("/reset_prefix_cache", reset, methods=["POST"], dependencies=admin_check)
+    sglang, flush = build_sglang_router(engine, policy, model_name)
+    app.include_router(sglang, dependencies=[Depends(_auth_dependency(api_key))])
+    for method in ("POST", "GET"):  # SGLang answers both; one route each (distinct OpenAPI ids)
+        app.add_api_route("/flush_cache", flush, methods=[method], dependencies=admin_check,
+                          operation_id=f"flush_cache_{method.lower()}")
     app.openapi = lambda: _openapi_with_error_bodies(app)  # type: ignore[method-assign]
     return app
 
@@ -221,7 +229,7 @@ _JSON_OR_EVENTS: dict[int | str, dict[str, Any]] = {200: {
 generated from ``/openapi.json`` (and an API fuzzer) expects the stream."""
 
 _AUTHED_PATHS = {"/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version",
-                 "/kv_events"}
+                 "/kv_events", "/generate", "/flush_cache", "/model_info", "/get_model_info"}
 
 
 def _openapi_with_error_bodies(app: FastAPI) -> dict[str, Any]:

@@ -1,0 +1,211 @@
+"""SGLang's native routes on the same engine: ``POST /generate``, ``/flush_cache``, ``/model_info``.
+
+Clients written for SGLang's own API (``sglang.bench_serving --backend sglang``, scripts that
+read ``meta_info.cached_tokens``, health checks that flush the radix cache between runs) work
+unchanged. ``/generate`` takes ``text`` or ``input_ids`` (one prompt or a batch) and SGLang's
+``sampling_params`` (``max_new_tokens`` 128 by default, ``min_new_tokens``, ``stop``,
+``stop_token_ids``, ``json_schema`` / ``regex``, ``no_stop_trim``, ``sampling_seed``, ...), and
+answers ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+"completion_tokens", "cached_tokens", "e2e_latency"}}`` (a list for a batch or ``n > 1``); with
+``stream`` each event carries the text and ids so far, as SGLang's default streaming does, then
+``data: [DONE]``. Fields we do not implement (``return_logprob``, ``ebnf``, images) are a 400
+naming them; unknown ones follow the server's field policy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, StrictBool, model_validator
+
+from prefixkv.engine.async_engine import AsyncEngine
+from prefixkv.engine.outputs import CompletionOutput, RequestOutput
+from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.engine.structured_output import StructuredOutputsParams
+from prefixkv.server.errors import APIError
+from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.protocol import TokenId, _Body
+from prefixkv.server.serving import EngineStreamingResponse, engine_failure
+
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+           "or waiting requests, the operation will not be performed.)\n")
+"""SGLang's answer text (clients match on it); here running requests keep their blocks."""
+
+
+class SGLangSampling(_Body):
+    """SGLang's ``sampling_params`` (its names; ``top_k`` -1 or a huge value: disabled)."""
+
+    max_new_tokens: Annotated[int, Field(strict=True, ge=1)] | None = 128
+    min_new_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(strict=True, ge=-1)] = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    n: Annotated[int, Field(strict=True, ge=1)] = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+
+    def to_params(self) -> SamplingParams:
+        """Our :class:`SamplingParams` (``ValueError`` naming the bad field)."""
+        if self.ebnf is not None:
+            raise ValueError("sampling_params.ebnf is not supported by this server")
+        structured = None
+        if self.json_schema is not None:
+            structured = StructuredOutputsParams(json=self.json_schema)
+        elif self.regex is not None:
+            structured = StructuredOutputsParams(regex=self.regex)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p,
+            top_k=-1 if self.top_k == -1 or self.top_k >= 1 << 30 else self.top_k, min_p=self.min_p,
+            seed=self.sampling_seed, max_tokens=self.max_new_tokens, stop=stops or None,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            min_tokens=min(self.min_new_tokens, self.max_new_tokens or self.min_new_tokens),
+            include_stop_str_in_output=self.no_stop_trim, structured_outputs=structured,
+            logit_bias=None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()})
+
+
+class GenerateRequest(_Body):
+    """``POST /generate``: exactly one of ``text`` and ``input_ids``."""
+
+    text: str | list[str] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    sampling_params: SGLangSampling = Field(default_factory=SGLangSampling)
+    stream: StrictBool = False
+    rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    return_logprob: StrictBool = False
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        if self.return_logprob:
+            raise ValueError("return_logprob is not supported by this server")
+        return self
+
+    def prompts(self) -> tuple[list[Any], bool]:
+        """The prompts and whether the request was a batch."""
+        if isinstance(self.text, str):
+            return [self.text], False
+        if self.text is not None:
+            return list(self.text), True
+        ids = self.input_ids or []
+        if ids and isinstance(ids[0], list):
+            return list(ids), True
+        return [ids], False
+
+
+def _finish(o: CompletionOutput) -> dict[str, Any] | None:
+    """SGLang's ``finish_reason`` object (``None`` while running)."""
+    if o.finish_reason is None:
+        return None
+    if o.finish_reason == "length":
+        return {"type": "length", "length": len(o.token_ids)}
+    if o.finish_reason == "stop":
+        return {"type": "stop", "matched": o.stop_reason if o.stop_reason is not None else
+                (o.token_ids[-1] if o.token_ids else None)}
+    return {"type": "abort", "message": o.finish_reason}
+
+
+def _item(out: RequestOutput, o: CompletionOutput, t0: float) -> dict[str, Any]:
+    return {"text": o.text, "output_ids": list(o.token_ids), "meta_info": {
+        "id": out.request_id if len(out.outputs) == 1 else f"{out.request_id}-{o.index}",
+        "finish_reason": _finish(o), "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(o.token_ids), "cached_tokens": out.num_cached_tokens,
+        "e2e_latency": time.perf_counter() - t0}}
+
+
+def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: str) -> tuple[APIRouter, Any]:
+    """The inference routes above for ``engine``, and the ``/flush_cache`` handler (an admin
+    route, mounted by the app with the other admin routes)."""
+    router = APIRouter()
+
+    @router.post("/generate", response_model=None)
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        policy.check(body)
+        prompts, batch = body.prompts()
+        try:
+            params = body.sampling_params.to_params()
+        except ValueError as exc:
+            raise APIError(str(exc), param="sampling_params") from exc
+        base = body.rid or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        streams = [engine.generate(p, params, request_id=f"{base}-{uuid.uuid4().hex[:8]}",
+                                   cache_salt=body.cache_salt) for p in prompts]
+        try:  # the first output of each: a bad prompt is a 400 before anything is sent
+            firsts = [await s.__anext__() for s in streams]
+        except ValueError as exc:
+            await _close(streams)
+            raise APIError(str(exc), param="text" if body.text is not None else "input_ids") from exc
+        except RuntimeError as exc:
+            await _close(streams)
+            raise engine_failure(exc) from exc
+        many = batch or params.n > 1
+        if body.stream:
+            return EngineStreamingResponse(_events(streams, firsts, t0, many),
+                                           media_type="text/event-stream")
+        lasts = []
+        for s, last in zip(streams, firsts):
+            async for last in s:  # noqa: B007 (the last one is the answer)
+                pass
+            lasts.append(last)
+        items = [_item(out, o, t0) for out in lasts for o in out.outputs]
+        return JSONResponse(items if many else items[0])
+
+    async def flush_cache() -> Response:
+        await engine.reset_prefix_cache()
+        return Response(FLUSHED, media_type="text/plain")
+
+    @router.get("/model_info")
+    @router.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": model_name, "served_model_name": model_name, "tokenizer_path": model_name,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+                "has_image_understanding": False, "has_audio_understanding": False}
+
+    return router, flush_cache
+
+
+async def _events(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
+                  t0: float, many: bool) -> AsyncIterator[bytes]:
+    """SSE events: each prompt's outputs in turn, text and ids so far, then ``[DONE]``;
+    closing it (the client left) closes the engine streams, aborting their requests."""
+    try:
+        for s, out in zip(streams, firsts):
+            while True:
+                items = [_item(out, o, t0) for o in out.outputs]
+                yield f"data: {json.dumps(items if many else items[0])}\n\n".encode()
+                try:
+                    out = await s.__anext__()
+                except StopAsyncIteration:
+                    break
+        yield b"data: [DONE]\n\n"
+    except (ValueError, RuntimeError) as exc:  # the engine failed after the stream started
+        yield f"data: {json.dumps(engine_failure(exc).body())}\n\n".encode()
+    finally:
+        await _close(streams)
+
+
+async def _close(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    for s in streams:
+        await s.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,73 @@
+"""SGLang's native API on the live server: ``/generate`` (text, ids, batches, ``n``, streaming,
+stops, structured output), ``meta_info.cached_tokens`` after a shared prefix, ``/flush_cache``
+and ``/model_info``, and its errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+from server_live import MODEL
+
+PREFIX = "You are a helpful assistant. Keep it short. " * 6
+
+
+def generate(http: httpx.Client, **body: Any) -> Any:
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_generate_text_ids_and_cached_tokens(http: httpx.Client) -> None:
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    assert http.post("/flush_cache").text.startswith("Cache flushed.")
+    first = generate(http, text=PREFIX + "Hi", sampling_params=greedy)
+    meta = first["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6} and meta["completion_tokens"] == 6
+    assert meta["cached_tokens"] == 0 and len(first["output_ids"]) == 6
+    again = generate(http, text=PREFIX + "Hello", sampling_params=greedy)
+    assert again["meta_info"]["cached_tokens"] >= 256  # the shared prefix came from the cache
+    ids = http.post("/tokenize", json={"prompt": PREFIX + "Hi"}).json()["tokens"]
+    by_ids = generate(http, input_ids=ids, sampling_params=greedy)
+    assert by_ids["output_ids"] == first["output_ids"] and by_ids["text"] == first["text"]
+    assert by_ids["meta_info"]["prompt_tokens"] == len(ids)
+    batch = generate(http, text=["a", "b"], sampling_params=greedy)
+    assert isinstance(batch, list) and len(batch) == 2
+    samples = generate(http, text="x", sampling_params={"n": 3, "max_new_tokens": 2, "sampling_seed": 1})
+    assert len(samples) == 3 and len({s["meta_info"]["id"] for s in samples}) == 3
+    assert http.get("/flush_cache").status_code == 200  # SGLang answers GET too
+    assert generate(http, text=PREFIX + "Hello", sampling_params=greedy)["meta_info"]["cached_tokens"] == 0
+
+
+def test_generate_stream_stop_and_structured(http: httpx.Client) -> None:
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    whole = generate(http, text="Hello", sampling_params=params)
+    with http.stream("POST", "/generate", json={"text": "Hello", "sampling_params": params, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["text"] == whole["text"] and last["output_ids"] == whole["output_ids"]
+    texts = [json.loads(e)["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # each event: the text so far
+    stop = whole["text"][2:4]
+    cut = generate(http, text="Hello", sampling_params={**params, "stop": stop})
+    assert cut["text"] == whole["text"][:2] and cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    kept = generate(http, text="Hello", sampling_params={**params, "stop": stop, "no_stop_trim": True})
+    assert kept["text"] == whole["text"][:4]
+    rx = generate(http, text="?", sampling_params={"regex": "[0-9]{3}", "max_new_tokens": 8, "temperature": 0})
+    assert len(rx["text"]) == 3 and rx["text"].isdigit()
+
+
+def test_generate_errors_name_the_field(http: httpx.Client) -> None:
+    for body, param in [({}, None), ({"text": "x", "input_ids": [1]}, None),
+                        ({"text": "x", "return_logprob": True}, None),
+                        ({"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params"),
+                        ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+                        ({"input_ids": [10**7]}, "input_ids")]:
+        r = http.post("/generate", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.json())
+    info = http.get("/model_info").json()
+    assert info["model_path"] == MODEL and info["is_generation"] is True
+    assert http.get("/get_model_info").json() == info
