@@ -14,6 +14,7 @@ naming them; unknown ones follow the server's field policy.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -31,7 +32,7 @@ from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.protocol import TokenId, _Body
-from prefixkv.server.serving import EngineStreamingResponse, engine_failure
+from prefixkv.server.serving import DISCONNECT_POLL_S, EngineStreamingResponse, engine_failure
 
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
            "or waiting requests, the operation will not be performed.)\n")
@@ -164,11 +165,7 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
         if body.stream:
             return EngineStreamingResponse(_events(streams, firsts, t0, many),
                                            media_type="text/event-stream")
-        lasts = []
-        for s, last in zip(streams, firsts):
-            async for last in s:  # noqa: B007 (the last one is the answer)
-                pass
-            lasts.append(last)
+        lasts = await _drain(streams, firsts, request)
         items = [_item(out, o, t0) for out in lasts for o in out.outputs]
         return JSONResponse(items if many else items[0])
 
@@ -203,6 +200,32 @@ async def _events(streams: list[AsyncIterator[RequestOutput]], firsts: list[Requ
     except (ValueError, RuntimeError) as exc:  # the engine failed after the stream started
         yield f"data: {json.dumps(engine_failure(exc).body())}\n\n".encode()
     finally:
+        await _close(streams)
+
+
+async def _drain(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
+                 request: Request) -> list[RequestOutput]:
+    """Each stream's last output; a client that goes away (noticed between polls) has its
+    requests aborted, as on the OpenAI routes."""
+    async def last(s: AsyncIterator[RequestOutput], out: RequestOutput) -> RequestOutput:
+        async for out in s:  # noqa: B007 (the last one is the answer)
+            pass
+        return out
+
+    task = asyncio.ensure_future(asyncio.gather(*(last(s, f) for s, f in zip(streams, firsts))))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise APIError("client disconnected", status=499, code="client_closed")
+        try:
+            return list(task.result())
+        except RuntimeError as exc:
+            raise engine_failure(exc) from exc
+    finally:
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         await _close(streams)
 
 

@@ -105,3 +105,22 @@ def test_disconnect_while_waiting_for_a_non_streaming_reply(server: LiveServer) 
         after = wait_idle(http, timeout=10)
         assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
         assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
+
+
+def test_sglang_generate_clients_that_leave_are_aborted(server: LiveServer) -> None:
+    # SGLang's /generate honours the same guarantee as the OpenAI routes, whole or streamed
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = wait_idle(http)
+        body = {"text": unique_text("gone3", 30), "sampling_params": {"max_new_tokens": 3000, "temperature": 0,
+                                                                     "ignore_eos": True}}
+        try:
+            httpx.post(server.url + "/generate", json=body, timeout=1.0)
+        except httpx.ReadTimeout:
+            pass
+        else:
+            raise AssertionError("3,000 tokens should take longer than 1 s")
+        with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        after = wait_idle(http, timeout=10)
+        assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
+        assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
