@@ -38,7 +38,7 @@ from prefixkv.router.admin import add_admin_routes
 from prefixkv.router.answer import error_answer, send_answer
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.errors import error_response
-from prefixkv.router.keys import RouteKey, chat_key, completion_key
+from prefixkv.router.keys import RouteKey, chat_key, completion_key, generate_key
 from prefixkv.router.local import free_port
 from prefixkv.router.metrics import CONTENT_TYPE
 from prefixkv.router.proxy import WORKER_HEADER, Router
@@ -160,7 +160,8 @@ class RouterApp:
 
 
 _PROXIED: dict[str, Callable[[Any, int], RouteKey]] = {
-    "/v1/completions": completion_key, "/v1/chat/completions": chat_key}
+    "/v1/completions": completion_key, "/v1/chat/completions": chat_key,
+    "/generate": generate_key}  # SGLang's native API
 
 
 async def _read_body(receive: Receive) -> bytes | None:

@@ -136,6 +136,13 @@ def completion_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYT
     return RouteKey(("text", ns), ())
 
 
+def generate_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:
+    """Key of an SGLang ``/generate`` body: its ``input_ids`` or ``text`` keyed as a completion's
+    prompt (a batch by its first one)."""
+    prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
+    return completion_key({"prompt": prompt, "cache_salt": body.get("cache_salt")}, chunk_bytes)
+
+
 def render_messages(messages: Iterable[Any]) -> str:
     """The router's stable rendering of chat messages (not the model's chat template)."""
     parts: list[str] = []

@@ -182,11 +182,13 @@ class PrecisePolicy:
         payload: dict[str, Any] = {}
         if path.endswith("/chat/completions"):
             payload["messages"] = body.get("messages")
-            for name in ("add_generation_prompt", "chat_template_kwargs"):
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
                 if name in body:
                     payload[name] = body[name]
         else:
             prompt = body.get("prompt")
+            if path == "/generate":  # SGLang's: input_ids or text
+                prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if isinstance(prompt, list):

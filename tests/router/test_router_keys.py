@@ -63,3 +63,14 @@ def test_keys_are_stable_across_calls_and_distinct_for_distinct_text() -> None:
 def test_bad_chunk_size() -> None:
     with pytest.raises(ValueError, match="chunk_bytes"):
         text_key("x", None, 2)
+
+
+def test_generate_key_is_the_completion_key_of_its_text_or_ids() -> None:
+    # SGLang's /generate body keys as the same prompt would through /v1/completions
+    from prefixkv.router.keys import completion_key, generate_key
+
+    assert generate_key({"text": "hello " * 40}) == completion_key({"prompt": "hello " * 40})
+    assert generate_key({"input_ids": [1, 2, 3] * 40}) == completion_key({"prompt": [1, 2, 3] * 40})
+    assert generate_key({"text": ["a " * 40, "b"]}) == completion_key({"prompt": ["a " * 40, "b"]})
+    salted = generate_key({"text": "x " * 40, "cache_salt": "t1"})
+    assert salted == completion_key({"prompt": "x " * 40, "cache_salt": "t1"}) != generate_key({"text": "x " * 40})

@@ -77,6 +77,21 @@ def test_same_prefix_goes_to_the_same_worker_and_hits_its_cache(router: RouterSe
         assert cached > r1.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def test_sglang_generate_is_routed_by_its_prefix(router: RouterServer) -> None:
+    # SGLang's /generate through the router: keyed by its text (or input_ids) like a
+    # completion's prompt, so a shared prefix goes back to the worker that cached it
+    prefix = "[sglang doc] " + "a shared passage " * 30
+
+    def gen(tail: str) -> httpx.Response:
+        body = {"text": prefix + tail, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        return httpx.post(f"{router.url}/generate", json=body, timeout=120)
+
+    r1, r2 = gen("first?"), gen("second?")
+    assert r1.status_code == r2.status_code == 200, r1.text
+    assert r2.headers[WORKER_HEADER] == r1.headers[WORKER_HEADER]
+    assert r2.json()["meta_info"]["cached_tokens"] >= len(prefix.encode()) - 32
+
+
 def test_trees_follow_the_workers_real_cache(router: RouterServer) -> None:
     r = complete(router.url, "[sharpen] " + "a fairly long document " * 70)
     worker = r.headers[WORKER_HEADER]
