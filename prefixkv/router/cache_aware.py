@@ -27,7 +27,8 @@ slow probe does not empty what it has cached, and a worker that was really resta
 its stats. ``on_worker_stats`` (prefixkv workers) bounds a tree by the worker's real KV capacity,
 converted to chunks at the rate measured from the chunks routed there and the prompt tokens it
 reports (once 1,000 were seen), and empties the tree when the worker restarted (its prompt-token
-counter went back) or reports an empty cache with nothing in flight (an admin reset, a restart,
+counter went below the last value seen; the restarted worker's dispatches then leave the recent
+window too, so it takes new prefixes at once; a dispatch that failed leaves it as well) or reports an empty cache with nothing in flight (an admin reset, a restart,
 or prefix caching off).
 
 **Simulated eviction** (``simulate_eviction=True``; the Gateway API Inference Extension EPP's
@@ -129,6 +130,7 @@ class CacheAwarePolicy:
         # chunks routed to each worker, and (chunks, worker prompt tokens) at its first stats
         self._routed = dict.fromkeys(self.trees, 0)
         self._baseline: dict[str, tuple[int, int]] = {}
+        self._last_tokens: dict[str, int] = {}  # each worker's prompt-token counter, last seen
         # simulated eviction: estimated prompt tokens routed, the capacity and measured rate
         self._routed_tokens = dict.fromkeys(self.trees, 0.0)
         self._capacity: dict[str, int] = {}
@@ -192,6 +194,16 @@ class CacheAwarePolicy:
             self._window.append(url)
             self.recent[url] += 1
 
+    def on_dispatch_failed(self, url: str) -> None:
+        """A dispatch to ``url`` failed (refused, dropped, or a 5xx retried elsewhere): it leaves
+        the recent window, so a worker that was down does not come back looking as if it had
+        been given more than its share (its failed attempts had counted as work)."""
+        for i in range(len(self._window) - 1, -1, -1):  # its newest dispatch
+            if self._window[i] == url:
+                del self._window[i]
+                self.recent[url] -= 1
+                return
+
     def maybe_trim(self) -> None:
         """Trim every tree when ``eviction_interval`` seconds have passed since the last trim."""
         now = self._clock()
@@ -217,9 +229,14 @@ class CacheAwarePolicy:
                 pass  # a policy this router does not know: keep the current order
         routed = self._routed[url]
         base = self._baseline.get(url)
-        if base is not None and stats.prompt_tokens < base[1]:  # the worker restarted
+        last = self._last_tokens.get(url)
+        self._last_tokens[url] = stats.prompt_tokens
+        if last is not None and stats.prompt_tokens < last:  # the worker restarted (its counter went back)
             tree.reset()
             base = None
+            # and lost the sessions it was given: its old dispatches no longer make it look busy
+            self._window = deque((u for u in self._window if u != url), maxlen=self._window.maxlen)
+            self.recent[url] = 0
         if base is None:
             self._baseline[url] = base = (routed, stats.prompt_tokens)
         tokens = stats.prompt_tokens - base[1]

@@ -310,6 +310,10 @@ class PrecisePolicy:
         if healthy and url not in self.sources:
             self._restarted(url)
 
+    def on_dispatch_failed(self, url: str) -> None:
+        """The fallback's recent window forgets the failed dispatch."""
+        self.fallback.on_dispatch_failed(url)
+
     def on_worker_stats(self, url: str, stats: WorkerCacheStats, in_flight: int) -> None:
         """The fallback's alignment; a prompt-token counter that went back means a restart."""
         self.fallback.on_worker_stats(url, stats, in_flight)

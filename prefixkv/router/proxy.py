@@ -169,8 +169,12 @@ class Router:
         log.warning("worker %s is %s", url, "back in rotation" if healthy else "out of rotation")
 
     def _dispatch_failed(self, url: str, kind: str, error: str) -> None:
-        """Count a failed dispatch against ``url``'s breaker and probe it at once."""
+        """Count a failed dispatch against ``url``'s breaker and probe it at once; the policy
+        (if it keeps a dispatch window) forgets it."""
         self.metrics.observe_failure(url, kind)
+        forget = getattr(self.policy, "on_dispatch_failed", None)
+        if forget is not None and kind != "stream":  # a stream that failed mid-way was work
+            forget(url)
         if self.workers.record_failure(url, error):
             self._on_health_change(url, False)
         elif self.workers[url].healthy and url not in self._probing:
@@ -224,6 +228,9 @@ class Router:
                 continue
             except WorkerGone:
                 self.metrics.observe_failure(url, "abandoned")
+                forget = getattr(self.policy, "on_dispatch_failed", None)
+                if forget is not None:
+                    forget(url)
                 continue
             finally:
                 if not relayed:

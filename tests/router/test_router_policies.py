@@ -152,6 +152,26 @@ def test_trees_survive_health_changes_and_follow_worker_stats() -> None:
     assert p.trees["http://a"].size == 0
 
 
+def test_a_restarted_worker_comes_back_fresh_and_failed_dispatches_are_not_work() -> None:
+    # first stats seen at start-up (counter 0): a restart must still be caught when the
+    # counter goes back later (it compared with the first value seen, so it never was); the
+    # restarted worker's old dispatches, and dispatches that failed, no longer make it look busy
+    p = cache_aware(balance_window=64)
+    a, b = "http://a", "http://b"
+    p.on_worker_stats(a, WorkerCacheStats(10_000, 0, 0), in_flight=0)
+    for i in range(6):
+        p.select([a], IDLE, key(f"session {i} " * 20))
+    p.on_worker_stats(a, WorkerCacheStats(10_000, 40, 5_000), in_flight=0)
+    assert p.describe()[a]["recent"] == 6 and p.trees[a].size > 0
+    p.on_worker_stats(a, WorkerCacheStats(10_000, 3, 200), in_flight=1)  # restarted, busy again
+    assert p.trees[a].size == 0 and p.describe()[a]["recent"] == 0
+    p.select([b], IDLE, key("one " * 20))
+    p.select([b], IDLE, key("two " * 20))
+    assert p.select([a, b], IDLE, key("a new prefix " * 20)).url == a  # fewest recent
+    p.on_dispatch_failed(a)  # that one never reached it: retried elsewhere
+    assert p.describe()[a]["recent"] == 0
+
+
 def test_trees_trim_every_eviction_interval() -> None:
     now = [0.0]
     p = cache_aware(max_tree_size=5, eviction_interval=10, clock=lambda: now[0])
