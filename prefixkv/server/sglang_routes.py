@@ -31,6 +31,7 @@ from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.limits import ServerLimits
 from prefixkv.server.protocol import TokenId, _Body
 from prefixkv.server.serving import DISCONNECT_POLL_S, EngineStreamingResponse, engine_failure
 
@@ -136,15 +137,24 @@ def _item(out: RequestOutput, o: CompletionOutput, t0: float) -> dict[str, Any]:
         "e2e_latency": time.perf_counter() - t0}}
 
 
-def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: str) -> tuple[APIRouter, Any]:
-    """The inference routes above for ``engine``, and the ``/flush_cache`` handler (an admin
-    route, mounted by the app with the other admin routes)."""
+def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: str,
+                        limits: ServerLimits) -> tuple[APIRouter, Any]:
+    """The inference routes above for ``engine`` (held to the OpenAI routes' ``limits`` on
+    ``n`` and prompts per request), and the ``/flush_cache`` handler (an admin route, mounted
+    by the app with the other admin routes)."""
     router = APIRouter()
 
     @router.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Response:
         policy.check(body)
         prompts, batch = body.prompts()
+        if body.sampling_params.n > limits.max_n:
+            raise APIError(f"n must be at most {limits.max_n} (--max-n), got {body.sampling_params.n}",
+                           param="sampling_params.n")
+        if len(prompts) > limits.max_prompts:
+            raise APIError(f"a request may hold at most {limits.max_prompts} prompts "
+                           f"(--max-prompts-per-request), got {len(prompts)}",
+                           param="text" if body.text is not None else "input_ids")
         try:
             params = body.sampling_params.to_params()
         except ValueError as exc:

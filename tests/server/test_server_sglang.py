@@ -64,7 +64,10 @@ def test_generate_errors_name_the_field(http: httpx.Client) -> None:
                         ({"text": "x", "return_logprob": True}, None),
                         ({"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params"),
                         ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-                        ({"input_ids": [10**7]}, "input_ids")]:
+                        ({"input_ids": [10**7]}, "input_ids"),
+                        # the OpenAI routes' limits hold here too (n=100000 would be 100,000 sequences)
+                        ({"text": "x", "sampling_params": {"n": 100_000}}, "sampling_params.n"),
+                        ({"text": ["x"] * 100_000}, "text")]:
         r = http.post("/generate", json=body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.json())
