@@ -198,7 +198,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     admin_check = [Depends(admin_dependency(admin_api_key, api_key))]
     app.include_router(admin, prefix="/v1", dependencies=admin_check)
     app.add_api_route("/reset_prefix_cache", reset, methods=["POST"], dependencies=admin_check)
-    sglang, flush = build_sglang_router(engine, policy, model_name, limits)
+    sglang, flush = build_sglang_router(engine, policy, model_name, limits, metrics)
     app.include_router(sglang, dependencies=[Depends(_auth_dependency(api_key))])
     for method in ("POST", "GET"):  # SGLang answers both; one route each (distinct OpenAPI ids)
         app.add_api_route("/flush_cache", flush, methods=[method], dependencies=admin_check,

@@ -32,6 +32,7 @@ from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import ServerLimits
+from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import TokenId, _Body
 from prefixkv.server.serving import DISCONNECT_POLL_S, EngineStreamingResponse, engine_failure
 
@@ -138,10 +139,18 @@ def _item(out: RequestOutput, o: CompletionOutput, t0: float) -> dict[str, Any]:
 
 
 def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: str,
-                        limits: ServerLimits) -> tuple[APIRouter, Any]:
+                        limits: ServerLimits, metrics: ServerMetrics) -> tuple[APIRouter, Any]:
     """The inference routes above for ``engine`` (held to the OpenAI routes' ``limits`` on
-    ``n`` and prompts per request), and the ``/flush_cache`` handler (an admin route, mounted
-    by the app with the other admin routes)."""
+    ``n`` and prompts per request, counted in the same ``metrics``), and the ``/flush_cache``
+    handler (an admin route, mounted by the app with the other admin routes)."""
+
+    def observe(outs: list[RequestOutput], t0: float) -> None:
+        for out in outs:  # each finished request: its tokens, finish reasons and phases
+            lengths = [len(o.token_ids) for o in out.outputs]
+            metrics.observe_finished(sum(lengths), [o.finish_reason or "" for o in out.outputs], None,
+                                     time.perf_counter() - t0, prompt_tokens=len(out.prompt_token_ids),
+                                     longest=max(lengths, default=0), timings=out.metrics)
+
     router = APIRouter()
 
     @router.post("/generate", response_model=None)
@@ -171,11 +180,15 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
         except RuntimeError as exc:
             await _close(streams)
             raise engine_failure(exc) from exc
+        for out in firsts:
+            metrics.observe_prompt(len(out.prompt_token_ids), out.num_cached_tokens,
+                                   out.num_external_cached_tokens, out.num_external_queried_tokens)
         many = batch or params.n > 1
         if body.stream:
-            return EngineStreamingResponse(_events(streams, firsts, t0, many),
+            return EngineStreamingResponse(_events(streams, firsts, t0, many, observe),
                                            media_type="text/event-stream")
         lasts = await _drain(streams, firsts, request)
+        observe(lasts, t0)
         items = [_item(out, o, t0) for out in lasts for o in out.outputs]
         return JSONResponse(items if many else items[0])
 
@@ -194,7 +207,7 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
 
 
 async def _events(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                  t0: float, many: bool) -> AsyncIterator[bytes]:
+                  t0: float, many: bool, observe: Any) -> AsyncIterator[bytes]:
     """SSE events: each prompt's outputs in turn, text and ids so far, then ``[DONE]``;
     closing it (the client left) closes the engine streams, aborting their requests."""
     try:
@@ -206,6 +219,7 @@ async def _events(streams: list[AsyncIterator[RequestOutput]], firsts: list[Requ
                     out = await s.__anext__()
                 except StopAsyncIteration:
                     break
+            observe([out], t0)
         yield b"data: [DONE]\n\n"
     except (ValueError, RuntimeError) as exc:  # the engine failed after the stream started
         yield f"data: {json.dumps(engine_failure(exc).body())}\n\n".encode()

@@ -37,6 +37,15 @@ def test_generate_text_ids_and_cached_tokens(http: httpx.Client) -> None:
     samples = generate(http, text="x", sampling_params={"n": 3, "max_new_tokens": 2, "sampling_seed": 1})
     assert len(samples) == 3 and len({s["meta_info"]["id"] for s in samples}) == 3
     assert http.get("/flush_cache").status_code == 200  # SGLang answers GET too
+    series = 'prefixkv:request_success_total{finished_reason="length",model_name="prefixkv-demo"}'
+
+    def finished() -> float:  # /generate requests count in the server's metrics too
+        line = next((x for x in http.get("/metrics").text.splitlines() if x.startswith(series)), None)
+        return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+    before = finished()
+    generate(http, text=["p", "q"], sampling_params=greedy)
+    assert finished() == before + 2
     assert generate(http, text=PREFIX + "Hello", sampling_params=greedy)["meta_info"]["cached_tokens"] == 0
 
 
