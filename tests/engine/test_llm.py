@@ -307,3 +307,55 @@ def test_a_short_call_is_not_held_behind_a_long_one_in_another_thread(make_llm: 
     order.append("short")
     t.join(60)
     assert order == ["short", "long"]
+
+
+def test_a_waiter_interrupted_by_ctrl_c_gives_up_its_turn() -> None:
+    # Ctrl-C reaches the main thread while it waits for the engine behind another thread: it
+    # leaves with KeyboardInterrupt, and its ticket blocks no one after it (a thread that had
+    # queued behind it gets the lock as soon as the holder lets go)
+    import signal
+    import threading
+    import time
+
+    from prefixkv.engine.llm import _TurnLock
+
+    lock = _TurnLock()
+    held, release, got = threading.Event(), threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    def later() -> None:
+        with lock:
+            got.set()
+
+    def interrupt_when_queued() -> None:
+        deadline = time.monotonic() + 10
+        while lock._next < 2 and time.monotonic() < deadline:  # the main thread took its ticket
+            time.sleep(0.001)
+        time.sleep(0.05)  # and waits on it
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)  # a real Ctrl-C
+
+    h = threading.Thread(target=holder)
+    h.start()
+    assert held.wait(10)
+    threading.Thread(target=interrupt_when_queued).start()
+    interrupted = False
+    try:
+        with lock:
+            pass
+    except KeyboardInterrupt:
+        interrupted = True
+    assert interrupted
+    w = threading.Thread(target=later)
+    w.start()  # queued after the abandoned ticket
+    time.sleep(0.05)
+    assert not got.is_set()  # the holder still holds it
+    release.set()
+    assert got.wait(10)  # the abandoned ticket was skipped
+    h.join(10)
+    w.join(10)
+    with lock:  # and the lock is free for the next caller
+        pass
