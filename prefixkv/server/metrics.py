@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixkv.engine.outputs import RequestMetrics
+from prefixkv.engine.outputs import RequestMetrics, RequestOutput
 from prefixkv.tiers.stats import TierStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -283,6 +283,13 @@ class ServerMetrics:
         if longest > 1 and t.first_token_time is not None and t.finished_time is not None:
             self.phases["request_time_per_output_token_seconds"].labels(m).observe(
                 max(0.0, t.finished_time - t.first_token_time) / (longest - 1))
+
+    def observe_output(self, out: RequestOutput, reasons: list[str], ttft_s: float | None,
+                       e2e_s: float) -> None:
+        """:meth:`observe_finished` for a request's last output (its tokens, prompt, phases)."""
+        lengths = [len(o.token_ids) for o in out.outputs]
+        self.observe_finished(sum(lengths), reasons, ttft_s, e2e_s, prompt_tokens=len(out.prompt_token_ids),
+                              longest=max(lengths, default=0), timings=out.metrics)
 
     def observe_error(self, status: int) -> None:
         """A request was answered with an error status."""

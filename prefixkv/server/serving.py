@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -55,6 +55,29 @@ def engine_failure(exc: BaseException) -> APIError:
                             request_caused=True)
         return APIError(str(exc), status=503, code="insufficient_kv_capacity")
     return APIError(f"the engine is not running: {exc}", status=503, code="engine_unavailable")
+
+
+T = TypeVar("T")
+
+
+async def finish_unless_gone(task: asyncio.Future[T], is_disconnected: Disconnected) -> T:
+    """``task``'s result for a non-streaming reply; a client that goes away first (noticed
+    between polls) has it cancelled and gets a 499; an engine failure (``RuntimeError``:
+    ``RequestFailedError`` or the engine stopped) is :func:`engine_failure`'s error. The task
+    is done when this returns or raises."""
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await is_disconnected():
+                raise APIError("client disconnected", status=499, code="client_closed")
+        try:
+            return task.result()
+        except RuntimeError as exc:
+            raise engine_failure(exc) from exc
+    finally:
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: int | None = None,
@@ -209,12 +232,12 @@ class OpenAIServing:
             prompt = await self.engine.chat_prompt_async(req.plain_messages(), **options)
         except ValueError as exc:
             raise APIError(f"cannot render messages: {exc}", param="messages") from exc
-        keep = req.prompt_options(prompt, self.engine.max_model_len).get("truncate_prompt_tokens")
-        if keep is not None and len(prompt["prompt_token_ids"]) > keep:  # vLLM: keep the last k
-            prompt = {"prompt_token_ids": prompt["prompt_token_ids"][-keep:]}
+        prompt = req.prompt_options(prompt, self.engine.max_model_len)  # the engine truncates
+        keep = prompt.get("truncate_prompt_tokens")
         max_tokens = req.effective_max_tokens
         if max_tokens is None:
-            room = await self._room_left(len(prompt["prompt_token_ids"]))
+            num = len(prompt["prompt_token_ids"])
+            room = await self._room_left(num if keep is None else min(num, keep))
             max_tokens = None if room is None else min(room, self.limits.default_chat_max_tokens)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens, logprobs=num_logprobs,
@@ -259,22 +282,9 @@ class OpenAIServing:
                 while not job.done:
                     await self._advance(job, t0)
 
-        task = asyncio.ensure_future(drain())
         try:
-            # A non-streaming client that goes away is noticed between polls and aborted too.
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await is_disconnected():
-                    task.cancel()
-                    raise APIError("client disconnected", status=499, code="client_closed")
-            try:
-                task.result()
-            except RuntimeError as exc:  # RequestFailedError, or the engine stopped
-                raise engine_failure(exc) from exc
+            await finish_unless_gone(asyncio.ensure_future(drain()), is_disconnected)
         finally:
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
             await self._abort_unfinished(jobs, t0)
         return JSONResponse(self._final_body(rid, jobs, params.n, view))
 
@@ -333,7 +343,7 @@ class OpenAIServing:
             job.ttft = now - t0
         if out.finished and not job.done:
             job.done = True
-            self._observe_end(out, [o.finish_reason or "unknown" for o in out.outputs],
+            self.metrics.observe_output(out, [o.finish_reason or "unknown" for o in out.outputs],
                               job.ttft, now - t0)
 
     async def _abort_unfinished(self, jobs: list[_Job], t0: float | None = None) -> None:
@@ -345,15 +355,8 @@ class OpenAIServing:
                 job.done = True
                 await job.stream.aclose()  # type: ignore[attr-defined]
                 if t0 is not None:
-                    self._observe_end(job.last, ["abort"] * len(job.last.outputs), job.ttft,
+                    self.metrics.observe_output(job.last, ["abort"] * len(job.last.outputs), job.ttft,
                                       time.perf_counter() - t0)
-
-    def _observe_end(self, out: RequestOutput, reasons: list[str], ttft: float | None,
-                     e2e: float) -> None:
-        lengths = [len(o.token_ids) for o in out.outputs]
-        self.metrics.observe_finished(sum(lengths), reasons, ttft, e2e,
-                                      prompt_tokens=len(out.prompt_token_ids),
-                                      longest=max(lengths, default=0), timings=out.metrics)
 
     # ------------------------------------------------------------------ bodies
 

@@ -34,7 +34,7 @@ from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import TokenId, _Body
-from prefixkv.server.serving import DISCONNECT_POLL_S, EngineStreamingResponse, engine_failure
+from prefixkv.server.serving import EngineStreamingResponse, engine_failure, finish_unless_gone
 
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
            "or waiting requests, the operation will not be performed.)\n")
@@ -146,10 +146,8 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
 
     def observe(outs: list[RequestOutput], t0: float) -> None:
         for out in outs:  # each finished request: its tokens, finish reasons and phases
-            lengths = [len(o.token_ids) for o in out.outputs]
-            metrics.observe_finished(sum(lengths), [o.finish_reason or "" for o in out.outputs], None,
-                                     time.perf_counter() - t0, prompt_tokens=len(out.prompt_token_ids),
-                                     longest=max(lengths, default=0), timings=out.metrics)
+            metrics.observe_output(out, [o.finish_reason or "" for o in out.outputs], None,
+                                   time.perf_counter() - t0)
 
     router = APIRouter()
 
@@ -238,18 +236,9 @@ async def _drain(streams: list[AsyncIterator[RequestOutput]], firsts: list[Reque
 
     task = asyncio.ensure_future(asyncio.gather(*(last(s, f) for s, f in zip(streams, firsts))))
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                raise APIError("client disconnected", status=499, code="client_closed")
-        try:
-            return list(task.result())
-        except RuntimeError as exc:
-            raise engine_failure(exc) from exc
+        done: list[RequestOutput] = await finish_unless_gone(task, request.is_disconnected)
+        return done
     finally:
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await _close(streams)
 
 
