@@ -99,18 +99,20 @@ class KVManager:
         match = None
         matched: list[int] = []
         cached = partial = 0
-        computes = seq.index == 0 and seq.request.computes_prompt
+        readable = self._readable(seq)
+        computes = readable == 0
         if self.cache is not None and not computes:
-            # a prompt-logprobs request computes its whole prompt (it still fills the cache)
+            # a prompt-logprobs request computes its prompt from where they start (it still
+            # fills the cache)
             match = self.cache.match_prefix(
-                tokens[:-1], namespace=seq.request.namespace, lock=True
+                tokens[:readable], namespace=seq.request.namespace, lock=True
             )
             matched = list(match.matched_kv_blocks)
             cached, partial = match.match_length, match.partial_tokens
         hits = []
         asked = 0
         if self.tiers is not None and use_tiers and not computes:  # nor from a lower tier
-            num_full = (len(tokens) - 1) // bs
+            num_full = readable // bs
             chain = self._chain(seq, num_full) if num_full > len(matched) else []
             if chain:
                 hits = self.tiers.lookup(chain[len(matched) : num_full])
@@ -167,12 +169,21 @@ class KVManager:
         self._prefetched.add(seq.seq_id)
         if seq.index > 0 or seq.request.computes_prompt:  # shares / computes its prompt
             return False
-        chain = self._chain(seq, (len(seq.token_ids) - 1) // self.block_size)
+        chain = self._chain(seq, self._readable(seq) // self.block_size)
         host = tiers.host
         j = 0
         while j < len(chain) and (chain[j] in self._pooled or (host is not None and chain[j] in host)):
             j += 1
         return j < len(chain) and tiers.prefetch(seq.seq_id, chain[j:])
+
+    @staticmethod
+    def _readable(seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` may be read from the cache or a lower tier: all
+        but the last (always computed), within its request's :attr:`~Request.read_limit`
+        (sample 0's; the others share the prompt sample 0 computed)."""
+        limit = seq.request.read_limit if seq.index == 0 else None
+        n = len(seq.token_ids) - 1
+        return n if limit is None else min(n, limit)
 
     def _allocate(self, n: int) -> list[int] | None:
         """``n`` pool blocks, evicting unlocked cached blocks when short (offloading them to

@@ -1,9 +1,10 @@
 """Prompt logprobs: the engine's model step, recording them for the requests that ask.
 
 A request with ``SamplingParams.prompt_logprobs`` does not read its prompt from the prefix
-cache (``KVManager.admit`` skips the match for sample 0 until its prompt is prefilled), so
-every prompt position is computed here and its logprobs are exact; the blocks still go into
-the cache for later requests. A recompute after preemption overwrites the same entries.
+cache past ``prompt_logprobs_start`` (``KVManager.admit`` limits the match for sample 0 until
+its prompt is prefilled), so every position they are wanted for is computed here and they are
+exact; the entries up to that start stay ``None``; the blocks still go into the cache for
+later requests. A recompute after preemption overwrites the same entries.
 Each ``decoded_token`` is the text its token adds after the prompt before it (vLLM's), read
 from a detokenizer primed with the :data:`CONTEXT` tokens before a chunk.
 """
@@ -51,8 +52,10 @@ class PromptLogprobsRunner:
         req = seq.request
         start = seq.num_computed_tokens
         end = min(start + len(logits), seq.num_prompt_tokens - 1)
-        if end <= start or req.prompt_logprobs is None:
+        skip = max(0, req.params.prompt_logprobs_start - start)  # rows before the wanted ones
+        if end <= start + skip or req.prompt_logprobs is None:
             return
+        logits, start = logits[skip:], start + skip
         found = token_logprobs(
             logits[: end - start],
             seq.token_ids[start + 1 : end + 1],

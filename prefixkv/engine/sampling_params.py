@@ -62,6 +62,10 @@ class SamplingParams:
         prompt_logprobs: also return them for every prompt token after the first. A request
             that asks for them does not read its prompt from the prefix cache (vLLM does the
             same), so they are computed, never skipped; it still fills the cache for others.
+        prompt_logprobs_start: with ``prompt_logprobs``, the prompt position they start after
+            (SGLang's ``logprob_start_len``): up to this many leading prompt tokens are read
+            from the prefix cache, and the entries of positions ``<= prompt_logprobs_start``
+            are ``None`` whatever the cache held. 0 (the default): every token after the first.
         include_stop_str_in_output: keep the matched stop string (or the stop token's text)
             in ``text``.
         structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
@@ -91,6 +95,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     skip_reading_prefix_cache: bool | None = None
@@ -165,6 +170,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
+        if not _is_int(self.prompt_logprobs_start) or self.prompt_logprobs_start < 0:
+            raise ValueError(f"prompt_logprobs_start must be an int >= 0, got {self.prompt_logprobs_start!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(  # noqa: TRY004
                 f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"

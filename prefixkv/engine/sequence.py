@@ -70,11 +70,22 @@ class Request:
         return self.params.prompt_logprobs is not None and not self.prompt_prefilled
 
     @property
-    def computes_prompt(self) -> bool:
-        """Whether the prompt must be computed, not read from the cache or a lower tier: for its
-        logprobs, or ``skip_reading_prefix_cache``, until it has been prefilled once."""
+    def read_limit(self) -> int | None:
+        """How many leading prompt tokens admission may read from the prefix cache or a lower
+        tier until the prompt has been prefilled once: 0 with ``skip_reading_prefix_cache``,
+        ``prompt_logprobs_start`` with prompt logprobs (the positions after it are computed
+        for them), ``None``: as many as are cached."""
         p = self.params
-        return (p.prompt_logprobs is not None or bool(p.skip_reading_prefix_cache)) and not self.prompt_prefilled
+        if self.prompt_prefilled:
+            return None
+        if p.skip_reading_prefix_cache:
+            return 0
+        return p.prompt_logprobs_start if p.prompt_logprobs is not None else None
+
+    @property
+    def computes_prompt(self) -> bool:
+        """Whether the whole prompt must be computed (:attr:`read_limit` 0)."""
+        return self.read_limit == 0
 
 
 @dataclass(slots=True, eq=False)

@@ -4,12 +4,16 @@ Clients written for SGLang's own API (``sglang.bench_serving --backend sglang``,
 read ``meta_info.cached_tokens``, health checks that flush the radix cache between runs) work
 unchanged. ``/generate`` takes ``text`` or ``input_ids`` (one prompt or a batch) and SGLang's
 ``sampling_params`` (``max_new_tokens`` 128 by default, ``min_new_tokens``, ``stop``,
-``stop_token_ids``, ``json_schema`` / ``regex``, ``no_stop_trim``, ``sampling_seed``, ...), and
-answers ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "cached_tokens", "e2e_latency"}}`` (a list for a batch or ``n > 1``); with
+``stop_token_ids``, ``json_schema`` / ``regex``, ``no_stop_trim``, ``sampling_seed``, ...;
+``max_new_tokens`` 0 prefills the prompt into the cache and generates nothing), and answers
+``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+"completion_tokens", "cached_tokens", "e2e_latency"}}`` (a list for a batch or ``n > 1``), with
+``return_logprob`` SGLang's logprob lists too (:mod:`prefixkv.server.sglang_logprobs`); with
 ``stream`` each event carries the text and ids so far, as SGLang's default streaming does, then
-``data: [DONE]``. Fields we do not implement (``return_logprob``, ``ebnf``, images) are a 400
-naming them; unknown ones follow the server's field policy.
+``data: [DONE]``. SGLang's frontend language (``sglang.RuntimeEndpoint``: ``gen``, ``select``,
+regex and typed ``gen``, streaming) runs on it unchanged. Fields we do not implement (``ebnf``,
+``stop_regex``, ``token_ids_logprob``, images) are a 400 naming them; unknown ones follow the
+server's field policy.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -35,6 +40,7 @@ from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import TokenId, _Body
 from prefixkv.server.serving import EngineStreamingResponse, engine_failure, finish_unless_gone
+from prefixkv.server.sglang_logprobs import LogprobFormatter, LogprobOptions
 
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
            "or waiting requests, the operation will not be performed.)\n")
@@ -44,7 +50,7 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When th
 class SGLangSampling(_Body):
     """SGLang's ``sampling_params`` (its names; ``top_k`` -1 or a huge value: disabled)."""
 
-    max_new_tokens: Annotated[int, Field(strict=True, ge=1)] | None = 128
+    max_new_tokens: Annotated[int, Field(strict=True, ge=0)] | None = 128
     min_new_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -58,17 +64,23 @@ class SGLangSampling(_Body):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    """Accepted, with no effect: fast tokenizers join special tokens without spaces either way
+    (vLLM applies the flag to slow tokenizers only)."""
     no_stop_trim: StrictBool = False
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
 
-    def to_params(self) -> SamplingParams:
-        """Our :class:`SamplingParams` (``ValueError`` naming the bad field)."""
-        if self.ebnf is not None:
-            raise ValueError("sampling_params.ebnf is not supported by this server")
+    def to_params(self, **extra: Any) -> SamplingParams:
+        """Our :class:`SamplingParams`, with ``extra`` fields (``ValueError`` naming the bad
+        field). ``max_new_tokens`` 0 runs one step (the prefill); the route drops its token."""
+        for name in ("ebnf", "stop_regex"):
+            if getattr(self, name):  # (SGLang's frontend sends an empty stop_regex list)
+                raise ValueError(f"sampling_params.{name} is not supported by this server")
         structured = None
         if self.json_schema is not None:
             structured = StructuredOutputsParams(json=self.json_schema)
@@ -78,16 +90,18 @@ class SGLangSampling(_Body):
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p,
             top_k=-1 if self.top_k == -1 or self.top_k >= 1 << 30 else self.top_k, min_p=self.min_p,
-            seed=self.sampling_seed, max_tokens=self.max_new_tokens, stop=stops or None,
+            seed=self.sampling_seed, max_tokens=self.max_new_tokens or (None if self.max_new_tokens is None else 1),
+            stop=stops or None,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             min_tokens=min(self.min_new_tokens, self.max_new_tokens or self.min_new_tokens),
             include_stop_str_in_output=self.no_stop_trim, structured_outputs=structured,
-            logit_bias=None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()})
+            logit_bias=None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()},
+            **extra)
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(LogprobOptions):
     """``POST /generate``: exactly one of ``text`` and ``input_ids``."""
 
     text: str | list[str] | None = None
@@ -95,15 +109,12 @@ class GenerateRequest(_Body):
     sampling_params: SGLangSampling = Field(default_factory=SGLangSampling)
     stream: StrictBool = False
     rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    return_logprob: StrictBool = False
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text and input_ids")
-        if self.return_logprob:
-            raise ValueError("return_logprob is not supported by this server")
         return self
 
     def prompts(self) -> tuple[list[Any], bool]:
@@ -130,12 +141,28 @@ def _finish(o: CompletionOutput) -> dict[str, Any] | None:
     return {"type": "abort", "message": o.finish_reason}
 
 
-def _item(out: RequestOutput, o: CompletionOutput, t0: float) -> dict[str, Any]:
-    return {"text": o.text, "output_ids": list(o.token_ids), "meta_info": {
-        "id": out.request_id if len(out.outputs) == 1 else f"{out.request_id}-{o.index}",
-        "finish_reason": _finish(o), "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(o.token_ids), "cached_tokens": out.num_cached_tokens,
-        "e2e_latency": time.perf_counter() - t0}}
+@dataclass(slots=True)
+class _Shape:
+    """How one request's results are written: from its start time ``t0``; ``prefill_only``
+    (``max_new_tokens`` 0: the engine's one step shows no token); its logprob lists, if asked."""
+
+    t0: float
+    prefill_only: bool
+    logprobs: LogprobFormatter | None
+
+    def item(self, out: RequestOutput, o: CompletionOutput) -> dict[str, Any]:
+        """One result: ``{"text", "output_ids", "meta_info"}``."""
+        ids = [] if self.prefill_only else list(o.token_ids)
+        finish = _finish(o)
+        if self.prefill_only and finish is not None:
+            finish = {"type": "length", "length": 0}
+        meta = {"id": out.request_id if len(out.outputs) == 1 else f"{out.request_id}-{o.index}",
+                "finish_reason": finish, "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(ids), "cached_tokens": out.num_cached_tokens,
+                "e2e_latency": time.perf_counter() - self.t0}
+        if self.logprobs is not None:
+            meta.update(self.logprobs.meta(out, o, len(ids)))
+        return {"text": "" if self.prefill_only else o.text, "output_ids": ids, "meta_info": meta}
 
 
 def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: str,
@@ -163,11 +190,17 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
                            f"(--max-prompts-per-request), got {len(prompts)}",
                            param="text" if body.text is not None else "input_ids")
         try:
-            params = body.sampling_params.to_params()
+            extra = body.engine_fields()
+        except ValueError as exc:
+            raise APIError(str(exc), param="token_ids_logprob") from exc
+        try:
+            params = body.sampling_params.to_params(**extra)
         except ValueError as exc:
             raise APIError(str(exc), param="sampling_params") from exc
         base = body.rid or uuid.uuid4().hex
-        t0 = time.perf_counter()
+        shape = _Shape(time.perf_counter(), body.sampling_params.max_new_tokens == 0, None if not
+                       body.return_logprob else LogprobFormatter(body, lambda t: str(
+                           engine.tokenizer.decode([t], skip_special_tokens=False))))
         streams = [engine.generate(p, params, request_id=f"{base}-{uuid.uuid4().hex[:8]}",
                                    cache_salt=body.cache_salt) for p in prompts]
         try:  # the first output of each: a bad prompt is a 400 before anything is sent
@@ -178,16 +211,22 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
         except RuntimeError as exc:
             await _close(streams)
             raise engine_failure(exc) from exc
+        try:
+            for out in firsts:
+                body.check_prompt(len(out.prompt_token_ids))
+        except ValueError as exc:
+            await _close(streams)
+            raise APIError(str(exc), param="logprob_start_len") from exc
         for out in firsts:
             metrics.observe_prompt(len(out.prompt_token_ids), out.num_cached_tokens,
                                    out.num_external_cached_tokens, out.num_external_queried_tokens)
         many = batch or params.n > 1
         if body.stream:
-            return EngineStreamingResponse(_events(streams, firsts, t0, many, observe),
+            return EngineStreamingResponse(_events(streams, firsts, shape, many, observe),
                                            media_type="text/event-stream")
         lasts = await _drain(streams, firsts, request)
-        observe(lasts, t0)
-        items = [_item(out, o, t0) for out in lasts for o in out.outputs]
+        observe(lasts, shape.t0)
+        items = [shape.item(out, o) for out in lasts for o in out.outputs]
         return JSONResponse(items if many else items[0])
 
     async def flush_cache() -> Response:
@@ -205,19 +244,19 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
 
 
 async def _events(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                  t0: float, many: bool, observe: Any) -> AsyncIterator[bytes]:
+                  shape: _Shape, many: bool, observe: Any) -> AsyncIterator[bytes]:
     """SSE events: each prompt's outputs in turn, text and ids so far, then ``[DONE]``;
     closing it (the client left) closes the engine streams, aborting their requests."""
     try:
         for s, out in zip(streams, firsts):
             while True:
-                items = [_item(out, o, t0) for o in out.outputs]
+                items = [shape.item(out, o) for o in out.outputs]
                 yield f"data: {json.dumps(items if many else items[0])}\n\n".encode()
                 try:
                     out = await s.__anext__()
                 except StopAsyncIteration:
                     break
-            observe([out], t0)
+            observe([out], shape.t0)
         yield b"data: [DONE]\n\n"
     except (ValueError, RuntimeError) as exc:  # the engine failed after the stream started
         yield f"data: {json.dumps(engine_failure(exc).body())}\n\n".encode()

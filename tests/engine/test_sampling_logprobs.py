@@ -96,3 +96,33 @@ def test_prompt_logprobs_with_n_samples(llm: LLM) -> None:
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
     assert all(e is not None for e in out.prompt_logprobs[1:])
     assert len(out.outputs) == 3
+
+
+@pytest.mark.parametrize("index", ["radix", "hash"])
+def test_prompt_logprobs_from_a_start_read_the_cache_up_to_it(demo_model: Any, helpers: Any, index: str) -> None:
+    """SGLang's ``logprob_start_len``: the prompt is read from the cache up to the start and
+    computed after it; the entries after the start equal a cold run's, those up to it are None
+    whatever the cache held."""
+    prompt = helpers.tokens(11, 150)
+    start = 100
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, prompt_logprobs_start=start)
+    cold = LLM(demo_model, num_kv_blocks=64, enable_prefix_caching=False)
+    ref = cold.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))[0]
+    warm = LLM(demo_model, num_kv_blocks=64, index=index, max_num_batched_tokens=32)
+    warm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    got = warm.generate({"prompt_token_ids": prompt}, sp)[0]
+    assert got.num_cached_tokens == start  # read up to it (the hashed index: 6 blocks + 4 rows)
+    assert got.prompt_logprobs is not None and ref.prompt_logprobs is not None
+    assert got.prompt_logprobs[: start + 1] == [None] * (start + 1)
+    assert _vals(got.prompt_logprobs[start + 1 :]) == _vals(ref.prompt_logprobs[start + 1 :])
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    # cold, the same entries: the result does not depend on what was cached
+    again = cold.generate({"prompt_token_ids": prompt}, sp)[0]
+    assert again.prompt_logprobs is not None and again.prompt_logprobs[: start + 1] == [None] * (start + 1)
+    assert _vals(again.prompt_logprobs) == _vals(got.prompt_logprobs)
+    # a start past the prompt: every entry None, the whole prompt readable
+    past = warm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=500))[0]
+    assert past.prompt_logprobs == [None] * len(prompt) and past.num_cached_tokens >= 144
+    helpers.assert_no_leak(warm)
+    with pytest.raises(ValueError, match="prompt_logprobs_start"):
+        SamplingParams(prompt_logprobs=1, prompt_logprobs_start=-1)

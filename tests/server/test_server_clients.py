@@ -139,6 +139,40 @@ print("ok")
 """
 
 
+SGLANG_SCRIPT = """
+import sys
+import sglang as sgl
+backend = sgl.RuntimeEndpoint(sys.argv[1], chat_template_name="chatml")
+sgl.set_default_backend(backend)
+system = "You are a terse assistant. " * 40
+
+@sgl.function
+def pick(s):
+    s += sgl.system(system)
+    s += sgl.user("Pick a color.")
+    s += sgl.assistant(sgl.gen("color", choices=["red", "green", "blue"]))
+    s += sgl.user("How many?")
+    s += sgl.assistant(sgl.gen("count", dtype=int, max_tokens=4, temperature=0))
+    s += sgl.user("A code:")
+    s += sgl.assistant(sgl.gen("code", regex="[A-Z]{3}", max_tokens=8, temperature=0))
+
+state = pick.run()
+assert state["color"] in ("red", "green", "blue"), state.text()
+scores = state.get_meta_info("color")["normalized_prompt_logprobs"]
+assert len(scores) == 3 and ["red", "green", "blue"][scores.index(max(scores))] == state["color"]
+assert state["count"].strip().lstrip("+-").isdigit(), state["count"]
+assert len(state["code"]) == 3 and state["code"].isupper(), state["code"]
+meta = state.get_meta_info("code")
+assert meta["cached_tokens"] > 200 and meta["completion_tokens"] >= 3  # the shared turns were cached
+streamed = pick.run(stream=True)
+assert "".join(streamed.text_iter("code")) == state["code"]  # greedy: the same code, streamed
+states = pick.run_batch([{}, {}], num_threads=2)
+assert [s["code"] for s in states] == [state["code"]] * 2
+backend.flush_cache()
+print("ok")
+"""
+
+
 def _client_python(module: str) -> str | None:
     """A Python that can import ``module`` (this one, or $PREFIXKV_CLIENTS_PYTHON)."""
     candidate = os.environ.get("PREFIXKV_CLIENTS_PYTHON", sys.executable)
@@ -150,7 +184,8 @@ def _client_python(module: str) -> str | None:
 
 
 @pytest.mark.parametrize(("module", "script"), [("langchain_openai", LC_SCRIPT),
-                                                ("litellm", LITELLM_SCRIPT)])
+                                                ("litellm", LITELLM_SCRIPT),
+                                                ("sglang", SGLANG_SCRIPT)])
 def test_real_client_for_real(server: LiveServer, module: str, script: str) -> None:
     """The client library itself drives the server: chat, streaming, cached-token usage."""
     python = _client_python(module)

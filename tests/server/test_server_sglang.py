@@ -1,6 +1,6 @@
 """SGLang's native API on the live server: ``/generate`` (text, ids, batches, ``n``, streaming,
-stops, structured output), ``meta_info.cached_tokens`` after a shared prefix, ``/flush_cache``
-and ``/model_info``, and its errors."""
+stops, structured output, ``max_new_tokens`` 0, logprobs), ``meta_info.cached_tokens`` after a
+shared prefix, ``/flush_cache`` and ``/model_info``, and its errors."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from server_live import MODEL
 
 PREFIX = "You are a helpful assistant. Keep it short. " * 6
@@ -70,7 +71,11 @@ def test_generate_stream_stop_and_structured(http: httpx.Client) -> None:
 
 def test_generate_errors_name_the_field(http: httpx.Client) -> None:
     for body, param in [({}, None), ({"text": "x", "input_ids": [1]}, None),
-                        ({"text": "x", "return_logprob": True}, None),
+                        ({"text": "x", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
+                        ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+                        ({"text": "x", "return_logprob": True, "token_ids_logprob": [1]}, "token_ids_logprob"),
+                        ({"text": "x", "sampling_params": {"stop_regex": "a+"}}, "sampling_params"),
+                        ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
                         ({"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params"),
                         ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
                         ({"input_ids": [10**7]}, "input_ids"),
@@ -83,3 +88,47 @@ def test_generate_errors_name_the_field(http: httpx.Client) -> None:
     info = http.get("/model_info").json()
     assert info["model_path"] == MODEL and info["is_generation"] is True
     assert http.get("/get_model_info").json() == info
+
+
+def test_generate_logprobs_as_sglang_frontend_select_asks(http: httpx.Client) -> None:
+    """SGLang's frontend ``select``: cache the prompt (``max_new_tokens`` 0), then score each
+    choice from two tokens before its end: the prompt up to there is read from the cache, the
+    logprobs after it equal the prompt logprobs of the OpenAI route (computed whole)."""
+    prompt = PREFIX + "Pick one:"
+    cached = generate(http, text=prompt, sampling_params={"max_new_tokens": 0})
+    assert cached["text"] == "" and cached["output_ids"] == []
+    assert cached["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert cached["meta_info"]["completion_tokens"] == 0
+    start = cached["meta_info"]["prompt_tokens"] - 2
+    body = {"text": [prompt + c for c in (" red", " blue")], "return_logprob": True,
+            "logprob_start_len": start, "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+    scored = generate(http, **body)
+    for item, choice in zip(scored, (" red", " blue")):
+        meta = item["meta_info"]
+        assert meta["cached_tokens"] == start  # read up to the start, computed after it
+        ids = http.post("/tokenize", json={"prompt": prompt + choice}).json()["tokens"]
+        assert [e[1] for e in meta["input_token_logprobs"]] == ids[start:]
+        assert meta["input_token_logprobs"][0][0] is None  # SGLang's: nothing before the first
+        assert [e[2] for e in meta["input_token_logprobs"]] == [
+            http.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in ids[start:]]
+        assert meta["output_token_logprobs"] == [] and "input_top_logprobs" not in meta
+        ref = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + choice, "echo": True,
+                                                  "logprobs": 1, "max_tokens": 1}).json()
+        want = ref["choices"][0]["logprobs"]["token_logprobs"][start + 1 : len(ids)]
+        got = [e[0] for e in meta["input_token_logprobs"][1:]]
+        assert got == [pytest.approx(w, abs=1e-4) for w in want]
+    # generated tokens: their logprobs and the top k, without texts unless asked
+    out = generate(http, text="Hello", return_logprob=True, top_logprobs_num=2,
+                   sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    meta = out["meta_info"]
+    assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []  # start -1: output only
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(e[2] is None and e[0] <= 0 for e in meta["output_token_logprobs"])
+    for chosen, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert len(top) == 2 and top[0][1] == chosen[1] and top[0][0] == chosen[0] >= top[1][0]  # greedy: rank 1
+    with http.stream("POST", "/generate", json={"text": "Hello", "stream": True, "return_logprob": True,
+                                               "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                                                   "ignore_eos": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]  # so far, each event
