@@ -124,3 +124,24 @@ def test_sglang_generate_clients_that_leave_are_aborted(server: LiveServer) -> N
         after = wait_idle(http, timeout=10)
         assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
         assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
+
+
+def test_responses_clients_that_leave_are_aborted(server: LiveServer) -> None:
+    # the Responses API runs on the chat path: a client that leaves, whole or streamed, is aborted
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = wait_idle(http)
+        body = {"model": MODEL, "input": unique_text("gone4", 30), "max_output_tokens": 3000,
+                "temperature": 0}
+        try:
+            httpx.post(server.url + "/v1/responses", json=body, timeout=1.0)
+        except httpx.ReadTimeout:
+            pass
+        else:
+            raise AssertionError("3,000 tokens should take longer than 1 s")
+        with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines) == "event: response.created"
+            assert any(line == "event: response.output_text.delta" for line in lines)
+        after = wait_idle(http, timeout=10)
+        assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
+        assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
