@@ -1,13 +1,15 @@
 """The router's HTTP front: an OpenAI-compatible app over a :class:`~prefixkv.router.proxy.Router`.
 
 Contract. :func:`create_app` builds the router's ASGI app (:class:`RouterApp`). The proxied
-routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``, are served over raw ASGI
+routes, ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and SGLang's
+``/generate``, are served over raw ASGI
 (the request path the router adds latency on: one body read, one JSON parse, the route key, the
 dispatch): the body must be a JSON object (else a 400 with an OpenAI-style error body); its route
 key and ``stream`` flag go to ``Router.dispatch``, which forwards the body unchanged (retries,
 streaming and failures: see :mod:`prefixkv.router.proxy`). Every other route, and the lifespan
 that starts and stops the router, is a FastAPI app's: ``GET /v1/models`` (from a healthy
-worker), ``GET /health``, ``GET /workers`` (the router's view), ``GET /metrics``, and the
+worker), ``GET`` / ``DELETE /v1/responses/{id}`` (from the worker holding it), ``GET /health``,
+``GET /workers`` (the router's view), ``GET /metrics``, and the
 workers' cache admin routes fanned out to every worker (:mod:`prefixkv.router.admin`). :class:`RouterServer` serves the app
 with uvicorn in a background thread.
 
@@ -30,7 +32,7 @@ from typing import Any, Self
 
 import orjson
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -38,7 +40,7 @@ from prefixkv.router.admin import add_admin_routes
 from prefixkv.router.answer import error_answer, send_answer
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.errors import error_response
-from prefixkv.router.keys import RouteKey, chat_key, completion_key, generate_key
+from prefixkv.router.keys import RouteKey, chat_key, completion_key, generate_key, responses_key
 from prefixkv.router.local import free_port
 from prefixkv.router.metrics import CONTENT_TYPE
 from prefixkv.router.proxy import WORKER_HEADER, Router
@@ -82,6 +84,11 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
     async def metrics() -> Response:
         text = router.metrics.render(router.workers, router.policy.describe())
         return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request) -> Response:
+        return await router.stored_response(request.method, response_id, request.headers)
 
     add_admin_routes(app, config.worker_urls, lambda: router.client, config.admin_api_key,
                      config.request_timeout)
@@ -142,8 +149,9 @@ class RouterApp:
             try:
                 key = await router.refine_key(path, body, key_of(body, self._chunk_bytes),
                                               headers)
+                after = body.get("previous_response_id")
                 answer = await router.dispatch(path, raw, key, body.get("stream") is True,
-                                               headers)
+                                               headers, after=after if isinstance(after, str) else None)
             except Exception as exc:  # a bug: this request fails alone, with an OpenAI body
                 log.exception("routing %s failed", path)
                 answer = error_answer(500, f"router error: {type(exc).__name__}: {exc}",
@@ -161,7 +169,8 @@ class RouterApp:
 
 _PROXIED: dict[str, Callable[[Any, int], RouteKey]] = {
     "/v1/completions": completion_key, "/v1/chat/completions": chat_key,
-    "/generate": generate_key}  # SGLang's native API
+    "/generate": generate_key,  # SGLang's native API
+    "/v1/responses": responses_key}
 
 
 async def _read_body(receive: Receive) -> bytes | None:

@@ -168,3 +168,16 @@ def chat_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) ->
     messages = body.get("messages")
     text = render_messages(messages) if isinstance(messages, list) else ""
     return text_key(text, _namespace(body), chunk_bytes)
+
+
+def responses_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:
+    """Key of a ``/v1/responses`` body: its ``instructions`` and ``input`` rendered as chat
+    messages are (a request continuing a stored response goes to the worker that holds it:
+    :class:`~prefixkv.router.proxy.Router` keeps which one)."""
+    items = body.get("input")
+    messages: list[Any] = [{"role": "user", "content": items}] if isinstance(items, str) else (
+        list(items) if isinstance(items, list) else [])
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    return text_key(render_messages(messages), _namespace(body), chunk_bytes)

@@ -24,6 +24,11 @@ Cancellation. When the client goes away, the HTTP front cancels :meth:`Router.di
 relay of its streamed :class:`~prefixkv.router.answer.Answer`; either way the upstream
 connection is aborted at once, so the worker sees its client leave and aborts the request.
 
+Conversations. A Responses API answer stored on its worker names its id in a header; a later
+request continuing it (``previous_response_id``) goes to that worker while it is healthy, the
+only one holding the conversation (elsewhere the worker answers 404), and so do ``GET`` /
+``DELETE /v1/responses/{id}``.
+
 Load. A worker's in-flight count rises when a request is sent to it and falls when that attempt
 is over: answer read, attempt failed or cancelled, or stream ended (a stream's relay owns it).
 """
@@ -36,6 +41,7 @@ import json
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
@@ -56,6 +62,10 @@ from prefixkv.router.workers import WorkerRegistry
 log = logging.getLogger("prefixkv.router")
 
 WORKER_HEADER = "x-prefixkv-worker"
+RESPONSE_ID_HEADER = "x-prefixkv-response-id"
+"""A worker's stored Responses API answer names its id here (``prefixkv.server.responses``)."""
+MAX_REMEMBERED = 65536
+"""Stored responses whose worker the router remembers (the oldest forgotten first)."""
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
 ERROR_CAUSE_HEADER = "x-prefixkv-error-cause"
 
@@ -89,6 +99,7 @@ class Router:
         self._probing: dict[str, asyncio.Task[None]] = {}
         # requests waiting on a worker that leaves the rotation are sent elsewhere (abandon)
         self.pool = UpstreamPool(timeout=config.request_timeout)
+        self._stored: OrderedDict[str, str] = OrderedDict()  # stored response id -> its worker
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -200,24 +211,34 @@ class Router:
         return refined
 
     async def dispatch(self, path: str, raw: bytes, key: RouteKey, stream: bool,
-                       headers: Mapping[str, str]) -> Answer:
-        """Send one request to a worker, retrying on others as the module docstring says."""
+                       headers: Mapping[str, str], *, after: str | None = None) -> Answer:
+        """Send one request to a worker, retrying on others as the module docstring says.
+
+        ``after``: the stored response a Responses API request continues
+        (``previous_response_id``); it goes to the worker that answered it while that one is
+        healthy (only it holds the conversation), bypassing the policy."""
         fwd = {h: headers[h] for h in _FORWARDED_HEADERS if h in headers}
         fwd["content-type"] = "application/json"
         tried: list[str] = []
         last_5xx: Answer | None = None
+        holder = self._stored.get(after) if after is not None else None
         while urls := self.workers.healthy(exclude=tried):
-            decision = self.policy.select(urls, self.workers.loads(), key)
-            url = decision.url
+            ratio: float | None = None
+            if holder in urls:
+                url, reason = holder, "conversation"
+            else:
+                decision = self.policy.select(urls, self.workers.loads(), key)
+                url, reason, ratio = decision.url, decision.reason, decision.match_ratio
             if tried:
                 self.metrics.retries.inc()
             tried.append(url)
-            self.metrics.observe_dispatch(url, decision.reason, decision.match_ratio)
+            self.metrics.observe_dispatch(url, reason, ratio)
             self.workers.begin(url)
             relayed = False  # once True, the answer's stream owns resp and the in-flight count
             try:
                 resp = await self.pool.post(url, path, raw, fwd)
                 retry = _worker_caused(resp)
+                self._remember(resp, url)
                 if stream and not retry:
                     relayed = True
                     self.workers.record_success(url)
@@ -246,6 +267,33 @@ class Router:
         self.metrics.unroutable.inc()
         return error_answer(503, "no healthy worker is available", type_="service_unavailable",
                             code="no_healthy_worker")
+
+    def _remember(self, resp: UpstreamResponse, url: str) -> None:
+        """Record which worker holds the stored response an answer announces."""
+        rid = resp.headers.get(RESPONSE_ID_HEADER)
+        if rid is not None and resp.status < 400:
+            self._stored[rid] = url
+            while len(self._stored) > MAX_REMEMBERED:
+                self._stored.popitem(last=False)
+
+    async def stored_response(self, method: str, response_id: str,
+                              headers: Mapping[str, str]) -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}`` from the worker holding it (a 404 when no
+        worker answered it through this router, or it is down)."""
+        url = self._stored.get(response_id)
+        if url is None or url not in self.workers.healthy():
+            return error_response(404, f"no stored response with id {response_id!r} on a healthy worker",
+                                  type_="not_found_error", code="response_not_found")
+        fwd = {h: headers[h] for h in _FORWARDED_HEADERS if h in headers}
+        try:
+            resp = await self.client.request(method, f"{url}/v1/responses/{response_id}", headers=fwd)
+        except httpx.HTTPError as exc:
+            return error_response(502, f"worker {url} failed: {exc}", type_="worker_error",
+                                  code="worker_failed")
+        if method == "DELETE" and resp.status_code == 200:
+            self._stored.pop(response_id, None)
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type"))
 
     def _relay(self, resp: UpstreamResponse, url: str) -> Answer:
         """A streamed answer passing the worker's pieces through; it owns ``resp`` and the

@@ -35,6 +35,10 @@ from prefixkv.server.protocol import NumLogprobs, PositiveInt, _Body
 MAX_STORED = 1024
 """Stored responses kept (the oldest is dropped first)."""
 
+RESPONSE_ID_HEADER = "x-prefixkv-response-id"
+"""Set on a stored response's answer (JSON or stream): the router sends a request continuing it
+(``previous_response_id``) to the worker that holds it."""
+
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
            "top_logprobs": "top_logprobs", "tools": "tools", "tool_choice": "tool_choice"}
 """The chat field an error names -> the Responses field it came from."""

@@ -27,6 +27,7 @@ from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.protocol import ChatCompletionRequest
 from prefixkv.server.responses import (
+    RESPONSE_ID_HEADER,
     ResponsesRequest,
     ResponseStore,
     assistant_turn,
@@ -65,9 +66,10 @@ def build_responses_router(serving: OpenAIServing, policy: FieldPolicy,
         except (APIError, ValidationError) as exc:
             raise chat_error(exc) from exc
         rid, created = new_id("resp"), now()
+        headers = {RESPONSE_ID_HEADER: rid} if body.store else None
         if isinstance(answer, StreamingResponse):
             events = _Events(rid, body, serving.model_name, created, store, history)
-            return EngineStreamingResponse(events.run(answer.body_iterator),
+            return EngineStreamingResponse(events.run(answer.body_iterator), headers=headers,
                                            media_type="text/event-stream")
         data = json.loads(bytes(answer.body))
         choice = data["choices"][0]
@@ -76,7 +78,7 @@ def build_responses_router(serving: OpenAIServing, policy: FieldPolicy,
                                output=output, usage_=usage(data.get("usage")), created=created)
         if body.store:
             store.put(resp, history + assistant_turn(output))
-        return JSONResponse(resp)
+        return JSONResponse(resp, headers=headers)
 
     @router.get("/responses/{response_id}")
     async def retrieve(response_id: str) -> dict[str, Any]:

@@ -92,6 +92,39 @@ def test_sglang_generate_is_routed_by_its_prefix(router: RouterServer) -> None:
     assert r2.json()["meta_info"]["cached_tokens"] >= len(prefix.encode()) - 32
 
 
+def test_responses_continue_on_the_worker_holding_the_conversation(router: RouterServer) -> None:
+    # a stored response lives on one worker: requests continuing it (previous_response_id), and
+    # GET / DELETE of it, go there (any other worker would answer 404), streamed or not
+    def respond(**body: object) -> httpx.Response:
+        return httpx.post(f"{router.url}/v1/responses", timeout=120,
+                          json={"max_output_tokens": 2, "temperature": 0, **body})
+
+    first = respond(input="[responses] " + "a long opening turn " * 20, instructions="Be brief.")
+    assert first.status_code == 200, first.text
+    holder, rid = first.headers[WORKER_HEADER], first.json()["id"]
+    # a long text another worker has cached: the policy alone would send a turn holding it there
+    for k in range(12):
+        other = f"[elsewhere {k}] " + "a passage another worker read " * 20
+        if respond(input=other, store=False).headers[WORKER_HEADER] != holder:
+            break
+    else:
+        pytest.fail("every text went to the holder")
+    for i in range(4):
+        nxt = respond(input=other + f" turn {i}?", instructions="Be brief.", previous_response_id=rid,
+                      stream=i % 2 == 1)
+        assert nxt.status_code == 200, nxt.text
+        assert nxt.headers[WORKER_HEADER] == holder
+        body = nxt.json() if i % 2 == 0 else json.loads(
+            [x for x in nxt.text.splitlines() if x.startswith("data: ")][-1][6:])["response"]
+        assert body["usage"]["input_tokens_details"]["cached_tokens"] > 50  # the earlier turns
+        rid = body["id"]
+    got = httpx.get(f"{router.url}/v1/responses/{rid}")
+    assert got.status_code == 200 and got.json()["id"] == rid
+    assert httpx.delete(f"{router.url}/v1/responses/{rid}").json()["deleted"] is True
+    assert httpx.get(f"{router.url}/v1/responses/{rid}").status_code == 404
+    assert respond(input="x", previous_response_id="resp_unknown").status_code == 404
+
+
 def test_trees_follow_the_workers_real_cache(router: RouterServer) -> None:
     r = complete(router.url, "[sharpen] " + "a fairly long document " * 70)
     worker = r.headers[WORKER_HEADER]
