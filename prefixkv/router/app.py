@@ -1,8 +1,8 @@
 """The router's HTTP front: an OpenAI-compatible app over a :class:`~prefixkv.router.proxy.Router`.
 
 Contract. :func:`create_app` builds the router's ASGI app (:class:`RouterApp`). The proxied
-routes, ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and SGLang's
-``/generate``, are served over raw ASGI
+routes, ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, Anthropic's
+``/v1/messages`` and SGLang's ``/generate``, are served over raw ASGI
 (the request path the router adds latency on: one body read, one JSON parse, the route key, the
 dispatch): the body must be a JSON object (else a 400 with an OpenAI-style error body); its route
 key and ``stream`` flag go to ``Router.dispatch``, which forwards the body unchanged (retries,
@@ -40,7 +40,14 @@ from prefixkv.router.admin import add_admin_routes
 from prefixkv.router.answer import error_answer, send_answer
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.errors import error_response
-from prefixkv.router.keys import RouteKey, chat_key, completion_key, generate_key, responses_key
+from prefixkv.router.keys import (
+    RouteKey,
+    chat_key,
+    completion_key,
+    generate_key,
+    messages_key,
+    responses_key,
+)
 from prefixkv.router.local import free_port
 from prefixkv.router.metrics import CONTENT_TYPE
 from prefixkv.router.proxy import WORKER_HEADER, Router
@@ -170,7 +177,7 @@ class RouterApp:
 _PROXIED: dict[str, Callable[[Any, int], RouteKey]] = {
     "/v1/completions": completion_key, "/v1/chat/completions": chat_key,
     "/generate": generate_key,  # SGLang's native API
-    "/v1/responses": responses_key}
+    "/v1/responses": responses_key, "/v1/messages": messages_key}  # Anthropic's
 
 
 async def _read_body(receive: Receive) -> bytes | None:

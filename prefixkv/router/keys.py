@@ -181,3 +181,14 @@ def responses_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTE
     if isinstance(instructions, str) and instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     return text_key(render_messages(messages), _namespace(body), chunk_bytes)
+
+
+def messages_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:
+    """Key of an Anthropic ``/v1/messages`` body: its ``system`` and ``messages`` rendered as chat
+    messages are."""
+    messages = body.get("messages")
+    turns: list[Any] = list(messages) if isinstance(messages, list) else []
+    system = body.get("system")
+    if system:
+        turns.insert(0, {"role": "system", "content": system})
+    return text_key(render_messages(turns), _namespace(body), chunk_bytes)

@@ -174,7 +174,7 @@ class PrecisePolicy:
         """``key`` with the prompt's token ids (see the module docstring), or ``key`` itself
         when no candidate publishes events or the ids cannot be had."""
         live = [u for u in urls if self.index.workers[u].live]
-        if not live or path.endswith("/responses"):  # (no token ids for Responses input here)
+        if not live or path.endswith(("/responses", "/messages")):  # (no ids for those inputs here)
             return key
         salt = body.get("cache_salt")
         ns = (salt, None) if isinstance(salt, str) else None

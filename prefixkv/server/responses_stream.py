@@ -92,7 +92,7 @@ def build_responses_router(serving: OpenAIServing, policy: FieldPolicy,
     return router
 
 
-async def _chat_chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
+async def chat_chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
     """The JSON chunks of a chat completion's SSE stream (up to ``[DONE]``)."""
     buf = b""
     async for piece in body:
@@ -142,7 +142,7 @@ class _Events:
         calls: dict[int, dict[str, str]] = {}
         finish, chat_usage, started = None, None, False
         try:
-            async for chunk in _chat_chunks(chat):
+            async for chunk in chat_chunks(chat):
                 if "error" in chunk:  # the engine failed after the stream started
                     err = chunk["error"]
                     yield self._event("error", code=err.get("code"), message=err.get("message"),

@@ -92,6 +92,19 @@ def test_sglang_generate_is_routed_by_its_prefix(router: RouterServer) -> None:
     assert r2.json()["meta_info"]["cached_tokens"] >= len(prefix.encode()) - 32
 
 
+def test_anthropic_messages_are_routed_by_their_system_prompt(router: RouterServer) -> None:
+    system = "[anthropic] " + "a long shared system prompt " * 25
+
+    def ask(q: str) -> httpx.Response:
+        return httpx.post(f"{router.url}/v1/messages", timeout=120, json={
+            "max_tokens": 2, "system": system, "messages": [{"role": "user", "content": q}]})
+
+    r1, r2 = ask("first?"), ask("second?")
+    assert r1.status_code == r2.status_code == 200, r1.text
+    assert r2.headers[WORKER_HEADER] == r1.headers[WORKER_HEADER]
+    assert r2.json()["usage"]["cache_read_input_tokens"] > 100
+
+
 def test_responses_continue_on_the_worker_holding_the_conversation(router: RouterServer) -> None:
     # a stored response lives on one worker: requests continuing it (previous_response_id), and
     # GET / DELETE of it, go there (any other worker would answer 404), streamed or not

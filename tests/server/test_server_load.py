@@ -126,8 +126,8 @@ def test_sglang_generate_clients_that_leave_are_aborted(server: LiveServer) -> N
         assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
 
 
-def test_responses_clients_that_leave_are_aborted(server: LiveServer) -> None:
-    # the Responses API runs on the chat path: a client that leaves, whole or streamed, is aborted
+def test_responses_and_messages_clients_that_leave_are_aborted(server: LiveServer) -> None:
+    # the Responses and Messages APIs run on the chat path: a client that leaves is aborted
     with httpx.Client(base_url=server.url, timeout=60) as http:
         before = wait_idle(http)
         body = {"model": MODEL, "input": unique_text("gone4", 30), "max_output_tokens": 3000,
@@ -142,6 +142,10 @@ def test_responses_clients_that_leave_are_aborted(server: LiveServer) -> None:
             lines = r.iter_lines()
             assert next(lines) == "event: response.created"
             assert any(line == "event: response.output_text.delta" for line in lines)
+        anthropic_body = {"model": MODEL, "max_tokens": 3000, "stream": True,
+                          "messages": [{"role": "user", "content": unique_text("gone5", 30)}]}
+        with http.stream("POST", "/v1/messages", json=anthropic_body) as r:  # Anthropic's too
+            assert any(line == "event: content_block_delta" for line in r.iter_lines())
         after = wait_idle(http, timeout=10)
         assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
         assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]

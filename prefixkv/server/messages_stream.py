@@ -1,0 +1,144 @@
+"""The Messages API routes and their event stream (:mod:`prefixkv.server.messages` has the
+request model and the translation to and from a chat completion).
+
+A streamed message is Anthropic's event sequence, each ``event: <type>`` + ``data: {json}``:
+``message_start`` (the message with no content and the prompt's usage: what was read from the
+cache is known once the prompt is prefilled, so it follows the first token), for text
+``content_block_start`` / ``content_block_delta`` (``text_delta``) / ``content_block_stop``, for
+each tool call a ``tool_use`` block with one ``input_json_delta``, then ``message_delta``
+(``stop_reason``, ``stop_sequence``, the final ``usage``) and ``message_stop``. An engine failure
+mid-stream is an ``error`` event. Closing the stream (the client left) closes the chat stream
+under it, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from prefixkv.server.errors import APIError
+from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    chat_body,
+    content_blocks,
+    count_body,
+    message_object,
+    stop_reason,
+    usage,
+)
+from prefixkv.server.protocol import ChatCompletionRequest
+from prefixkv.server.responses import new_id
+from prefixkv.server.responses_stream import chat_chunks
+from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing
+
+
+def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
+                          check_model: Callable[[str | None], None]) -> APIRouter:
+    """``/messages`` routes (mounted under ``/v1``) running on ``serving``'s chat path."""
+    router = APIRouter()
+
+    @router.post("/messages", response_model=None)
+    async def create(body: MessagesRequest, request: Request) -> Response:
+        policy.check(body)
+        check_model(body.model)
+        try:
+            chat = ChatCompletionRequest.model_validate(chat_body(body))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise APIError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param="messages") from exc
+        answer = await serving.chat(chat, request.is_disconnected)
+        mid = new_id("msg")
+        if isinstance(answer, StreamingResponse):
+            return EngineStreamingResponse(_events(mid, serving.model_name, answer.body_iterator),
+                                           media_type="text/event-stream")
+        data = json.loads(bytes(answer.body))
+        choice = data["choices"][0]
+        return JSONResponse(message_object(
+            mid, data["model"], content_blocks(choice["message"]),
+            stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(choice["message"].get("tool_calls"))),
+            usage(data.get("usage"))))
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        policy.check(body)
+        check_model(body.model)
+        messages, tools = count_body(body)
+        try:
+            extra: dict[str, Any] = {"tools": tools} if tools else {}
+            prompt = await serving.engine.chat_prompt_async(messages, True, **extra)
+        except ValueError as exc:
+            raise APIError(f"cannot render messages: {exc}", param="messages") from exc
+        return {"input_tokens": len(prompt["prompt_token_ids"])}
+
+    return router
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    data = json.dumps({"type": kind, **fields}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
+async def _events(mid: str, model: str, chat: AsyncIterable[Any]) -> AsyncIterator[bytes]:
+    """The events of one streamed message; closing this closes ``chat`` (aborting its request)."""
+    started = text_open = False
+    calls: dict[int, dict[str, str]] = {}
+    finish: str | None = None
+    matched: Any = None
+    chat_usage: dict[str, Any] | None = None
+    try:
+        async for chunk in chat_chunks(chat):
+            if "error" in chunk:  # the engine failed after the stream started
+                yield _event("error", error={"type": "api_error", "message": chunk["error"].get("message")})
+                return
+            chat_usage = chunk.get("usage") or chat_usage
+            if not started:
+                start = usage(chat_usage)
+                start["output_tokens"] = 0
+                yield _event("message_start", message=message_object(mid, model, [], (None, None), start))
+                started = True
+            for choice in chunk["choices"]:
+                delta = choice.get("delta") or {}
+                for tc in delta.get("tool_calls") or []:
+                    call = calls.setdefault(tc.get("index", 0), {"id": "", "name": "", "arguments": ""})
+                    fn = tc.get("function") or {}
+                    call["id"] = tc.get("id") or call["id"]
+                    call["name"] = fn.get("name") or call["name"]
+                    call["arguments"] += fn.get("arguments") or ""
+                if delta.get("content") and not delta.get("tool_calls"):
+                    if not text_open:
+                        yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                        text_open = True
+                    yield _event("content_block_delta", index=0,
+                                 delta={"type": "text_delta", "text": delta["content"]})
+                if choice.get("finish_reason"):
+                    finish, matched = choice["finish_reason"], choice.get("stop_reason")
+    finally:
+        aclose = getattr(chat, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if not started:  # (a chat stream always sends a chunk first; kept for safety)
+        yield _event("message_start", message=message_object(mid, model, [], (None, None), usage(None)))
+    index = 0
+    if text_open or not calls:
+        if not text_open:
+            yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        yield _event("content_block_stop", index=0)
+        index = 1
+    for _, c in sorted(calls.items()):
+        yield _event("content_block_start", index=index,
+                     content_block={"type": "tool_use", "id": c["id"], "name": c["name"], "input": {}})
+        yield _event("content_block_delta", index=index,
+                     delta={"type": "input_json_delta", "partial_json": c["arguments"]})
+        yield _event("content_block_stop", index=index)
+        index += 1
+    reason = stop_reason(finish, matched, bool(calls))
+    yield _event("message_delta", delta={"stop_reason": reason[0], "stop_sequence": reason[1]},
+                 usage=usage(chat_usage))
+    yield _event("message_stop")
