@@ -35,7 +35,7 @@ from prefixkv.server.messages import (
 )
 from prefixkv.server.protocol import ChatCompletionRequest
 from prefixkv.server.responses import new_id
-from prefixkv.server.responses_stream import chat_chunks
+from prefixkv.server.responses_stream import add_tool_calls, chat_chunks
 from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing
 
 
@@ -105,12 +105,7 @@ async def _events(mid: str, model: str, chat: AsyncIterable[Any]) -> AsyncIterat
                 started = True
             for choice in chunk["choices"]:
                 delta = choice.get("delta") or {}
-                for tc in delta.get("tool_calls") or []:
-                    call = calls.setdefault(tc.get("index", 0), {"id": "", "name": "", "arguments": ""})
-                    fn = tc.get("function") or {}
-                    call["id"] = tc.get("id") or call["id"]
-                    call["name"] = fn.get("name") or call["name"]
-                    call["arguments"] += fn.get("arguments") or ""
+                add_tool_calls(calls, delta)
                 if delta.get("content") and not delta.get("tool_calls"):
                     if not text_open:
                         yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})

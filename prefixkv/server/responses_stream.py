@@ -105,6 +105,16 @@ async def chat_chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]
             yield json.loads(data)
 
 
+def add_tool_calls(calls: dict[int, dict[str, str]], delta: dict[str, Any]) -> None:
+    """Fold a chat delta's ``tool_calls`` pieces into ``calls`` (by index: id, name, arguments)."""
+    for tc in delta.get("tool_calls") or []:
+        call = calls.setdefault(tc.get("index", 0), {"id": "", "name": "", "arguments": ""})
+        fn = tc.get("function") or {}
+        call["id"] = tc.get("id") or call["id"]
+        call["name"] = fn.get("name") or call["name"]
+        call["arguments"] += fn.get("arguments") or ""
+
+
 class _Events:
     """One streamed response: the chat chunks in, the Responses events out."""
 
@@ -154,12 +164,7 @@ class _Events:
                 chat_usage = chunk.get("usage") or chat_usage
                 for choice in chunk["choices"]:
                     delta = choice.get("delta") or {}
-                    for tc in delta.get("tool_calls") or []:
-                        call = calls.setdefault(tc.get("index", 0), {"id": "", "name": "", "arguments": ""})
-                        fn = tc.get("function") or {}
-                        call["id"] = tc.get("id") or call["id"]
-                        call["name"] = fn.get("name") or call["name"]
-                        call["arguments"] += fn.get("arguments") or ""
+                    add_tool_calls(calls, delta)
                     if delta.get("content") and not delta.get("tool_calls"):
                         if not started:
                             for event in self._text_start():

@@ -9,6 +9,22 @@ import openai
 from server_live import MODEL, LiveServer, unique_text, wait_idle
 
 
+def _post_and_leave(url: str, body: dict[str, object]) -> None:
+    """Post ``body`` and hang up after a second (a long generation is still running)."""
+    try:
+        httpx.post(url, json=body, timeout=1.0)
+    except httpx.ReadTimeout:
+        return  # the client gave up and closed the connection
+    raise AssertionError("3,000 tokens should take longer than 1 s")
+
+
+def _assert_aborted(http: httpx.Client, before: dict[str, int]) -> None:
+    """The long generations since ``before`` were cut short and every block is free or cached."""
+    after = wait_idle(http, timeout=10)
+    assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
+    assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
+
+
 def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
     prompt = unique_text("tenant", 40)
 
@@ -73,9 +89,7 @@ def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
             assert running["num_running"] == 1
             assert running["num_free_blocks"] < before["num_free_blocks"]
         # Leaving the block closed the connection: the request is aborted, its blocks freed.
-        after = wait_idle(http, timeout=10)
-        assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
-        assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
+        _assert_aborted(http, before)
 
 
 def test_chat_without_max_tokens_is_accepted(server: LiveServer) -> None:
@@ -96,15 +110,8 @@ def test_disconnect_while_waiting_for_a_non_streaming_reply(server: LiveServer) 
         before = wait_idle(http)
         body = {"model": MODEL, "prompt": unique_text("gone2", 30), "max_tokens": 3000,
                 "temperature": 0}
-        try:
-            httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
-        except httpx.ReadTimeout:
-            pass  # the client gave up and closed the connection
-        else:
-            raise AssertionError("3,000 tokens should take longer than 1 s")
-        after = wait_idle(http, timeout=10)
-        assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
-        assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
+        _post_and_leave(server.url + "/v1/completions", body)
+        _assert_aborted(http, before)
 
 
 def test_sglang_generate_clients_that_leave_are_aborted(server: LiveServer) -> None:
@@ -113,17 +120,10 @@ def test_sglang_generate_clients_that_leave_are_aborted(server: LiveServer) -> N
         before = wait_idle(http)
         body = {"text": unique_text("gone3", 30), "sampling_params": {"max_new_tokens": 3000, "temperature": 0,
                                                                      "ignore_eos": True}}
-        try:
-            httpx.post(server.url + "/generate", json=body, timeout=1.0)
-        except httpx.ReadTimeout:
-            pass
-        else:
-            raise AssertionError("3,000 tokens should take longer than 1 s")
+        _post_and_leave(server.url + "/generate", body)
         with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
             assert next(r.iter_lines()).startswith("data: ")
-        after = wait_idle(http, timeout=10)
-        assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
-        assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
+        _assert_aborted(http, before)
 
 
 def test_responses_and_messages_clients_that_leave_are_aborted(server: LiveServer) -> None:
@@ -132,12 +132,7 @@ def test_responses_and_messages_clients_that_leave_are_aborted(server: LiveServe
         before = wait_idle(http)
         body = {"model": MODEL, "input": unique_text("gone4", 30), "max_output_tokens": 3000,
                 "temperature": 0}
-        try:
-            httpx.post(server.url + "/v1/responses", json=body, timeout=1.0)
-        except httpx.ReadTimeout:
-            pass
-        else:
-            raise AssertionError("3,000 tokens should take longer than 1 s")
+        _post_and_leave(server.url + "/v1/responses", body)
         with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines) == "event: response.created"
@@ -146,6 +141,4 @@ def test_responses_and_messages_clients_that_leave_are_aborted(server: LiveServe
                           "messages": [{"role": "user", "content": unique_text("gone5", 30)}]}
         with http.stream("POST", "/v1/messages", json=anthropic_body) as r:  # Anthropic's too
             assert any(line == "event: content_block_delta" for line in r.iter_lines())
-        after = wait_idle(http, timeout=10)
-        assert after["num_generated_tokens"] - before["num_generated_tokens"] < 3000
-        assert after["num_free_blocks"] + after["num_cached_blocks"] == after["num_kv_blocks"]
+        _assert_aborted(http, before)
