@@ -45,6 +45,7 @@ from prefixkv.router.keys import (
     chat_key,
     completion_key,
     generate_key,
+    hinted_key,
     messages_key,
     responses_key,
 )
@@ -154,7 +155,7 @@ class RouterApp:
         try:
             router = self.router
             try:
-                key = await router.refine_key(path, body, key_of(body, self._chunk_bytes),
+                key = await router.refine_key(path, body, hinted_key(key_of, body, self._chunk_bytes),
                                               headers)
                 after = body.get("previous_response_id")
                 answer = await router.dispatch(path, raw, key, body.get("stream") is True,

@@ -192,3 +192,19 @@ def messages_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES
     if system:
         turns.insert(0, {"role": "system", "content": system})
     return text_key(render_messages(turns), _namespace(body), chunk_bytes)
+
+
+def hinted_key(key_of: Any, body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:
+    """``key_of(body)``, unless the body carries OpenAI's ``prompt_cache_key`` (a client's hint
+    that requests sharing it share a prompt prefix): then a key of that string alone, so such
+    requests go to the worker that took the first of them (the policy's load rules still
+    apply: when that worker is overloaded the key overflows to another, as OpenAI's does)."""
+    hint = body.get("prompt_cache_key")
+    if isinstance(hint, str) and hint:
+        return text_key(_HINT + hint, _namespace(body), chunk_bytes)
+    result: RouteKey = key_of(body, chunk_bytes)
+    return result
+
+
+_HINT = "\x00prompt_cache_key\x00"
+"""Prefix of a hint key's text (no rendered prompt starts with it)."""

@@ -113,6 +113,9 @@ class SamplingRequest(_Body):
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
+    """OpenAI's cache routing hint: this server caches every prefix anyway; ``prefixkv route``
+    sends requests sharing a key to the same worker."""
 
     @field_validator("stop")
     @classmethod

@@ -132,6 +132,7 @@ class ResponsesRequest(_Body):
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
     reasoning: dict[str, Any] | None = None
     background: StrictBool = False
     truncation: Literal["disabled", "auto"] | None = None

@@ -105,6 +105,19 @@ def test_anthropic_messages_are_routed_by_their_system_prompt(router: RouterServ
     assert r2.json()["usage"]["cache_read_input_tokens"] > 100
 
 
+def test_requests_sharing_a_prompt_cache_key_go_to_one_worker(router: RouterServer) -> None:
+    # OpenAI's routing hint: different prompts, one key, one worker (their prefixes differ, so
+    # the cache-aware tree alone would spread them)
+    seen = set()
+    for i in range(4):
+        r = httpx.post(f"{router.url}/v1/chat/completions", timeout=120, json={
+            "max_tokens": 1, "prompt_cache_key": "tenant-42",
+            "messages": [{"role": "user", "content": f"[pck {i}] " + f"unrelated text {i} " * 30}]})
+        assert r.status_code == 200, r.text
+        seen.add(r.headers[WORKER_HEADER])
+    assert len(seen) == 1
+
+
 def test_responses_continue_on_the_worker_holding_the_conversation(router: RouterServer) -> None:
     # a stored response lives on one worker: requests continuing it (previous_response_id), and
     # GET / DELETE of it, go there (any other worker would answer 404), streamed or not
