@@ -95,7 +95,7 @@ class SGLangSampling(_Body):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            min_tokens=min(self.min_new_tokens, self.max_new_tokens or self.min_new_tokens),
+            min_tokens=0 if self.max_new_tokens == 0 else min(self.min_new_tokens, self.max_new_tokens or self.min_new_tokens),
             include_stop_str_in_output=self.no_stop_trim, structured_outputs=structured,
             logit_bias=None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()},
             **extra)

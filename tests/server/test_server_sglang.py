@@ -95,7 +95,7 @@ def test_generate_logprobs_as_sglang_frontend_select_asks(http: httpx.Client) ->
     choice from two tokens before its end: the prompt up to there is read from the cache, the
     logprobs after it equal the prompt logprobs of the OpenAI route (computed whole)."""
     prompt = PREFIX + "Pick one:"
-    cached = generate(http, text=prompt, sampling_params={"max_new_tokens": 0})
+    cached = generate(http, text=prompt, sampling_params={"max_new_tokens": 0, "min_new_tokens": 4})
     assert cached["text"] == "" and cached["output_ids"] == []
     assert cached["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert cached["meta_info"]["completion_tokens"] == 0
