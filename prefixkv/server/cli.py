@@ -20,6 +20,7 @@ import socket
 from prefixkv.config import EngineConfig
 from prefixkv.server.cli_compat import register_engine
 from prefixkv.server.cli_flags import add_engine_flags, engine_kwargs
+from prefixkv.server.cli_kv_compat import add_kv_compat_flags, apply_kv_compat
 from prefixkv.server.limits import ServerLimits
 
 
@@ -88,6 +89,7 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                         f"keep theirs, so none sends on one being closed (default {KEEP_ALIVE_S})")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    add_kv_compat_flags(p)
     p.set_defaults(func=_serve)
 
 
@@ -133,6 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_prompts=args.max_prompts_per_request,
                           default_chat_max_tokens=args.default_chat_max_tokens)
+    apply_kv_compat(args)  # vLLM's / LMCache's offloading settings onto the tier flags
     config = EngineConfig.from_kwargs(**engine_kwargs(args))  # resolves --model first
     sock = _listen(args.host, args.port)
     names = list(args.served_model_name or [])
