@@ -13,7 +13,8 @@ Anthropic's terms: ``cache_read_input_tokens`` the prompt tokens read from the p
 ``input_tokens`` the rest (computed), ``cache_creation_input_tokens`` 0 (every computed block
 is cached; nothing is billed). Streaming: :mod:`prefixkv.server.messages_stream`.
 
-Not implemented, a 400 naming the field: image and document blocks, ``thinking`` enabled.
+Not implemented, a 400 naming the field: image and document blocks, ``thinking`` enabled,
+server-side tools (``mcp_servers``, ``container``, and tools without an ``input_schema``).
 ``cache_control`` marks are accepted and need nothing: every prefix is cached automatically.
 """
 
@@ -93,6 +94,8 @@ class MessagesRequest(_Body):
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     service_tier: str | None = None
+    mcp_servers: Any = None
+    container: Any = None
 
 
 class CountTokensRequest(_Body):
@@ -125,7 +128,7 @@ def _turns(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id or "", "content": b.plain()})
             else:
                 raise APIError(f"a {b.type!r} block in a {m.role} message is not supported by this server",
-                               param=f"messages.{i}.content.{j}")
+                               param=f"messages[{i}].content[{j}]")
         if text or calls or m.role == "assistant":
             turn: dict[str, Any] = {"role": m.role, "content": "".join(text)}
             if calls:
@@ -138,6 +141,9 @@ def chat_body(req: MessagesRequest) -> dict[str, Any]:
     """The chat completion request for ``req``."""
     if req.thinking is not None and req.thinking.get("type") == "enabled":
         raise APIError("extended thinking is not supported by this server", param="thinking")
+    for name in ("mcp_servers", "container"):  # server-side tools: the answer would differ
+        if getattr(req, name) is not None:
+            raise APIError(f"{name} is not supported by this server", param=name)
     body: dict[str, Any] = {"model": req.model, "messages": _turns(req), "max_tokens": req.max_tokens,
                             "stream": req.stream}
     if req.stop_sequences:

@@ -92,11 +92,15 @@ def test_tool_use_and_tool_results(claude: Any) -> None:
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
-     400, "messages.0.content.0"),
+     400, "messages[0].content[0]"),
     ({"max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024},
       "messages": [{"role": "user", "content": "x"}]}, 400, "thinking"),
     ({"max_tokens": 4, "model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ({"max_tokens": 4, "messages": []}, 400, "messages"),
+    ({"max_tokens": 4, "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}],
+      "messages": [{"role": "user", "content": "x"}]}, 400, "mcp_servers"),
+    ({"max_tokens": 4, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "messages": [{"role": "user", "content": "x"}]}, 400, "tools[0].input_schema"),
 ])
 def test_errors_name_the_field(http: httpx.Client, body: dict[str, Any], status: int, param: str) -> None:
     r = http.post("/v1/messages", json={"model": MODEL, **body})
