@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, model_validator
 
+from prefixkv import __version__
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import CompletionOutput, RequestOutput
 from prefixkv.engine.sampling_params import SamplingParams
@@ -41,6 +42,9 @@ from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import TokenId, _Body
 from prefixkv.server.serving import EngineStreamingResponse, engine_failure, finish_unless_gone
 from prefixkv.server.sglang_logprobs import LogprobFormatter, LogprobOptions
+
+HEALTH_TIMEOUT_S = 20.0
+"""How long ``/health_generate`` waits for its token (SGLang's ``HEALTH_CHECK_TIMEOUT``)."""
 
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
            "or waiting requests, the operation will not be performed.)\n")
@@ -232,6 +236,32 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
     async def flush_cache() -> Response:
         await engine.reset_prefix_cache()
         return Response(FLUSHED, media_type="text/plain")
+
+    @router.get("/health_generate")
+    async def health_generate() -> Response:
+        """SGLang's deep health check: 200 once a one-token generation gives its first output
+        (a busy engine answers within a step), 503 when the engine fails or takes longer than
+        :data:`HEALTH_TIMEOUT_S`. Not counted in the request metrics (as SGLang's)."""
+        stream = engine.generate([0], SamplingParams(max_tokens=1, temperature=0.0),
+                                 request_id=f"health-{uuid.uuid4().hex}")
+        try:
+            await asyncio.wait_for(stream.__anext__(), HEALTH_TIMEOUT_S)
+        except (asyncio.TimeoutError, ValueError, RuntimeError, StopAsyncIteration):
+            return Response(status_code=503)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        return Response(status_code=200)
+
+    @router.get("/server_info")
+    @router.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        stats = await engine.get_stats()
+        return {"model_path": model_name, "served_model_name": model_name,
+                "context_length": engine.max_model_len, "page_size": stats.block_size,
+                "max_total_num_tokens": stats.num_kv_blocks * stats.block_size,
+                "disable_radix_cache": not stats.enable_prefix_caching, "dp_size": 1, "tp_size": 1,
+                "version": f"prefixkv {__version__}",
+                "internal_states": [{"num_running": stats.num_running, "num_waiting": stats.num_waiting}]}
 
     @router.get("/model_info")
     @router.get("/get_model_info")

@@ -9,7 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
-from server_live import MODEL
+from server_live import MODEL, start_server
+
+from prefixkv.engine import AsyncEngine
 
 PREFIX = "You are a helpful assistant. Keep it short. " * 6
 
@@ -85,6 +87,10 @@ def test_generate_errors_name_the_field(http: httpx.Client) -> None:
         r = http.post("/generate", json=body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.json())
+    assert http.get("/health_generate").status_code == 200  # a real one-token generation
+    server = http.get("/server_info").json()
+    assert server["page_size"] > 0 and server["max_total_num_tokens"] >= server["page_size"]
+    assert server["disable_radix_cache"] is False and http.get("/get_server_info").json()["dp_size"] == 1
     info = http.get("/model_info").json()
     assert info["model_path"] == MODEL and info["is_generation"] is True
     assert http.get("/get_model_info").json() == info
@@ -132,3 +138,16 @@ def test_generate_logprobs_as_sglang_frontend_select_asks(http: httpx.Client) ->
                                                                    "ignore_eos": True}}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]  # so far, each event
+
+
+def test_health_generate_is_503_when_the_engine_is_gone() -> None:
+    engine = AsyncEngine.from_args(None, block_size=16, num_kv_blocks=16)
+    live = start_server(engine)
+    try:
+        assert httpx.get(live.url + "/health_generate", timeout=30).status_code == 200
+        engine.shutdown()
+        assert httpx.get(live.url + "/health_generate", timeout=30).status_code == 503
+        assert httpx.get(live.url + "/health", timeout=30).status_code == 503
+    finally:
+        live.stop()
+        engine.shutdown()
