@@ -241,6 +241,12 @@ class AsyncEngine:
         _, ids = await asyncio.to_thread(self.engine.tokenize, prompt)
         return await self.call(lambda e: e.unpin_prefix(ids, cache_salt=cache_salt, lora_id=lora_id))
 
+    async def lookup_prefix(self, prompt: PromptInput, *, cache_salt: Hashable | None = None
+                            ) -> tuple[int, dict[str, int]]:
+        """The prompt's token count and where its prefix is cached (:meth:`LLMEngine.lookup_prefix`)."""
+        _, ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+        return len(ids), await self.call(lambda e: e.lookup_prefix(ids, cache_salt=cache_salt))
+
     async def list_pinned(self) -> list[PinnedPrefix]:
         """Pinned prefixes, oldest first."""
         return await self.call(lambda e: e.list_pinned())

@@ -57,6 +57,10 @@ class CacheAdmin:
         """Whether every full block of ``token_ids`` is cached (``ValueError``: caching off)."""
         return self.kv.is_cached(list(token_ids), namespace)
 
+    def lookup(self, token_ids: Sequence[int], namespace: Hashable | None) -> dict[str, int]:
+        """Where the prefix of ``token_ids`` is cached: :meth:`KVManager.lookup`."""
+        return self.kv.lookup(list(token_ids), namespace)
+
     def prepare_pin(self, token_ids: Sequence[int], namespace: Hashable | None) -> bool:
         """Refuse a pin that cannot succeed *before* anything is computed for it; returns
         whether its blocks must be prefilled first.

@@ -295,6 +295,29 @@ class KVManager:
         full = len(token_ids) // self.block_size * self.block_size
         return cache.match_prefix(token_ids, namespace=namespace).match_length >= full
 
+    def lookup(self, token_ids: list[int], namespace: Hashable | None) -> dict[str, int]:
+        """Where a request for ``token_ids`` would read its cached prefix from, in tokens (all
+        but the last, which a request always computes): ``pool`` (the index's match, partial
+        rows included), then per lower tier the whole
+        blocks after it that tier would supply (host, disk, remote: the first holding each,
+        up to the first block none holds), and ``reusable``, their sum. Nothing is read or
+        moved; the pool's match counts as a query and refreshes the matched prefix's recency,
+        as a request's match does. ``ValueError`` with caching off."""
+        readable = token_ids[:-1]
+        match = self.require_cache().match_prefix(readable, namespace=namespace)
+        bs = self.block_size
+        full = match.match_length
+        out = {"pool": full + match.partial_tokens}
+        if self.tiers is not None:
+            chain = self.tiers.keyer.extend([], readable, len(readable) // bs, namespace)
+            found = self.tiers.sources(chain[full // bs :])
+            for name in self.tiers.names():
+                out[name] = found.count(name) * bs
+            if found:  # whole blocks from below supersede the copied rows, as in admit
+                out["pool"] = full
+        out["reusable"] = sum(out.values())
+        return out
+
     def pin(self, token_ids: list[int], namespace: Hashable | None, description: str | None) -> PinnedPrefix:
         """Pin the cached full blocks of ``token_ids``; :class:`PinError` says why not. With
         lower tiers their keys are pinned there too (never evicted from the host or disk; on the

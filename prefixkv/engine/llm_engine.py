@@ -394,6 +394,10 @@ class LLMEngine:
         """Whether every full block of ``token_ids`` is in the index (``ValueError`` if caching is off)."""
         return self.cache_admin.is_cached(token_ids, _namespace(cache_salt, lora_id))
 
+    def lookup_prefix(self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None) -> dict[str, int]:
+        """Where ``token_ids``' prefix is cached, per tier (:meth:`KVManager.lookup`)."""
+        return self.cache_admin.lookup(token_ids, _namespace(cache_salt, None))
+
     def prepare_pin(
         self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None,
         lora_id: Hashable | None = None,

@@ -32,7 +32,7 @@ from prefixkv.router.errors import error_response
 __all__ = ["add_admin_routes", "admin_headers"]
 
 ADMIN_ROUTES = (("GET", "/v1/cache/stats"), ("GET", "/v1/cache/pinned"),
-                ("POST", "/v1/cache/pin"), ("POST", "/v1/cache/unpin"),
+                ("POST", "/v1/cache/pin"), ("POST", "/v1/cache/unpin"), ("POST", "/v1/cache/lookup"),
                 ("POST", "/v1/cache/reset"), ("POST", "/reset_prefix_cache"))
 
 

@@ -5,6 +5,11 @@
     GET  /v1/cache/stats     engine + index counters
     POST /v1/cache/pin       {"token_ids" | "text" | "messages", "description"?, "cache_salt"?}
     POST /v1/cache/unpin     {"token_ids" | "text" | "messages", "cache_salt"?}
+    POST /v1/cache/lookup    the same body -> {"prompt_tokens", "cached_tokens": what a request
+                             with that prompt would read, "tiers": {"pool", "host", "disk",
+                             "remote": the tokens of it each would supply}} (nothing is read or
+                             moved; the pool's match refreshes the prefix's recency, as a
+                             request's would)
     GET  /v1/cache/pinned    {"object": "list", "data": [pinned prefix, ...]}
     POST /v1/cache/reset     unpin everything, drop every unlocked cached block and the host
                              tier's; ``?tiers=all`` (or body ``{"tiers": "all"}``) also clears
@@ -40,7 +45,7 @@ from prefixkv.cache.protocol import PinnedPrefix
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import EngineStats
 from prefixkv.server.errors import APIError
-from prefixkv.server.protocol import PinRequest, PrefixSpec, UnpinRequest
+from prefixkv.server.protocol import LookupRequest, PinRequest, PrefixSpec, UnpinRequest
 
 
 def _bearer(request: Request) -> str | None:
@@ -154,6 +159,16 @@ def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[..., Aw
             raise APIError("that prefix is not pinned", status=404, param=_param(body),
                            code="not_pinned")
         return {"unpinned": True}
+
+    @router.post("/lookup")
+    async def lookup(body: LookupRequest) -> dict[str, Any]:
+        await require_caching()
+        try:
+            num, found = await engine.lookup_prefix(await _prompt(engine, body), cache_salt=body.cache_salt)
+        except ValueError as exc:
+            raise APIError(str(exc), param=_param(body)) from exc
+        reusable = found.pop("reusable")
+        return {"prompt_tokens": num, "cached_tokens": reusable, "tiers": found}
 
     @router.get("/pinned")
     async def pinned() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``prefixkv cache stats | pin | unpin | list-pinned | reset``: seed 004's cache commands.
+"""``prefixkv cache stats | pin | unpin | lookup | list-pinned | reset``: seed 004's cache commands
+(``lookup``: where a prompt's prefix is cached, per tier).
 
 A client of a running ``prefixkv serve`` (``--url``, default ``$PREFIXKV_BASE_URL`` or
 http://127.0.0.1:8000) or of ``prefixkv route``, whose admin routes answer with every worker's
@@ -57,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     common(q)
     prefix(q)
     q.set_defaults(func=_cache_unpin)
+    q = csub.add_parser("lookup", help="where a prefix is cached: the pool and each KV tier")
+    common(q)
+    prefix(q)
+    q.set_defaults(func=_cache_lookup)
     q = csub.add_parser("list-pinned", help="list pinned prefixes")
     common(q)
     q.set_defaults(func=_cache_list_pinned)
@@ -204,6 +209,14 @@ def _cache_pin(args: argparse.Namespace) -> int:
 def _cache_unpin(args: argparse.Namespace) -> int:
     return _show(args, _request(args, "POST", "/v1/cache/unpin", _prefix_body(args)),
                  lambda _: "unpinned")
+
+
+def _cache_lookup(args: argparse.Namespace) -> int:
+    def text(d: dict[str, Any]) -> str:
+        parts = ", ".join(f"{name} {n}" for name, n in d["tiers"].items())
+        return f"{d['cached_tokens']} of {d['prompt_tokens']} prompt tokens cached ({parts})"
+
+    return _show(args, _request(args, "POST", "/v1/cache/lookup", _prefix_body(args)), text)
 
 
 def _cache_list_pinned(args: argparse.Namespace) -> int:

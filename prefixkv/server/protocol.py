@@ -353,5 +353,9 @@ class PinRequest(PrefixSpec):
     description: str | None = None
 
 
+class LookupRequest(PrefixSpec):
+    """``POST /v1/cache/lookup``: where a prefix is cached (any length)."""
+
+
 class UnpinRequest(PrefixSpec):
     """``POST /v1/cache/unpin``."""

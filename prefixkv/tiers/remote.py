@@ -182,6 +182,20 @@ class RemoteTier:
                 self._remember(key)
         return out
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the server holds each of ``keys`` (one pipelined ``EXISTS`` each; all
+        ``False`` while the remote is down or when the call fails)."""
+        if not keys or not self.is_up:
+            return [False] * len(keys)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(PREFIX + key)
+            return [bool(n) for n in pipe.execute()]
+        except Exception as exc:  # noqa: BLE001 - any client failure degrades to a miss
+            self._failed(exc)
+            return [False] * len(keys)
+
     def clear(self) -> int | None:
         """Wait for queued writes, then delete every prefixkv block on the server (``pkv:*``,
         every model's and every worker's: the tier is shared); returns how many, or ``None``

@@ -192,6 +192,30 @@ class TieredStore:
         if self.prefetcher is not None:
             self.prefetcher.cancel(job)
 
+    def names(self) -> list[str]:
+        """The lower tiers this store has, in lookup order."""
+        return [n for n, t in (("host", self.host), ("disk", self.disk), ("remote", self.remote))
+                if t is not None]
+
+    def sources(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier each of the leading ``keys`` would be read from (host, then disk, then
+        remote, as :meth:`lookup` looks), up to the first key no tier holds; nothing is read,
+        held or reordered (a remote tier is asked once, pipelined ``EXISTS``)."""
+        checks: list[tuple[str, list[bool]]] = []
+        if self.host is not None:
+            checks.append(("host", [k in self.host for k in keys]))
+        if self.disk is not None:
+            checks.append(("disk", [self.disk.contains(k) for k in keys]))
+        if self.remote is not None:
+            checks.append(("remote", self.remote.present(keys)))
+        out: list[str] = []
+        for j in range(len(keys)):
+            name = next((n for n, found in checks if found[j]), None)
+            if name is None:
+                break
+            out.append(name)
+        return out
+
     def lookup(self, keys: Sequence[bytes]) -> list[TierHit]:
         """Hits for the longest run of leading ``keys`` found in some tier (host first, then
         prefetched blocks, disk, remote). Host hits stay held until :meth:`load` or
@@ -327,3 +351,4 @@ class TieredStore:
         for tier in (self.disk, self.remote):
             if tier is not None:
                 tier.close(wait=wait)
+

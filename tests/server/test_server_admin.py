@@ -53,6 +53,20 @@ def test_pin_list_unpin_reset_round_trip(server: LiveServer,
     assert stats["cache"]["pinned_blocks"] == 0
 
 
+def test_lookup_tells_what_a_request_would_read(server: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = unique_text("lookup", 40)
+    code, out, _ = _cli(capsys, "cache", "lookup", "--text", prompt, "--url", server.url)
+    assert code == 0 and out.startswith("0 of ") and "(pool 0)" in out
+    httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    found = httpx.post(server.url + "/v1/cache/lookup", json={"text": prompt + " and more"}).json()
+    assert found["cached_tokens"] == found["tiers"]["pool"] >= len(prompt) - BLOCK_SIZE
+    again = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt + " and more",
+                                                              "max_tokens": 1}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == found["cached_tokens"]
+    salted = httpx.post(server.url + "/v1/cache/lookup", json={"text": prompt, "cache_salt": "t2"}).json()
+    assert salted["cached_tokens"] == 0  # another tenant's namespace
+
+
 def test_pin_messages_then_chat_hits(http: httpx.Client, client: openai.OpenAI) -> None:
     system = {"role": "system", "content": unique_text("chat-sys", 30)}
     r = http.post("/v1/cache/pin", json={"messages": [system], "description": "sys"})

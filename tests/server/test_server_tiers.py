@@ -51,7 +51,13 @@ def test_host_tier_hits_are_cached_tokens_and_visible() -> None:
             a, b = text(1, 600), text(2, 600)
             first = complete(a)
             complete(b)  # 48 blocks hold one of them: a's blocks go to host memory
+            where = http.post("/v1/cache/lookup", json={"text": a}).json()  # read-only
+            assert where["tiers"]["host"] >= 256 and where["tiers"]["pool"] > 0  # the head stayed
+            assert where["prompt_tokens"] == 600 and where["cached_tokens"] >= 512
+            assert where["cached_tokens"] == where["tiers"]["pool"] + where["tiers"]["host"]
+            assert http.post("/v1/cache/lookup", json={"text": a}).json() == where  # nothing moved
             again = complete(a)
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == where["cached_tokens"]
             assert again["choices"][0]["text"] == first["choices"][0]["text"]
             cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= 512

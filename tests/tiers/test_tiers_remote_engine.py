@@ -80,3 +80,25 @@ def test_remote_never_up_still_serves(make_llm: Any, tokens: Any) -> None:
     outs = llm.generate([tokens(30, 50), tokens(31, 50)], GREEDY)
     assert all(o.error is None and len(o.outputs[0].token_ids) == 4 for o in outs)
     assert tier(llm, "remote").errors >= 1
+
+
+def test_lookup_says_where_a_prefix_is_cached(valkey: Any, make_llm: Any, tokens: Any, tmp_path: Any) -> None:
+    """``lookup_prefix``: the pool's match, each lower tier's leading run (Valkey asked with
+    EXISTS), and what a request would read: equal to what the request then reads."""
+    prompt = tokens(3, 200)
+    a = make_llm(block_size=16, kv_remote=valkey.url)
+    a.generate([prompt], GREEDY)
+    assert a.engine.kv.tiers.flush()
+    found = a.engine.lookup_prefix(prompt)
+    assert found == {"pool": 192, "remote": 0, "reusable": 192}  # whole blocks: 204 tokens ran
+    b = make_llm(block_size=16, kv_remote=valkey.url, kv_offload_size=64, kv_disk_dir=str(tmp_path))
+    before = b.engine.lookup_prefix(prompt)
+    assert before == {"pool": 0, "host": 0, "disk": 0, "remote": 192, "reusable": 192}
+    assert tier(b, "remote").hits == 0  # nothing was read
+    out = b.generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens == before["reusable"]
+    assert b.engine.lookup_prefix(prompt, cache_salt="other")["reusable"] == 0  # another tenant
+    c = make_llm(block_size=16, kv_remote=valkey.url)
+    assert c.engine.lookup_prefix(prompt)["remote"] == 192
+    valkey.kill()
+    assert c.engine.lookup_prefix(prompt) == {"pool": 0, "remote": 0, "reusable": 0}  # dead: a miss
