@@ -72,6 +72,8 @@ def engine_gauges(s: EngineStats) -> EngineGauges:
         token_hit_rate=c.token_hit_rate if c else 0.0,
         tiers=tuple(s.tiers or ()),
         num_preemptions=s.num_preemptions,
+        block_size=s.block_size,
+        enable_prefix_caching=s.enable_prefix_caching,
     )
 
 

@@ -60,7 +60,7 @@ VLLM_ALIASES = (
     "prompt_tokens_cached", "external_prefix_cache_queries", "external_prefix_cache_hits",
     "request_prefill_kv_computed_tokens",
     "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
-    "num_preemptions", "request_prompt_tokens", "request_generation_tokens",
+    "num_preemptions", "request_prompt_tokens", "request_generation_tokens", "cache_config_info",
     *(name for name, _, _ in _PHASES),
 )
 """Our ``prefixkv:<name>`` series that are also exported as ``vllm:<name>``. Not
@@ -88,6 +88,8 @@ class EngineGauges:
     token_hit_rate: float
     tiers: tuple[TierStats, ...] = ()
     num_preemptions: int = 0
+    block_size: int = 0
+    enable_prefix_caching: bool = True
 
 
 class _EngineCollector(Collector):
@@ -134,6 +136,15 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Running requests preempted (their KV freed, to be "
                       "recomputed) for room.", s.num_preemptions)
         yield from _tier_metrics(self._model, s.tiers)
+        host = next((t.capacity_blocks for t in s.tiers if t.tier == "host"), 0)
+        info = GaugeMetricFamily("prefixkv:cache_config_info", "The KV cache's configuration "
+                                 "(vLLM's labels: the pool is its GPU blocks, the host tier its "
+                                 "CPU blocks); the value is 1.", labels=[
+                                     "model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                                     "enable_prefix_caching"])
+        info.add_metric([self._model, str(s.block_size), str(s.num_kv_blocks), str(host),
+                         str(s.enable_prefix_caching)], 1.0)
+        yield info
 
 
 _TIER_SERIES = (  # (name, kind, TierStats field, help); one series per tier (label "tier")

@@ -83,6 +83,10 @@ def test_vllm_metric_names_for_existing_dashboards(http: httpx.Client, client: o
     ours = {line.split("{")[0].replace("prefixkv:", "vllm:"): line.rsplit(" ", 1)[1]
             for line in text.splitlines() if line.startswith("prefixkv:prefix_cache_queries_total")}
     assert values["vllm:prefix_cache_queries_total"].rsplit(" ", 1)[1] == ours["vllm:prefix_cache_queries_total"]
+    stats = http.get("/v1/cache/stats").json()  # the cache's configuration, vLLM's info series
+    info = values["vllm:cache_config_info"]
+    assert f'num_gpu_blocks="{stats["num_kv_blocks"]}"' in info and f'block_size="{stats["block_size"]}"' in info
+    assert 'enable_prefix_caching="True"' in info and 'num_cpu_blocks="0"' in info and info.endswith(" 1.0")
 
 
 PHASES = ["request_queue_time_seconds", "request_prefill_time_seconds",
