@@ -237,7 +237,9 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
         await engine.reset_prefix_cache()
         return Response(FLUSHED, media_type="text/plain")
 
-    @router.get("/health_generate")
+    @router.get("/health_generate", response_class=Response, responses={
+        200: {"description": "the engine generated a token (empty body)", "content": {}},
+        503: {"description": "the engine failed or was too slow (empty body)", "content": {}}})
     async def health_generate() -> Response:
         """SGLang's deep health check: 200 once a one-token generation gives its first output
         (a busy engine answers within a step), 503 when the engine fails or takes longer than
