@@ -22,6 +22,7 @@ reasoning parser: a reasoning model's thoughts stay in the text).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -201,10 +202,17 @@ def chat_error(exc: APIError | ValidationError) -> APIError:
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
-        return APIError(f"{loc}: {err['msg']}", param=_PARAMS.get(loc.split(".")[0], loc))
+        return APIError(f"{loc}: {err['msg']}", param=_responses_param(loc))
     if exc.param is not None:
-        exc.param = _PARAMS.get(exc.param.split(".")[0], exc.param)
+        exc.param = _responses_param(exc.param)
     return exc
+
+
+def _responses_param(chat_param: str) -> str:
+    """The Responses field a chat field path came from (``messages[2].content`` -> ``input``:
+    the chat messages' indices are not the input items')."""
+    head = re.match(r"\w+", chat_param)
+    return _PARAMS.get(head.group(0), chat_param) if head else chat_param
 
 
 def new_id(prefix: str) -> str:

@@ -125,3 +125,13 @@ def test_errors_name_the_field(http: httpx.Client, body: dict[str, object], stat
     assert r.status_code == status, r.text
     if param is not None:
         assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_chat_errors_name_the_responses_field() -> None:
+    from prefixkv.server.errors import APIError
+    from prefixkv.server.responses import chat_error
+
+    assert chat_error(APIError("x", param="messages[2].content")).param == "input"
+    assert chat_error(APIError("x", param="max_tokens")).param == "max_output_tokens"
+    assert chat_error(APIError("x", param="response_format.json_schema")).param == "text.format"
+    assert chat_error(APIError("x", param="seed")).param == "seed"  # no Responses counterpart
