@@ -8,7 +8,8 @@ dispatch): the body must be a JSON object (else a 400 with an OpenAI-style error
 key and ``stream`` flag go to ``Router.dispatch``, which forwards the body unchanged (retries,
 streaming and failures: see :mod:`prefixkv.router.proxy`). Every other route, and the lifespan
 that starts and stops the router, is a FastAPI app's: ``GET /v1/models`` (from a healthy
-worker), ``GET`` / ``DELETE /v1/responses/{id}`` (from the worker holding it), ``GET /health``,
+worker), ``GET`` / ``DELETE /v1/responses/{id}`` and its ``/input_items`` (from the worker
+holding it), ``GET /health``,
 ``GET /workers`` (the router's view), ``GET /metrics``, and the
 workers' cache admin routes fanned out to every worker (:mod:`prefixkv.router.admin`). :class:`RouterServer` serves the app
 with uvicorn in a background thread.
@@ -95,8 +96,11 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
 
     @app.get("/v1/responses/{response_id}")
     @app.delete("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}/input_items")
     async def stored_response(response_id: str, request: Request) -> Response:
-        return await router.stored_response(request.method, response_id, request.headers)
+        rest = request.url.path.split(f"/v1/responses/{response_id}", 1)[1]
+        return await router.stored_response(request.method, response_id, request.headers,
+                                            rest + (f"?{request.url.query}" if request.url.query else ""))
 
     add_admin_routes(app, config.worker_urls, lambda: router.client, config.admin_api_key,
                      config.request_timeout)
@@ -178,7 +182,8 @@ class RouterApp:
 _PROXIED: dict[str, Callable[[Any, int], RouteKey]] = {
     "/v1/completions": completion_key, "/v1/chat/completions": chat_key,
     "/generate": generate_key,  # SGLang's native API
-    "/v1/responses": responses_key, "/v1/messages": messages_key}  # Anthropic's
+    "/v1/responses": responses_key, "/v1/messages": messages_key,  # Anthropic's
+    "/v1/messages/count_tokens": messages_key}
 
 
 async def _read_body(receive: Receive) -> bytes | None:

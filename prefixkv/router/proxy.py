@@ -276,21 +276,22 @@ class Router:
             while len(self._stored) > MAX_REMEMBERED:
                 self._stored.popitem(last=False)
 
-    async def stored_response(self, method: str, response_id: str,
-                              headers: Mapping[str, str]) -> Response:
-        """``GET`` / ``DELETE /v1/responses/{id}`` from the worker holding it (a 404 when no
-        worker answered it through this router, or it is down)."""
+    async def stored_response(self, method: str, response_id: str, headers: Mapping[str, str],
+                              rest: str = "") -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}`` (``rest``: what follows the id, e.g.
+        ``/input_items?limit=5``) from the worker holding it (a 404 when no worker answered
+        it through this router, or it is down)."""
         url = self._stored.get(response_id)
         if url is None or url not in self.workers.healthy():
             return error_response(404, f"no stored response with id {response_id!r} on a healthy worker",
                                   type_="not_found_error", code="response_not_found")
         fwd = {h: headers[h] for h in _FORWARDED_HEADERS if h in headers}
         try:
-            resp = await self.client.request(method, f"{url}/v1/responses/{response_id}", headers=fwd)
+            resp = await self.client.request(method, f"{url}/v1/responses/{response_id}{rest}", headers=fwd)
         except httpx.HTTPError as exc:
             return error_response(502, f"worker {url} failed: {exc}", type_="worker_error",
                                   code="worker_failed")
-        if method == "DELETE" and resp.status_code == 200:
+        if method == "DELETE" and not rest and resp.status_code == 200:
             self._stored.pop(response_id, None)
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type"))

@@ -252,6 +252,8 @@ def _openapi_with_error_bodies(app: FastAPI) -> dict[str, Any]:
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             codes = ["400", "413", "500", "503"] if method == "post" else ["500", "503"]
+            if any(p.get("in") == "query" for p in op.get("parameters", [])):
+                codes.append("400")  # a bad query parameter
             if path.startswith("/v1") or path in _AUTHED_PATHS:
                 codes += ["401", "403", "404"]
             for code in codes:

@@ -12,7 +12,7 @@ its answer becomes a ``response`` object: ``output`` items (an assistant ``messa
 (:mod:`prefixkv.server.responses_stream`).
 
 Conversation state: a response is stored (``store``, default true) with the conversation it
-ended, in memory, the :data:`MAX_STORED` latest; ``previous_response_id`` continues it (the
+ended, in memory (:mod:`prefixkv.server.responses_store`); ``previous_response_id`` continues it (the
 earlier turns render to the same prompt prefix, so they are read from the prefix cache).
 ``instructions`` are not carried over (OpenAI's rule). Not implemented, a 400 naming the field:
 ``background``, ``truncation: "auto"``, ``conversation`` and ``prompt`` (server-side objects),
@@ -25,16 +25,12 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, ValidationError
 
 from prefixkv.server.errors import APIError
 from prefixkv.server.protocol import NumLogprobs, PositiveInt, _Body
-
-MAX_STORED = 1024
-"""Stored responses kept (the oldest is dropped first)."""
 
 RESPONSE_ID_HEADER = "x-prefixkv-response-id"
 """Set on a stored response's answer (JSON or stream): the router sends a request continuing it
@@ -276,38 +272,6 @@ def assistant_turn(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": "", "tool_calls": calls}]
     text = "".join(p["text"] for o in output if o["type"] == "message" for p in o["content"])
     return [{"role": "assistant", "content": text}]
-
-
-class ResponseStore:
-    """Stored responses and the conversation each ended (most recent :data:`MAX_STORED`)."""
-
-    def __init__(self, capacity: int = MAX_STORED) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
-
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self._items[response["id"]] = (response, conversation)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, rid: str) -> dict[str, Any]:
-        """The stored response ``rid`` (a 404 naming it if unknown or dropped)."""
-        return self._entry(rid)[0]
-
-    def conversation(self, rid: str) -> list[dict[str, Any]]:
-        """The messages response ``rid`` ended, its answer included (a 404 if unknown)."""
-        return list(self._entry(rid, param="previous_response_id")[1])
-
-    def delete(self, rid: str) -> None:
-        self._entry(rid)
-        del self._items[rid]
-
-    def _entry(self, rid: str, param: str = "response_id") -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        entry = self._items.get(rid)
-        if entry is None:
-            raise APIError(f"no stored response with id {rid!r} (responses are kept in memory, "
-                           f"the latest {self.capacity})", status=404, param=param)
-        return entry
 
 
 def now() -> int:

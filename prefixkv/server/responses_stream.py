@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -29,7 +29,6 @@ from prefixkv.server.protocol import ChatCompletionRequest
 from prefixkv.server.responses import (
     RESPONSE_ID_HEADER,
     ResponsesRequest,
-    ResponseStore,
     assistant_turn,
     chat_body,
     chat_error,
@@ -41,6 +40,7 @@ from prefixkv.server.responses import (
     response_object,
     usage,
 )
+from prefixkv.server.responses_store import ResponseStore, input_records
 from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing
 
 
@@ -77,12 +77,18 @@ def build_responses_router(serving: OpenAIServing, policy: FieldPolicy,
         resp = response_object(rid, body, data["model"], status=finished_status(choice["finish_reason"]),
                                output=output, usage_=usage(data.get("usage")), created=created)
         if body.store:
-            store.put(resp, history + assistant_turn(output))
+            store.put(resp, history + assistant_turn(output), input_records(body.input))
         return JSONResponse(resp, headers=headers)
 
     @router.get("/responses/{response_id}")
     async def retrieve(response_id: str) -> dict[str, Any]:
         return store.get(response_id)
+
+    @router.get("/responses/{response_id}/input_items")
+    async def input_items(response_id: str, order: Literal["asc", "desc"] = "desc",
+                          limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                          after: str | None = None) -> dict[str, Any]:
+        return store.input_items(response_id, order=order, limit=limit, after=after)
 
     @router.delete("/responses/{response_id}")
     async def delete(response_id: str) -> dict[str, Any]:
@@ -211,6 +217,6 @@ class _Events:
         status = finished_status(finish)
         final = self._response(status, output, usage(chat_usage))
         if self.req.store:
-            self.store.put(final, self.history + assistant_turn(output))
+            self.store.put(final, self.history + assistant_turn(output), input_records(self.req.input))
         yield self._event("response.completed" if status == "completed" else "response.incomplete",
                           response=final)

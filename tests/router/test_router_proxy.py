@@ -103,6 +103,9 @@ def test_anthropic_messages_are_routed_by_their_system_prompt(router: RouterServ
     assert r1.status_code == r2.status_code == 200, r1.text
     assert r2.headers[WORKER_HEADER] == r1.headers[WORKER_HEADER]
     assert r2.json()["usage"]["cache_read_input_tokens"] > 100
+    count = httpx.post(f"{router.url}/v1/messages/count_tokens", timeout=120, json={
+        "system": system, "messages": [{"role": "user", "content": "first?"}]})
+    assert count.status_code == 200 and count.json()["input_tokens"] > 100
 
 
 def test_requests_sharing_a_prompt_cache_key_go_to_one_worker(router: RouterServer) -> None:
@@ -146,6 +149,8 @@ def test_responses_continue_on_the_worker_holding_the_conversation(router: Route
         rid = body["id"]
     got = httpx.get(f"{router.url}/v1/responses/{rid}")
     assert got.status_code == 200 and got.json()["id"] == rid
+    items = httpx.get(f"{router.url}/v1/responses/{rid}/input_items", params={"limit": 1}).json()
+    assert items["data"][0]["content"][0]["text"] == other + " turn 3?"
     assert httpx.delete(f"{router.url}/v1/responses/{rid}").json()["deleted"] is True
     assert httpx.get(f"{router.url}/v1/responses/{rid}").status_code == 404
     assert respond(input="x", previous_response_id="resp_unknown").status_code == 404

@@ -43,6 +43,10 @@ def test_a_response_is_the_chat_answer_and_continues_from_the_cache(client: open
     assert second.usage is not None
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - BLOCK_SIZE
     assert client.responses.retrieve(first.id).output_text == text
+    items = client.responses.input_items.list(second.id)  # the SDK's paged list
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", follow)]
+    raw = client.responses.input_items.list(first.id, order="asc", limit=1)
+    assert raw.data[0].content[0].text == question and raw.has_more is False
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
@@ -94,6 +98,8 @@ def test_function_calls_and_their_outputs_round_trip(client: openai.OpenAI) -> N
         model=MODEL, previous_response_id=call.id, tools=tools, temperature=0,  # type: ignore[arg-type]
         max_output_tokens=4, input=[{"type": "function_call_output", "call_id": item.call_id,
                                      "output": '{"temp_c": 21}'}])
+    fed = client.responses.input_items.list(answer.id).data
+    assert fed[0].type == "function_call_output" and fed[0].call_id == item.call_id
     assert answer.output[0].type == "message" and answer.usage is not None
     assert answer.usage.input_tokens > call.usage.input_tokens  # type: ignore[union-attr]
 
@@ -135,3 +141,20 @@ def test_chat_errors_name_the_responses_field() -> None:
     assert chat_error(APIError("x", param="max_tokens")).param == "max_output_tokens"
     assert chat_error(APIError("x", param="response_format.json_schema")).param == "text.format"
     assert chat_error(APIError("x", param="seed")).param == "seed"  # no Responses counterpart
+
+
+def test_input_items_page_through_a_stored_response(http: httpx.Client) -> None:
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+             {"role": "user", "content": unique_text("items", 3)}]
+    rid = http.post("/v1/responses", json={"model": MODEL, "input": turns, "max_output_tokens": 1}).json()["id"]
+    page = http.get(f"/v1/responses/{rid}/input_items", params={"limit": 2, "order": "asc"}).json()
+    assert [i["role"] for i in page["data"]] == ["system", "user"] and page["has_more"] is True
+    rest = http.get(f"/v1/responses/{rid}/input_items",
+                    params={"order": "asc", "after": page["last_id"]}).json()
+    assert [i["role"] for i in rest["data"]] == ["assistant", "user"] and rest["has_more"] is False
+    assert rest["data"][0]["content"][0]["type"] == "output_text"
+    newest = http.get(f"/v1/responses/{rid}/input_items", params={"limit": 1}).json()  # desc
+    assert newest["data"][0]["id"] == rest["last_id"]
+    assert http.get(f"/v1/responses/{rid}/input_items", params={"after": "msg_nope"}).status_code == 404
+    assert http.get(f"/v1/responses/{rid}/input_items", params={"limit": 0}).status_code == 400
