@@ -152,8 +152,7 @@ def chat_body(req: MessagesRequest) -> dict[str, Any]:
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.tools:
-        body["tools"] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.input_schema}} for t in req.tools]
+        body["tools"] = _chat_tools(req.tools)
     choice = req.tool_choice
     if choice is not None:
         if choice.type == "tool":
@@ -208,7 +207,18 @@ def message_object(mid: str, model: str, content: list[dict[str, Any]], reason: 
 
 
 def count_body(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The chat messages and tools a count is taken over."""
-    tools = None if not req.tools else [{"type": "function", "function": {
-        "name": t.name, "description": t.description, "parameters": t.input_schema}} for t in req.tools]
-    return _turns(req), tools
+    """The chat messages and tools a count is taken over (the tools as the chat path gives
+    them to the template, so the count is the prompt a request renders)."""
+    return _turns(req), _chat_tools(req.tools) if req.tools else None
+
+
+def _chat_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """Anthropic tools as chat ``tools`` (no ``description`` key when it has none, as the chat
+    path's ``model_dump(exclude_none=True)`` hands them to the template)."""
+    out = []
+    for t in tools:
+        fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
+        if t.description is not None:
+            fn["description"] = t.description
+        out.append({"type": "function", "function": fn})
+    return out

@@ -36,7 +36,7 @@ from prefixkv.server.messages import (
 from prefixkv.server.protocol import ChatCompletionRequest
 from prefixkv.server.responses import new_id
 from prefixkv.server.responses_stream import add_tool_calls, chat_chunks
-from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing
+from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing, sse
 
 
 def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
@@ -81,8 +81,7 @@ def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
 
 
 def _event(kind: str, **fields: Any) -> bytes:
-    data = json.dumps({"type": kind, **fields}, separators=(",", ":"))
-    return f"event: {kind}\ndata: {data}\n\n".encode()
+    return sse({"type": kind, **fields}, event=kind)
 
 
 async def _events(mid: str, model: str, chat: AsyncIterable[Any]) -> AsyncIterator[bytes]:

@@ -41,7 +41,7 @@ from prefixkv.server.responses import (
     usage,
 )
 from prefixkv.server.responses_store import ResponseStore, input_records
-from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing
+from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing, sse
 
 
 def build_responses_router(serving: OpenAIServing, policy: FieldPolicy,
@@ -134,7 +134,7 @@ class _Events:
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+        return sse(data, event=kind)
 
     def _response(self, status: str, output: list[dict[str, Any]] | None = None,
                   usage_: dict[str, Any] | None = None) -> dict[str, Any]:

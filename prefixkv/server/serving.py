@@ -148,10 +148,11 @@ class EngineStreamingResponse(StreamingResponse):
             raise writer.exception()  # type: ignore[misc]
 
 
-def sse(obj: dict[str, Any] | str) -> bytes:
-    """One server-sent event: ``data: <json>\\n\\n``."""
+def sse(obj: dict[str, Any] | list[Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event: ``data: <json>\\n\\n``, after ``event: <event>`` when named."""
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data}\n\n".encode()
 
 
 @dataclass(slots=True)

@@ -19,7 +19,6 @@ server's field policy.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -40,7 +39,7 @@ from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import TokenId, _Body
-from prefixkv.server.serving import EngineStreamingResponse, engine_failure, finish_unless_gone
+from prefixkv.server.serving import EngineStreamingResponse, engine_failure, finish_unless_gone, sse
 from prefixkv.server.sglang_logprobs import LogprobFormatter, LogprobOptions
 
 HEALTH_TIMEOUT_S = 20.0
@@ -283,15 +282,15 @@ async def _events(streams: list[AsyncIterator[RequestOutput]], firsts: list[Requ
         for s, out in zip(streams, firsts):
             while True:
                 items = [shape.item(out, o) for o in out.outputs]
-                yield f"data: {json.dumps(items if many else items[0])}\n\n".encode()
+                yield sse(items if many else items[0])
                 try:
                     out = await s.__anext__()
                 except StopAsyncIteration:
                     break
             observe([out], shape.t0)
-        yield b"data: [DONE]\n\n"
+        yield sse("[DONE]")
     except (ValueError, RuntimeError) as exc:  # the engine failed after the stream started
-        yield f"data: {json.dumps(engine_failure(exc).body())}\n\n".encode()
+        yield sse(engine_failure(exc).body())
     finally:
         await _close(streams)
 

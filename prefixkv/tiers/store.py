@@ -45,7 +45,7 @@ from prefixkv.tiers.keys import BlockKeyer
 from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.prefetch import Prefetcher
 from prefixkv.tiers.remote import RemoteTier
-from prefixkv.tiers.spec import TierSpec, parse_size
+from prefixkv.tiers.spec import LOWER_TIERS, TierSpec, parse_size
 from prefixkv.tiers.stats import TierStats
 
 REMOTE_BATCH = 8
@@ -194,8 +194,7 @@ class TieredStore:
 
     def names(self) -> list[str]:
         """The lower tiers this store has, in lookup order."""
-        return [n for n, t in (("host", self.host), ("disk", self.disk), ("remote", self.remote))
-                if t is not None]
+        return [n for n in LOWER_TIERS if getattr(self, n) is not None]
 
     def sources(self, keys: Sequence[bytes]) -> list[str]:
         """The tier each of the leading ``keys`` would be read from (host, then disk, then

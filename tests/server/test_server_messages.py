@@ -42,6 +42,11 @@ def test_a_message_is_the_chat_answer_with_cache_reads(claude: Any, client: open
     assert other.usage.cache_read_input_tokens >= len(SYSTEM.split()) - BLOCK_SIZE  # the shared system
     count = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": question}])
     assert count.input_tokens == chat.usage.prompt_tokens
+    bare = [{"name": "f", "input_schema": {"type": "object"}}]  # a tool with no description
+    asked = claude.messages.create(model=MODEL, max_tokens=1, tools=bare, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": question}])
+    counted = claude.messages.count_tokens(model=MODEL, tools=bare, messages=[{"role": "user", "content": question}])
+    assert counted.input_tokens == asked.usage.input_tokens + asked.usage.cache_read_input_tokens
 
 
 def test_the_event_stream_builds_the_same_message(claude: Any, http: httpx.Client) -> None:
