@@ -11,8 +11,8 @@ three frames ``(topic, seq as 8 bytes big-endian, payload)`` (see
 **Block hashes.** A block's hash is :class:`~prefixkv.tiers.keys.BlockKeyer`'s chained sha256
 (the lower tiers' process-independent key) with the fixed fingerprint :data:`EVENT_FINGERPRINT`,
 cut to its last 8 bytes as an unsigned big-endian int (vLLM's integer form of its block hashes).
-So the hash depends only on the block size, the request's namespace (``cache_salt``) and the
-tokens from position 0 to the block's end: never on Python's hash seed, the process, or the
+So the hash depends only on the block size, the request's namespace (:func:`request_salt`) and
+the tokens from position 0 to the block's end: never on Python's hash seed, the process, or the
 index kind (radix or hashed), and a router computes the same value from the prompt's tokens
 (:func:`block_hashes`).
 
@@ -33,7 +33,8 @@ import msgspec
 from prefixkv.tiers.keys import BlockKeyer
 
 __all__ = ["EVENT_FINGERPRINT", "MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored",
-           "KVEventBatch", "KVEventsConfig", "block_hashes", "continue_chain", "hash_int"]
+           "KVEventBatch", "KVEventsConfig", "block_hashes", "continue_chain", "hash_int",
+           "request_salt"]
 
 EVENT_FINGERPRINT = "prefixkv/kv-events/v1"
 """The chain root's fingerprint: fixed, so any process can recompute a block's hash."""
@@ -148,6 +149,14 @@ class KVEventsConfig:
 
 
 # ------------------------------------------------------------------ hashes
+def request_salt(cache_salt: str | None, extra_key: str | None = None) -> str | None:
+    """The cache salt a request's blocks live under: its ``cache_salt`` (vLLM's), or with SGLang's
+    ``extra_key`` both as one JSON string, so requests with different keys never share cached KV
+    (SGLang isolates its radix tree by them) and a keyed salt never equals a bare one. Workers
+    (the server) and the router (to re-hash a prompt) both derive it here."""
+    return cache_salt if extra_key is None else json.dumps(["extra_key", extra_key, cache_salt])
+
+
 def hash_int(digest: bytes) -> int:
     """A chained sha256 digest as an event hash: its last 8 bytes, unsigned big-endian."""
     return int.from_bytes(digest[-8:], "big")

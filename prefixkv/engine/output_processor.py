@@ -2,12 +2,12 @@
 
 The engine hands every sampled token to :meth:`OutputProcessor.process_token`, which appends it
 to the sequence, extends the sample's text, and decides whether it stops (EOS, stop token,
-stop string, finished grammar, length) by setting ``seq.finish_reason``. The processor owns the
-per-sample output state (:class:`SampleOutput`: detokenizer, text, stop reason, logprobs and
-the report cursors); :class:`~prefixkv.engine.sequence.Sequence` keeps only tokens, blocks and
-status. Lifecycle: :meth:`add` when a request is queued, :meth:`finish` when it ends (its last
-output; the state is dropped). :meth:`snapshot` reads without changing anything;
-:meth:`report` is the one call that advances the delta cursors.
+stop string, stop regex, finished grammar, length) by setting ``seq.finish_reason``. The
+processor owns the per-sample output state (:class:`SampleOutput`: detokenizer, text, stop
+reason, logprobs and the report cursors); :class:`~prefixkv.engine.sequence.Sequence` keeps
+only tokens, blocks and status. Lifecycle: :meth:`add` when a request is queued,
+:meth:`finish` when it ends (its last output; the state is dropped). :meth:`snapshot` reads
+without changing anything; :meth:`report` is the one call that advances the delta cursors.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ class OutputProcessor:
         vLLM's rules: no stop (EOS, stop id, stop string) before ``min_tokens`` tokens, and no
         stop string found in the text of the first ``min_tokens`` tokens; the text of a stop
         id or EOS (and a matched stop string) is left out unless ``include_stop_str_in_output``.
+        A ``stop_regex`` match (checked after the stop strings, under the same ``min_tokens``
+        rule) keeps the text; its ``ValueError`` on a search past its time limit fails the
+        request (the engine's isolation).
         """
         out = self.sample(seq)
         seq.append_token(token_id)
@@ -108,8 +111,13 @@ class OutputProcessor:
             out.text += out.detokenizer.push((token_id,))
         if n_out <= params.min_tokens and params.min_tokens:
             out.stop_check_from = len(out.text)
-        elif seq.finish_reason is None and params.stop_strings and _check_stop_strings(seq, out, old_len):
-            return
+        elif seq.finish_reason is None:
+            if params.stop_strings and _check_stop_strings(seq, out, old_len):
+                return
+            for rx in params.stop_regexes:  # in order; the text is kept (SGLang's rule)
+                if rx.found(out.text, out.stop_check_from, old_len):
+                    seq.finish_reason, out.stop_reason = "stop", rx.pattern
+                    break
         if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_done():
             seq.finish_reason = "stop"  # complete (only a stop token could follow) or failed
         if seq.finish_reason is None and (

@@ -17,7 +17,8 @@ from prefixkv.cache._checks import exact_ids_below
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 """A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``; a dict
 may also say ``"add_special_tokens": False`` (text tokenized without BOS/EOS) and
-``"truncate_prompt_tokens": k`` (keep the last ``k`` tokens, vLLM's left truncation)."""
+``"truncate_prompt_tokens": k`` (keep the last ``k`` tokens, vLLM's left truncation; the first
+``k`` with ``"truncation_side": "right"``)."""
 
 
 def check_text(text: str, what: str = "prompt", max_chars: int | None = None) -> None:
@@ -43,18 +44,20 @@ def resolve_prompt(
 
     Text is encoded with the tokenizer's special tokens (e.g. BOS) unless a dict says
     ``"add_special_tokens": False``; a dict's ``"truncate_prompt_tokens": k`` keeps the last
-    ``k`` ids (the text is then dropped: it no longer matches). Ids must be ints in
+    ``k`` ids, or the first ``k`` with ``"truncation_side": "right"`` (the text is then dropped:
+    it no longer matches). Ids must be ints in
     ``[0, vocab_size)`` (numpy integers and IntEnum members become plain ints, a bool is
     refused) and there must be at least one. Text longer than ``max_chars`` or
     with lone surrogates is refused before tokenizing (see :func:`check_text`).
     """
     text: str | None = None
     keep: int | None = None
+    right = False
     if isinstance(prompt, str):
         check_text(prompt, max_chars=max_chars)
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, Mapping):
-        specials, keep = _prompt_options(prompt)
+        specials, keep, right = _prompt_options(prompt)
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             text = prompt.get("prompt")
@@ -70,7 +73,7 @@ def resolve_prompt(
         raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {ids!r}")  # noqa: TRY004
     ids = list(ids)
     if keep is not None and len(ids) > keep:
-        ids, text = ids[len(ids) - keep :], None
+        ids, text = (ids[:keep] if right else ids[len(ids) - keep :]), None
     if not ids:
         raise ValueError("prompt is empty (no tokens)")
     # fast path: plain ints in range (one C pass, or no per-item Python branch); else find
@@ -83,16 +86,20 @@ def resolve_prompt(
     return text, ids
 
 
-def _prompt_options(prompt: Mapping[str, Any]) -> tuple[bool, int | None]:
-    """A prompt dict's ``add_special_tokens`` (default ``True``) and ``truncate_prompt_tokens``
-    (``None``: keep all); ``ValueError`` naming the bad one."""
+def _prompt_options(prompt: Mapping[str, Any]) -> tuple[bool, int | None, bool]:
+    """A prompt dict's ``add_special_tokens`` (default ``True``), ``truncate_prompt_tokens``
+    (``None``: keep all) and whether ``truncation_side`` is ``"right"``; ``ValueError`` naming
+    the bad one."""
     specials = prompt.get("add_special_tokens", True)
     if not isinstance(specials, bool):
         raise ValueError(f"add_special_tokens must be a bool, got {specials!r}")
     keep = prompt.get("truncate_prompt_tokens")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or None, got {keep!r}")
-    return specials, keep
+    side = prompt.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise ValueError(f"truncation_side must be 'left', 'right' or None, got {side!r}")
+    return specials, keep, side == "right"
 
 
 def _plain_id(t: Any, vocab_size: int) -> int:

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from prefixkv.engine.stop_regex import StopRegex, compile_stop_regex
 from prefixkv.engine.structured_output import StructuredOutputsParams
 
 _MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
@@ -39,6 +40,12 @@ class SamplingParams:
             the engine's generator.
         max_tokens: most tokens to generate; ``None`` means up to the model's context length.
         stop: strings that end generation; the matched string is not part of the text.
+        stop_regex: regular expressions (SGLang's field; Python ``re`` syntax, run by the
+            ``regex`` package) that end generation when one matches the output text; unlike
+            ``stop``, the text keeps everything up to the end of the token that completed the
+            match, and ``stop_reason`` is the pattern (SGLang's ``matched``). At most
+            :data:`MAX_STOP_REGEX` patterns of :data:`MAX_STOP_REGEX_LEN` characters each; a
+            search slower than :data:`STOP_REGEX_TIMEOUT_S` fails the request alone.
         stop_token_ids: token ids that end generation (the id stays in ``token_ids``).
         ignore_eos: keep generating past the EOS token.
         skip_special_tokens: leave special tokens out of the decoded text.
@@ -101,7 +108,9 @@ class SamplingParams:
     skip_reading_prefix_cache: bool | None = None
     detokenize: bool = True
     allowed_token_ids: Sequence[int] | None = None
+    stop_regex: str | Sequence[str] | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    _stop_regex: tuple[StopRegex, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     _bias: tuple[tuple[int, float], ...] = field(default=(), init=False, repr=False, compare=False)
 
@@ -149,6 +158,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must hold ints >= 0, got {ids!r}")
         object.__setattr__(self, "_stop", stops)
         object.__setattr__(self, "_stop_ids", stop_ids)
+        object.__setattr__(self, "_stop_regex", compile_stop_regex(self.stop_regex))
         self._check_extensions()
 
     def _check_extensions(self) -> None:
@@ -184,8 +194,9 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}")
         if not isinstance(self.detokenize, bool):
             raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")  # noqa: TRY004
-        if not self.detokenize and self._stop:
-            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
+        if not self.detokenize and (self._stop or self._stop_regex):
+            raise ValueError("stop strings and stop_regex need detokenize=True (they are matched "
+                             "in the text)")
         skip = self.skip_reading_prefix_cache
         if skip is not None and not isinstance(skip, bool):
             raise ValueError(f"skip_reading_prefix_cache must be a bool or None, got {skip!r}")  # noqa: TRY004
@@ -215,6 +226,11 @@ class SamplingParams:
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple (possibly empty)."""
         return self._stop
+
+    @property
+    def stop_regexes(self) -> tuple[StopRegex, ...]:
+        """``stop_regex`` compiled (possibly empty)."""
+        return self._stop_regex
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

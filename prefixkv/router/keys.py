@@ -14,7 +14,8 @@ element per byte. Two prompts share a key prefix exactly when they share their l
 chunks (the trailing partial chunk is a key element too, so a prompt extended by one byte
 matches all of it but that last piece). Prompts given as token ids follow the same schedule with
 ``chunk_bytes // 4`` ids as the base piece, in a separate namespace. The namespace also carries
-the model name and ``cache_salt``, since a worker never shares cache entries across them.
+the model name and ``cache_salt`` (with SGLang's ``extra_key``), since a worker never shares
+cache entries across them.
 
 ``RouteKey.size`` is the prompt's length in key units (bytes, or token ids) and ``unit`` the base
 piece: a match of ``m`` chunks covers ``chunk_offset(m, unit)`` units, plus half of chunk ``m``
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+
+from prefixkv.kv_events import request_salt
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "LEVEL", "RouteKey", "chat_key", "chunk_offset",
            "completion_key", "render_messages", "text_key"]
@@ -113,8 +116,9 @@ def _ids_key(ids: Sequence[int], namespace: Hashable, chunk_bytes: int) -> Route
 
 
 def _namespace(body: Mapping[str, Any]) -> Hashable:
-    model, salt = body.get("model"), body.get("cache_salt")
-    return (model if isinstance(model, str) else None, salt if isinstance(salt, str) else None)
+    model, salt, key = body.get("model"), body.get("cache_salt"), body.get("extra_key")
+    return (model if isinstance(model, str) else None,
+            request_salt(salt if isinstance(salt, str) else None, key if isinstance(key, str) else None))
 
 
 def completion_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:
@@ -140,7 +144,8 @@ def generate_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Key of an SGLang ``/generate`` body: its ``input_ids`` or ``text`` keyed as a completion's
     prompt (a batch by its first one)."""
     prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
-    return completion_key({"prompt": prompt, "cache_salt": body.get("cache_salt")}, chunk_bytes)
+    return completion_key({"prompt": prompt, "cache_salt": body.get("cache_salt"),
+                           "extra_key": body.get("extra_key")}, chunk_bytes)
 
 
 def render_messages(messages: Iterable[Any]) -> str:

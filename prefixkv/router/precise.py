@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import zmq.asyncio
 
-from prefixkv.kv_events import block_hashes
+from prefixkv.kv_events import block_hashes, request_salt
 from prefixkv.router.cache_aware import CacheAwarePolicy
 from prefixkv.router.keys import RouteKey
 from prefixkv.router.kv_index import ExactIndex
@@ -176,8 +176,9 @@ class PrecisePolicy:
         live = [u for u in urls if self.index.workers[u].live]
         if not live or path.endswith(("/responses", "/messages")):  # (no ids for those inputs here)
             return key
-        salt = body.get("cache_salt")
-        ns = (salt, None) if isinstance(salt, str) else None
+        raw, extra = body.get("cache_salt"), body.get("extra_key")
+        salt = request_salt(raw if isinstance(raw, str) else None, extra if isinstance(extra, str) else None)
+        ns = (salt, None) if salt is not None else None
         ids: Any = None
         payload: dict[str, Any] = {}
         if path.endswith("/chat/completions"):

@@ -19,16 +19,26 @@ from prefixkv.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
+_SET: Callable[[Any], bool] = lambda v: v is not None and v is not False and v != {} and v != []
+
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "bad_words": lambda v: bool(v), "chat_template": lambda v: v is not None,
     "use_beam_search": lambda v: v is True, "length_penalty": lambda v: v not in (None, 1, 1.0),
     "documents": lambda v: v is not None, "echo": lambda v: v is True,
     "logprob_token_ids": lambda v: v is not None, "thinking_token_budget": lambda v: v is not None,
+    # vLLM's: another prompt, P/D or encoder transfer, logits-processor args, early stops, marks
+    "prompt_embeds": _SET, "kv_transfer_params": _SET, "ec_transfer_params": _SET,
+    "vllm_xargs": _SET, "repetition_detection": _SET, "watermarking": _SET,
+    # SGLang's: an adapter, a custom logits processor, a watermark
+    "lora_path": _SET, "custom_logit_processor": _SET, "watermark": _SET,
+    # vLLM's chat: special tokens on top of the template's (completions declares its own)
+    "add_special_tokens": lambda v: v is True,
 }
-"""vLLM fields this server does not implement and that would change the answer if ignored: set
-to such a value (a tester), they are a 400 naming the field whatever the policy, never dropped
-(vLLM itself refuses a request's ``chat_template`` unless told to trust it). ``echo`` is here
-for chat (completions declares its own)."""
+"""vLLM and SGLang fields this server does not implement and that would change the answer if
+ignored (found by diffing their request models against ours): set to such a value (a tester),
+they are a 400 naming the field whatever the policy, never dropped (vLLM itself refuses a
+request's ``chat_template`` unless told to trust it). ``echo`` is here for chat (completions
+declares its own). Unset, empty or at their defaults they pass like any unknown field."""
 
 MAX_WARNED_NAMES = 256
 """After this many distinct unknown names (a fuzzer, a broken client) nothing more is logged,

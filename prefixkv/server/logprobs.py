@@ -10,7 +10,10 @@ Chat::
     {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
 
 ``-inf`` (a token a grammar or ``logit_bias`` ruled out) is reported as -9999.0, as vLLM does,
-since JSON has no infinity. With ``echo``, the first prompt token has ``null`` entries.
+since JSON has no infinity. With ``echo``, the first prompt token has ``null`` entries. With
+vLLM's ``return_tokens_as_token_ids`` (``as_ids``) every token is named ``"token_id:<id>"``
+(tokens that are not valid text on their own stay identifiable; a chat entry's ``bytes`` are
+still its text's), and completions' ``text_offset`` counts those names, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ def _lp(value: float) -> float:
     return max(value, FLOOR)
 
 
+def _name(token_id: int, lp: Logprob | None, decode: Any, as_ids: bool) -> str:
+    """How a token is shown: ``token_id:<id>``, else its text in context, else decoded alone."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else str(decode(token_id))
+
+
 def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
     """The ``num`` most likely tokens of ``entry`` by rank."""
     ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
@@ -36,9 +46,10 @@ def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
 class CompletionLogprobs:
     """Accumulates the completions ``logprobs`` object (text offsets run across calls)."""
 
-    def __init__(self, num_top: int, text_offset: int = 0) -> None:
+    def __init__(self, num_top: int, text_offset: int = 0, as_ids: bool = False) -> None:
         self.num_top = num_top
         self.offset = text_offset
+        self.as_ids = as_ids
 
     def build(
         self, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None],
@@ -50,8 +61,7 @@ class CompletionLogprobs:
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for tok, entry in zip(token_ids, entries):
-            text = entry[tok].decoded_token if entry is not None and tok in entry else None
-            text = text if text is not None else decode(tok)
+            text = _name(tok, entry.get(tok) if entry is not None else None, decode, self.as_ids)
             tokens.append(text)
             offsets.append(self.offset)
             self.offset += len(text)
@@ -62,24 +72,25 @@ class CompletionLogprobs:
             token_lps.append(_lp(entry[tok].logprob))
             top = {text: _lp(entry[tok].logprob)}  # the chosen token, then the top ones
             for t, lp in _top(entry, self.num_top):
-                top.setdefault(lp.decoded_token if lp.decoded_token is not None else decode(t), _lp(lp.logprob))
+                top.setdefault(_name(t, lp, decode, self.as_ids), _lp(lp.logprob))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
 
 def chat_logprobs(
-    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], num_top: int, decode: Any
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], num_top: int, decode: Any,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """The chat ``logprobs`` object for generated ``token_ids``."""
     content = []
     for tok, entry in zip(token_ids, entries):
-        known = entry[tok].decoded_token
-        text = str(known if known is not None else decode(tok))
+        text = _name(tok, entry[tok], decode, False)
         top = []
         for t, lp in _top(entry, num_top):
-            s = lp.decoded_token if lp.decoded_token is not None else decode(t)
-            top.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode("utf-8", "replace"))})
-        content.append({"token": text, "logprob": _lp(entry[tok].logprob),
+            s = _name(t, lp, decode, False)
+            top.append({"token": _name(t, lp, decode, as_ids), "logprob": _lp(lp.logprob),
+                        "bytes": list(s.encode("utf-8", "replace"))})
+        content.append({"token": _name(tok, entry[tok], decode, as_ids), "logprob": _lp(entry[tok].logprob),
                         "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top})
     return {"content": content}

@@ -9,8 +9,12 @@ model's ``model_extra`` and ignored with one logged warning per name (see ``fiel
 vLLM's extension fields: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``prompt_logprobs``, ``structured_outputs`` / ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar``, ``stream_options.continuous_usage_stats`` and
+``guided_choice`` / ``guided_grammar``, ``stream_options.continuous_usage_stats``,
+``truncate_prompt_tokens`` / ``truncation_side``, ``return_tokens_as_token_ids`` and
 ``cache_salt`` (a tenant key: requests with different salts never share cached KV).
+SGLang's: ``regex``, ``ebnf`` (a GBNF grammar), ``json_schema`` (completions), ``stop_regex``,
+``no_stop_trim`` (its name for ``include_stop_str_in_output``) and ``extra_key`` (a cache
+isolation key), so an SGLang client's request is honoured, not half-read.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from prefixkv.engine.stop_regex import compile_stop_regex
+from prefixkv.kv_events import request_salt
 
 MAX_LOGPROBS = 20
 """Most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
@@ -108,9 +115,17 @@ class SamplingRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
+    no_stop_trim: StrictBool = False
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    extra_key: Annotated[str, Field(min_length=1)] | None = None
+    """SGLang's cache-isolation key (:func:`~prefixkv.kv_events.request_salt`)."""
     return_token_ids: StrictBool = False
+    return_tokens_as_token_ids: StrictBool | None = None
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
@@ -123,6 +138,12 @@ class SamplingRequest(_Body):
         stops = [value] if isinstance(value, str) else (value or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("stop_regex")
+    @classmethod
+    def _stop_regex_compiles(cls, value: str | list[str] | None) -> str | list[str] | None:
+        compile_stop_regex(value)  # ValueError naming the pattern
         return value
 
     @field_validator("truncate_prompt_tokens")
@@ -148,13 +169,15 @@ class SamplingRequest(_Body):
 
     def prompt_options(self, prompt: Any, max_model_len: int, add_special_tokens: bool = True) -> Any:
         """``prompt`` (text, ids, or a rendered chat dict) with vLLM's ``truncate_prompt_tokens``
-        (keep the last k tokens; -1: the context length) and ``add_special_tokens`` attached."""
+        (keep the last k tokens, the first k with ``truncation_side`` ``"right"``; -1: the context
+        length) and ``add_special_tokens`` attached."""
         keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
         if keep is None and add_special_tokens:
             return prompt
         base = ({"prompt": prompt} if isinstance(prompt, str) else
                 dict(prompt) if isinstance(prompt, dict) else {"prompt_token_ids": prompt})
-        return {**base, "add_special_tokens": add_special_tokens, "truncate_prompt_tokens": keep}
+        return {**base, "add_special_tokens": add_special_tokens, "truncate_prompt_tokens": keep,
+                "truncation_side": self.truncation_side}
 
     def problems(self) -> list[tuple[str, str]]:
         """Cross-field errors as ``(param, message)`` (the server answers the first as a 400)."""
@@ -173,6 +196,11 @@ class SamplingRequest(_Body):
             elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
                 out.append(("tool_choice", f"tool_choice names {choice.function.name!r}, not one of the tools {names}"))
         return out
+
+    @property
+    def cache_namespace(self) -> str | None:
+        """The engine's ``cache_salt`` for this request (``kv_events.request_salt``)."""
+        return request_salt(self.cache_salt, self.extra_key)
 
     @property
     def stop_list(self) -> list[str]:
@@ -201,6 +229,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: NumLogprobs | None = None
     suffix: str | None = None
     add_special_tokens: StrictBool = True
+    json_schema: str | None = None
+    """SGLang's: the completion is JSON matching this schema (a JSON string)."""
 
     @field_validator("suffix")
     @classmethod

@@ -39,6 +39,7 @@ class ChoiceRenderer:
     the text of a list of ids. ``token_ids``: vLLM's ``return_token_ids``: each choice (and
     stream delta) carries its generated ``token_ids``, a completions choice (on its first
     delta) the ``prompt_token_ids`` too (a chat response has them at the top, ``serving.py``).
+    ``as_ids``: vLLM's ``return_tokens_as_token_ids``: logprob tokens named ``token_id:<id>``.
     """
 
     chat: bool
@@ -50,6 +51,7 @@ class ChoiceRenderer:
     prompt_logprobs: bool = False
     tool_mode: ToolMode | None = None
     token_ids: bool = False
+    as_ids: bool = False
     cursors: dict[tuple[int, int], StreamCursor] = field(default_factory=dict)
 
     def num_generated(self, o: CompletionOutput) -> int:
@@ -70,9 +72,11 @@ class ChoiceRenderer:
                     choice["finish_reason"] = "tool_calls"
             choice["message"] = message
             if self.num_logprobs is not None and o.logprobs is not None:
-                choice["logprobs"] = chat_logprobs(o.token_ids, o.logprobs, self.num_logprobs, self.decode)
+                choice["logprobs"] = chat_logprobs(o.token_ids, o.logprobs, self.num_logprobs, self.decode,
+                                                   self.as_ids)
         else:
-            builder = None if self.num_logprobs is None else CompletionLogprobs(self.num_logprobs)
+            builder = (None if self.num_logprobs is None else
+                       CompletionLogprobs(self.num_logprobs, as_ids=self.as_ids))
             text, lp = self._completion_piece(out, o, 0, len(o.token_ids), o.text, True, builder)
             choice["text"] = text
             choice["logprobs"] = lp
@@ -148,10 +152,10 @@ class ChoiceRenderer:
             piece["delta"] = delta
             if self.num_logprobs is not None and o.logprobs is not None and tok_to > tok_from:
                 piece["logprobs"] = chat_logprobs(o.token_ids[tok_from:tok_to], o.logprobs[tok_from:tok_to],
-                                                  self.num_logprobs, self.decode)
+                                                  self.num_logprobs, self.decode, self.as_ids)
             return piece
         if self.num_logprobs is not None and cur.logprobs is None:
-            cur.logprobs = CompletionLogprobs(self.num_logprobs)
+            cur.logprobs = CompletionLogprobs(self.num_logprobs, as_ids=self.as_ids)
         text, lp = self._completion_piece(out, o, tok_from, tok_to, text, first, cur.logprobs)
         if not (text or finish or (lp and lp["tokens"])):
             return None

@@ -93,7 +93,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: i
             min_p=req.min_p or 0.0,
             seed=req.seed,
             max_tokens=max_tokens,
-            stop=req.stop_list or None,
+            stop=req.stop_list or None, stop_regex=req.stop_regex,
             stop_token_ids=req.stop_token_ids,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
@@ -102,7 +102,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: i
             allowed_token_ids=req.allowed_token_ids,
             min_tokens=req.min_tokens if max_tokens is None else min(req.min_tokens, max_tokens),
             ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
             skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -206,16 +206,17 @@ class OpenAIServing:
         params = sampling_params(
             req, 1 if echo_only else (req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS),
             logprobs=req.logprobs, prompt_logprobs=prompt_lp, structured=structured)
-        view = self._renderer(chat=False, num_logprobs=req.logprobs, echo=req.echo,
-                              token_ids=req.return_token_ids,
-                              echo_only=echo_only, prompt_logprobs=req.prompt_logprobs is not None)
+        view = self._renderer(req, chat=False, num_logprobs=req.logprobs, echo=req.echo,
+                              echo_only=echo_only)
         return await self._run("cmpl", prompts, params, req, is_disconnected, view)
 
-    def _renderer(self, **kwargs: Any) -> ChoiceRenderer:
+    def _renderer(self, req: SamplingRequest, **kwargs: Any) -> ChoiceRenderer:
         tok = self.engine.tokenizer
         return ChoiceRenderer(
             decode=lambda t: tok.decode([t], skip_special_tokens=False),
-            decode_ids=lambda ids: tok.decode(ids, skip_special_tokens=False), **kwargs)
+            decode_ids=lambda ids: tok.decode(ids, skip_special_tokens=False),
+            token_ids=req.return_token_ids, as_ids=bool(req.return_tokens_as_token_ids),
+            prompt_logprobs=req.prompt_logprobs is not None, **kwargs)
 
     async def chat(self, req: ChatCompletionRequest,
                    is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
@@ -243,9 +244,7 @@ class OpenAIServing:
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens, logprobs=num_logprobs,
                                  prompt_logprobs=req.prompt_logprobs, structured=structured)
-        view = self._renderer(chat=True, num_logprobs=num_logprobs, tool_mode=tool_mode,
-                              token_ids=req.return_token_ids,
-                              prompt_logprobs=req.prompt_logprobs is not None)
+        view = self._renderer(req, chat=True, num_logprobs=num_logprobs, tool_mode=tool_mode)
         return await self._run("chatcmpl", [prompt], params, req, is_disconnected, view)
 
     async def _room_left(self, prompt_tokens: int) -> int | None:
@@ -299,7 +298,7 @@ class OpenAIServing:
         async def start(i: int, prompt: Any) -> _Job:
             sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
             stream = self.engine.generate(prompt, params, request_id=sub_id,
-                                          cache_salt=req.cache_salt)
+                                          cache_salt=req.cache_namespace)
             try:
                 first = await stream.__anext__()
             except ValueError as exc:

@@ -4,16 +4,17 @@ Clients written for SGLang's own API (``sglang.bench_serving --backend sglang``,
 read ``meta_info.cached_tokens``, health checks that flush the radix cache between runs) work
 unchanged. ``/generate`` takes ``text`` or ``input_ids`` (one prompt or a batch) and SGLang's
 ``sampling_params`` (``max_new_tokens`` 128 by default, ``min_new_tokens``, ``stop``,
-``stop_token_ids``, ``json_schema`` / ``regex``, ``no_stop_trim``, ``sampling_seed``, ...;
+``stop_token_ids``, ``stop_regex``, ``json_schema`` / ``regex`` / ``ebnf``, ``no_stop_trim``,
+``sampling_seed``, ...;
 ``max_new_tokens`` 0 prefills the prompt into the cache and generates nothing), and answers
 ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens", "e2e_latency"}}`` (a list for a batch or ``n > 1``), with
 ``return_logprob`` SGLang's logprob lists too (:mod:`prefixkv.server.sglang_logprobs`); with
 ``stream`` each event carries the text and ids so far, as SGLang's default streaming does, then
 ``data: [DONE]``. SGLang's frontend language (``sglang.RuntimeEndpoint``: ``gen``, ``select``,
-regex and typed ``gen``, streaming) runs on it unchanged. Fields we do not implement (``ebnf``,
-``stop_regex``, ``token_ids_logprob``, images) are a 400 naming them; unknown ones follow the
-server's field policy.
+regex and typed ``gen``, streaming) runs on it unchanged. Fields we do not implement
+(``token_ids_logprob``, images) are a 400 naming them; unknown ones follow the server's field
+policy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import CompletionOutput, RequestOutput
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.structured_output import StructuredOutputsParams
+from prefixkv.kv_events import request_salt
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import ServerLimits
@@ -81,20 +83,17 @@ class SGLangSampling(_Body):
     def to_params(self, **extra: Any) -> SamplingParams:
         """Our :class:`SamplingParams`, with ``extra`` fields (``ValueError`` naming the bad
         field). ``max_new_tokens`` 0 runs one step (the prefill); the route drops its token."""
-        for name in ("ebnf", "stop_regex"):
-            if getattr(self, name):  # (SGLang's frontend sends an empty stop_regex list)
-                raise ValueError(f"sampling_params.{name} is not supported by this server")
-        structured = None
-        if self.json_schema is not None:
-            structured = StructuredOutputsParams(json=self.json_schema)
-        elif self.regex is not None:
-            structured = StructuredOutputsParams(regex=self.regex)
+        given: dict[str, Any] = {k: v for k, v in (("json", self.json_schema), ("regex", self.regex),
+                                   ("grammar", self.ebnf)) if v is not None}
+        if len(given) > 1:  # SGLang's rule too
+            raise ValueError("give only one of sampling_params.json_schema, regex and ebnf")
+        structured = StructuredOutputsParams(**given) if given else None
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p,
             top_k=-1 if self.top_k == -1 or self.top_k >= 1 << 30 else self.top_k, min_p=self.min_p,
             seed=self.sampling_seed, max_tokens=self.max_new_tokens or (None if self.max_new_tokens is None else 1),
-            stop=stops or None,
+            stop=stops or None, stop_regex=self.stop_regex or None,  # (the frontend sends [])
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
@@ -113,6 +112,7 @@ class GenerateRequest(LogprobOptions):
     stream: StrictBool = False
     rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    extra_key: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -205,12 +205,15 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
                        body.return_logprob else LogprobFormatter(body, lambda t: str(
                            engine.tokenizer.decode([t], skip_special_tokens=False))))
         streams = [engine.generate(p, params, request_id=f"{base}-{uuid.uuid4().hex[:8]}",
-                                   cache_salt=body.cache_salt) for p in prompts]
+                                   cache_salt=request_salt(body.cache_salt, body.extra_key))
+                   for p in prompts]
         try:  # the first output of each: a bad prompt is a 400 before anything is sent
             firsts = [await s.__anext__() for s in streams]
-        except ValueError as exc:
+        except ValueError as exc:  # a bad prompt, or a grammar that does not compile
             await _close(streams)
-            raise APIError(str(exc), param="text" if body.text is not None else "input_ids") from exc
+            param = ("sampling_params" if str(exc).startswith("structured_outputs:") else
+                     "text" if body.text is not None else "input_ids")
+            raise APIError(str(exc), param=param) from exc
         except RuntimeError as exc:
             await _close(streams)
             raise engine_failure(exc) from exc

@@ -2,11 +2,11 @@
 
 Sources, at most one per request (else a 400): ``response_format`` (``json_object`` /
 ``json_schema``), vLLM's ``structured_outputs`` and ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar``, and a chat ``tool_choice`` of ``"required"`` or a
-named function. As in vLLM, a named tool constrains the output to that function's
-``parameters`` schema, and ``"required"`` to a JSON array of ``{"name", "parameters"}``
-calls; the text is then returned as ``tool_calls``. ``"auto"`` / ``"none"`` constrain
-nothing (the tools still reach the chat template).
+``guided_choice`` / ``guided_grammar``, SGLang's ``regex`` / ``ebnf`` / ``json_schema``, and a
+chat ``tool_choice`` of ``"required"`` or a named function. As in vLLM, a named tool constrains the
+output to that function's ``parameters`` schema, and ``"required"`` to a JSON array of
+``{"name", "parameters"}`` calls; the text is then returned as ``tool_calls``. ``"auto"`` /
+``"none"`` constrain nothing (the tools still reach the chat template).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def structured_outputs(req: SamplingRequest) -> tuple[StructuredOutputsParams | 
             choice=so_req.choice, grammar=so_req.grammar,
             disable_any_whitespace=so_req.disable_any_whitespace), None))
     for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                     ("guided_grammar", "grammar")):
-        value = getattr(req, name)
+                     ("guided_grammar", "grammar"), ("regex", "regex"), ("ebnf", "grammar"),
+                     ("json_schema", "json")):
+        value = getattr(req, name, None)  # (json_schema: completions only)
         if value is not None:
             found.append((name, _params(name, **{kw: value}), None))
     if isinstance(req, ChatCompletionRequest):

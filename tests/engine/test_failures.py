@@ -55,6 +55,24 @@ def test_a_failing_request_ends_alone_and_the_others_are_unchanged(
     assert again.outputs[0].token_ids == reference[0].outputs[0].token_ids
 
 
+def test_a_stop_regex_that_backtracks_for_ever_fails_its_request_alone(make_llm: Any, helpers: Any) -> None:
+    """A pattern that backtracks exponentially on the output (forced to "aaa...") runs into the
+    search's time limit: that request ends with an error naming it, the others are unchanged."""
+    good = prompts(helpers)
+    reference = make_llm().generate(good, GREEDY)
+    llm: LLM = make_llm()
+    slow = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, allowed_token_ids=[ord("a")],
+                          stop_regex=r"^(a|aa)+\d")
+    outs = llm.generate([good[0], good[1], good[2], good[3]] + [helpers.tokens(5, 8)],
+                        [GREEDY] * 4 + [slow])
+    failed = outs[-1]
+    assert [o.finish_reason for o in failed.outputs] == ["error"]
+    assert failed.error is not None and "stop_regex" in failed.error and "took longer than" in failed.error
+    assert 10 < len(failed.outputs[0].token_ids) < 60  # it ran until a search got that slow
+    assert [o.outputs[0].token_ids for o in outs[:4]] == [o.outputs[0].token_ids for o in reference]
+    helpers.assert_no_leak(llm)
+
+
 def test_a_request_that_fails_midway_through_decode_frees_its_blocks(
     make_llm: Any, helpers: Any
 ) -> None:

@@ -34,6 +34,7 @@ GOOD = [([1, 2, 258], [1, 2, 258]), ((5, 6), [5, 6]), (range(3), [0, 1, 2]),
         ([Tok.A, 1], [7, 1]), ([np.int64(3), np.uint16(4)], [3, 4]),
         ({"prompt_token_ids": [4, 5]}, [4, 5]),  # IntEnum members and numpy ints: plain ints
         ({"prompt_token_ids": [4, 5, 6], "truncate_prompt_tokens": 2}, [5, 6]),  # the last k kept
+        ({"prompt_token_ids": [4, 5, 6], "truncate_prompt_tokens": 2, "truncation_side": "right"}, [4, 5]),
         ({"prompt_token_ids": [4], "truncate_prompt_tokens": 2}, [4])]
 BAD = [([True, 1], "id True is a bool"), ([np.True_], "is a bool"), ([1, -1], "id -1 out of range"),
        ([259], "id 259 out of range"), ([2**32], f"id {2**32} out of range"),
@@ -42,6 +43,7 @@ BAD = [([True, 1], "id True is a bool"), ([np.True_], "is a bool"), ([1, -1], "i
        (None, "must be a str"),
        ({"prompt_token_ids": [1], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be"),
        ({"prompt_token_ids": [1], "truncate_prompt_tokens": True}, "truncate_prompt_tokens must be"),
+       ({"prompt_token_ids": [1], "truncation_side": "middle"}, "truncation_side must be"),
        ({"prompt_token_ids": [1], "add_special_tokens": "no"}, "add_special_tokens must be a bool")]
 
 

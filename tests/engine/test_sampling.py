@@ -1,10 +1,11 @@
-"""Sampling through the engine: seeds, stop strings, stop token ids, max_tokens, n > 1."""
+"""Sampling through the engine: seeds, stop strings, stop regexes, stop token ids, max_tokens, n > 1."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import regex
 
 from prefixkv.engine import LLM, SamplingParams
 
@@ -44,6 +45,23 @@ def test_stop_string_cuts_text(llm: LLM) -> None:
     assert c.text == text[:cut]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.token_ids == base.outputs[0].token_ids[: len(c.token_ids)]
+
+
+def test_stop_regex_keeps_the_text_up_to_the_token_that_completed_the_match(llm: LLM) -> None:
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    ids = base.outputs[0].token_ids
+    text = base.outputs[0].text
+    pattern = regex.escape(text[6]) + "." + regex.escape(text[8])  # spans several tokens
+    # SGLang's rule: stop at the first token after which the output holds a match; keep it all
+    k = next(k for k in range(1, len(ids) + 1) if regex.search(pattern, llm.tokenizer.decode(ids[:k])))
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, stop_regex=["\\x00{3}", pattern]))[0]
+    c = out.outputs[0]
+    assert c.token_ids == ids[:k] and c.text == llm.tokenizer.decode(ids[:k])
+    assert c.finish_reason == "stop" and c.stop_reason == pattern
+    # under min_tokens the text of the first tokens is not searched (vLLM's rule for stops)
+    late = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern,
+                                               min_tokens=k))[0].outputs[0]
+    assert len(late.token_ids) > k and late.token_ids == ids[: len(late.token_ids)]
 
 
 def test_stop_token_ids(llm: LLM) -> None:

@@ -52,6 +52,8 @@ def test_completion_keys_and_namespaces() -> None:
     assert completion_key({"model": "n", "prompt": "héllo"}).namespace != text.namespace
     salted = completion_key({"model": "m", "prompt": "héllo", "cache_salt": "t1"})
     assert salted.namespace != text.namespace
+    keyed = completion_key({"model": "m", "prompt": "héllo", "cache_salt": "t1", "extra_key": "k"})
+    assert keyed.namespace not in (salted.namespace, text.namespace)  # SGLang's extra_key: apart too
     assert completion_key({"prompt": "\ud800x"}).size == 4  # a lone surrogate does not crash
 
 

@@ -76,16 +76,21 @@ def test_unknown_fields_warn_once_per_name(http: httpx.Client, server: LiveServe
     assert len(warned) == 2 and any("stream_options.frob_y" in w for w in warned)
 
 
-@pytest.mark.parametrize(("field", "value"), [("bad_words", ["x"]), ("chat_template", "{{ 1 }}"),
-                                             ("use_beam_search", True), ("echo", True)])
-def test_vllm_fields_that_would_change_the_answer_are_refused(http: httpx.Client, field: str, value: Any) -> None:
-    # not implemented here, and dropping them would answer a different question: a 400
-    # naming the field (unset or at their defaults they pass, like any unknown field)
+@pytest.mark.parametrize(("field", "value", "quiet"), [
+    ("bad_words", ["x"], []), ("chat_template", "{{ 1 }}", None), ("use_beam_search", True, False),
+    ("echo", True, False), ("kv_transfer_params", {"do_remote_prefill": True}, None),
+    ("vllm_xargs", {"k": 1}, {}), ("repetition_detection", {"max_pattern_size": 4}, None),
+    ("watermarking", True, False), ("lora_path", "adapter", None), ("custom_logit_processor", "{}", None)])
+def test_fields_that_would_change_the_answer_are_refused(http: httpx.Client, field: str, value: Any,
+                                                         quiet: Any) -> None:
+    # vLLM's and SGLang's, not implemented here, and dropping them would answer a different
+    # question: a 400 naming the field (unset or at their defaults they pass, like any unknown field)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     r = http.post("/v1/chat/completions", json={**chat, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
-    quiet = {"bad_words": [], "chat_template": None, "use_beam_search": False, "echo": False}[field]
     assert http.post("/v1/chat/completions", json={**chat, field: quiet}).status_code == 200
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "prompt_embeds": "AAAA"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_embeds"
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +101,10 @@ def strict_server(engine: AsyncEngine) -> Any:
 
 
 def test_strict_fields_refuse_unknown_fields(strict_server: LiveServer) -> None:
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "no_stop_trim": False}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "no_stop_trim": False, "separate_reasoning": True}
     r = httpx.post(strict_server.url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "no_stop_trim"
-    body.pop("no_stop_trim")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "separate_reasoning"
+    body.pop("separate_reasoning")  # no_stop_trim is SGLang's name for a known field
     assert httpx.post(strict_server.url + "/v1/completions", json=body, timeout=60).status_code == 200
 
 

@@ -41,6 +41,23 @@ def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
     assert cached("tenant-b") > 0
 
 
+def test_sglang_extra_key_isolates_like_a_salt(client: openai.OpenAI, http: httpx.Client) -> None:
+    """SGLang's ``extra_key`` keeps requests apart in the cache as SGLang's radix tree does (it
+    was ignored: two tenants keyed apart shared cached KV)."""
+    prompt = unique_text("extra-key", 40)
+
+    def cached(**extra: str) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(extra_key="k1") == 0 and cached(extra_key="k1") > 0
+    assert cached(extra_key="k2") == 0 and cached() == 0  # another key, and no key: apart
+    assert cached(cache_salt="s", extra_key="k1") == 0  # a salt and a key: apart from each alone
+    assert cached(cache_salt="s") == 0 and cached(cache_salt="s", extra_key="k1") > 0
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 1}, "extra_key": "k1"}
+    assert http.post("/generate", json=body).json()["meta_info"]["cached_tokens"] > 0  # SGLang's route: the same key
+
+
 def test_32_concurrent_clients_get_their_greedy_outputs(server: LiveServer,
                                                         client: openai.OpenAI) -> None:
     shared = unique_text("conc-shared", 12)

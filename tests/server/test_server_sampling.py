@@ -5,6 +5,7 @@ outputs and forced tool calls, continuous usage, and vLLM's tokenizer and model 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -44,6 +45,25 @@ def test_echo_logprobs_on_a_cached_prompt_equal_a_cold_server(client: openai.Ope
     assert w.logprobs.token_logprobs[0] is None
     assert w.logprobs.token_logprobs[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-4)
     assert warm.usage.prompt_tokens_details.cached_tokens == 0  # computed, not read from cache
+
+
+def test_logprob_tokens_as_token_ids(client: openai.OpenAI) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: every logprob token is named ``token_id:<id>`` (it
+    was ignored: clients parsing the ids got text)."""
+    ids = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}).choices[0]
+    generated = (ids.model_extra or {})["token_ids"]
+    assert ids.logprobs.tokens == [f"token_id:{t}" for t in generated]
+    assert all(k.startswith("token_id:") for top in ids.logprobs.top_logprobs for k in top)
+    assert ids.logprobs.text_offset == [sum(len(t) for t in ids.logprobs.tokens[:i]) for i in range(4)]  # vLLM's
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           temperature=0, logprobs=True, top_logprobs=2).choices[0]
+    assert [e.token.startswith("token_id:") for e in chat.logprobs.content] == [True] * 3
+    assert [e.bytes for e in chat.logprobs.content] == [e.bytes for e in plain.logprobs.content]  # still the text's
+    assert [e.logprob for e in chat.logprobs.content] == [e.logprob for e in plain.logprobs.content]
 
 
 def test_echo_with_max_tokens_zero(client: openai.OpenAI) -> None:
@@ -125,6 +145,12 @@ def test_truncate_prompt_tokens_and_add_special_tokens(http: httpx.Client, serve
     body = {"model": MODEL, "prompt": "abcdefghij", "max_tokens": 1, "temperature": 0, "echo": True}
     cut = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 4}).json()
     assert cut["usage"]["prompt_tokens"] == 4 and cut["choices"][0]["text"].startswith("ghij")
+    head = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 4, "truncation_side": "right"}).json()
+    text = head["choices"][0]["text"]  # vLLM's right side: the first k tokens, echoed
+    assert head["usage"]["prompt_tokens"] == 4 and text.startswith("abc") and not text.startswith("abcdef")
+    chat_special = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                            "max_tokens": 1, "add_special_tokens": True})
+    assert chat_special.status_code == 400 and chat_special.json()["error"]["param"] == "add_special_tokens"
     whole = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1}).json()
     assert whole["usage"]["prompt_tokens"] == 10
     msgs = [{"role": "user", "content": "x" * 50}]
@@ -201,6 +227,36 @@ def test_penalties_bias_and_stop_fields(client: openai.OpenAI) -> None:
     eos = client.completions.create(model=MODEL, prompt="Hello", max_tokens=9, temperature=0,
                                     extra_body={"ignore_eos": True, "min_tokens": 9, "skip_special_tokens": False})
     assert eos.usage.completion_tokens == 9
+
+
+def test_sglang_fields_on_the_openai_routes_are_honoured(client: openai.OpenAI) -> None:
+    """SGLang clients send ``regex``, ``ebnf``, ``stop_regex`` and ``no_stop_trim`` to the OpenAI
+    routes too: each takes effect (they were ignored with a warning, a silent wrong answer)."""
+    rx = client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0, extra_body={"regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", rx.choices[0].text)
+    eb = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y/n?"}], max_tokens=8,
+                                        extra_body={"ebnf": 'root ::= "yes" | "no"'})
+    assert eb.choices[0].message.content in {"yes", "no"}
+    base = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    pattern = re.escape(base[4]) + "." + re.escape(base[6])
+    cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_regex": [pattern]}).choices[0]
+    assert cut.finish_reason == "stop" and (cut.model_extra or {})["stop_reason"] == pattern
+    assert re.search(pattern, cut.text) and base.startswith(cut.text) and len(cut.text) < len(base)
+    stop = base[2:4]
+    kept = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, stop=[stop],
+                                     extra_body={"no_stop_trim": True})
+    assert kept.choices[0].text.endswith(stop)
+    for extra, param in [({"stop_regex": "("}, "stop_regex"), ({"stop_regex": ["a?"]}, "stop_regex"),
+                         ({"regex": "a", "guided_regex": "b"}, "regex")]:
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body=extra)
+        assert bad.value.body["param"] == param, (extra, bad.value.body)  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="grammar"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"ebnf": "root ::= ("})
+    js = client.completions.create(model=MODEL, prompt="JSON", max_tokens=40, extra_body={"json_schema": json.dumps(SCHEMA)})
+    assert json.loads(js.choices[0].text)["size"] in {"S", "M", "L"}  # SGLang's completions field
 
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},

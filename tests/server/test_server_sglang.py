@@ -5,6 +5,7 @@ shared prefix, ``/flush_cache`` and ``/model_info``, and its errors."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -69,6 +70,12 @@ def test_generate_stream_stop_and_structured(http: httpx.Client) -> None:
     assert kept["text"] == whole["text"][:4]
     rx = generate(http, text="?", sampling_params={"regex": "[0-9]{3}", "max_new_tokens": 8, "temperature": 0})
     assert len(rx["text"]) == 3 and rx["text"].isdigit()
+    eb = generate(http, text="?", sampling_params={"ebnf": 'root ::= "yes" | "no"', "max_new_tokens": 8, "temperature": 0})
+    assert eb["text"] in {"yes", "no"}
+    pattern = re.escape(whole["text"][3]) + "." + re.escape(whole["text"][5])
+    rs = generate(http, text="Hello", sampling_params={**params, "stop_regex": [pattern]})
+    assert rs["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}  # SGLang's shape
+    assert re.search(pattern, rs["text"]) and whole["text"].startswith(rs["text"])
 
 
 def test_generate_errors_name_the_field(http: httpx.Client) -> None:
@@ -76,9 +83,10 @@ def test_generate_errors_name_the_field(http: httpx.Client) -> None:
                         ({"text": "x", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
                         ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
                         ({"text": "x", "return_logprob": True, "token_ids_logprob": [1]}, "token_ids_logprob"),
-                        ({"text": "x", "sampling_params": {"stop_regex": "a+"}}, "sampling_params"),
+                        ({"text": "x", "sampling_params": {"stop_regex": "("}}, "sampling_params"),
+                        ({"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "sampling_params"),
+                        ({"text": "x", "sampling_params": {"ebnf": "root ::= ("}}, "sampling_params"),
                         ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
-                        ({"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params"),
                         ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
                         ({"input_ids": [10**7]}, "input_ids"),
                         # the OpenAI routes' limits hold here too (n=100000 would be 100,000 sequences)

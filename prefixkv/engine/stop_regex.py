@@ -1,0 +1,115 @@
+"""Stop regexes (SGLang's ``stop_regex``): compiled once per request, searched in new output.
+
+A pattern is Python ``re`` syntax, compiled by the ``regex`` package (``re``-compatible): its
+searches take a timeout, so a pattern that backtracks catastrophically fails its own request
+after :data:`STOP_REGEX_TIMEOUT_S` (the engine's failure isolation ends that request alone)
+instead of stalling the one engine thread every other request waits on.
+
+Each step searches only where a *new* match can be: a match of at most ``width`` characters
+that takes in some of the new token's text starts no earlier than ``width - 1`` characters
+before it. A pattern whose longest match is unbounded, or that asserts anything about text
+outside its match (lookarounds, ``\\b``, anchors, back-references), is searched from the start
+of the checked text every step: still correct, linear in the output per step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import regex
+
+MAX_STOP_REGEX = 32
+"""Most patterns one request may give (SGLang's limit)."""
+
+MAX_STOP_REGEX_LEN = 256
+"""Longest pattern, in characters (SGLang allows 256 bytes)."""
+
+STOP_REGEX_TIMEOUT_S = 0.05
+"""Longest one search may take before its request is failed."""
+
+_MAX_WIDTH = 4096  # a longer bounded match is searched like an unbounded one
+
+
+@dataclass(frozen=True, slots=True)
+class StopRegex:
+    """One compiled stop pattern; ``width``: its longest match in characters, ``None`` when
+    unbounded or when it looks outside its match (then every search covers the checked text)."""
+
+    pattern: str
+    compiled: regex.Pattern[str]
+    width: int | None
+
+    def found(self, text: str, check_from: int, new_from: int) -> bool:
+        """Whether ``text`` holds a match that was not there before its characters from
+        ``new_from`` on arrived, looking no earlier than ``check_from``; ``ValueError`` when the
+        search runs past :data:`STOP_REGEX_TIMEOUT_S`."""
+        start = check_from if self.width is None else max(check_from, new_from - self.width + 1)
+        try:
+            return self.compiled.search(text, start, timeout=STOP_REGEX_TIMEOUT_S) is not None
+        except TimeoutError as exc:
+            raise ValueError(
+                f"stop_regex {self.pattern!r} took longer than {STOP_REGEX_TIMEOUT_S * 1000:.0f} ms "
+                "to search the output (catastrophic backtracking?)"
+            ) from exc
+
+
+def compile_stop_regex(value: str | Sequence[str] | None) -> tuple[StopRegex, ...]:
+    """``stop_regex`` as compiled patterns; ``ValueError`` naming ``stop_regex`` when it is not
+    a pattern or a list of them, holds too many or too long ones, or one does not compile."""
+    if value is None:
+        return ()
+    patterns = [value] if isinstance(value, str) else value
+    if isinstance(patterns, (bytes, bytearray)) or not isinstance(patterns, Sequence):
+        raise ValueError(f"stop_regex must be a str, a list of str or None, got {value!r}")
+    if len(patterns) > MAX_STOP_REGEX:
+        raise ValueError(f"stop_regex holds at most {MAX_STOP_REGEX} patterns, got {len(patterns)}")
+    out = []
+    for p in patterns:
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"stop_regex must hold non-empty strings, got {p!r}")
+        if len(p) > MAX_STOP_REGEX_LEN:
+            raise ValueError(f"stop_regex patterns are at most {MAX_STOP_REGEX_LEN} characters, "
+                             f"got {len(p)}")
+        try:
+            compiled = regex.compile(p)
+        except regex.error as exc:
+            raise ValueError(f"stop_regex {p!r} is not a valid regular expression: {exc}") from exc
+        least, most = _widths(p)
+        if least == 0 or compiled.fullmatch("") is not None:
+            raise ValueError(f"stop_regex {p!r} matches the empty string (it would stop at once)")
+        out.append(StopRegex(p, compiled, most))
+    return tuple(out)
+
+
+def _widths(pattern: str) -> tuple[int | None, int | None]:
+    """The shortest and longest match of ``pattern``; the longest is ``None`` when unbounded or
+    when the pattern looks outside its match, both ``None`` for syntax the standard parser does
+    not know (the ``regex`` package's own)."""
+    try:
+        parser: Any = getattr(re, "_parser")  # CPython 3.11+: the sre parser
+        tree = parser.parse(pattern)
+        least, most = tree.getwidth()
+    except Exception:  # noqa: BLE001 - no parser, or regex-only syntax: search everything
+        return None, None
+    if most > _MAX_WIDTH or not _self_contained(tree, parser):
+        return int(least), None
+    return int(least), int(most)
+
+
+_OUTSIDE = {"AT", "ASSERT", "ASSERT_NOT", "GROUPREF", "GROUPREF_EXISTS", "GROUPREF_IGNORE",
+            "GROUPREF_LOC_IGNORE", "GROUPREF_UNI_IGNORE"}
+
+
+def _self_contained(tree: Any, parser: Any) -> bool:
+    """Whether no node of the parsed pattern asserts about text outside the match."""
+    for op, av in tree:
+        if str(op) in _OUTSIDE:
+            return False
+        for x in av if isinstance(av, (tuple, list)) else (av,):
+            subs = x if isinstance(x, list) else [x]
+            if any(isinstance(s, parser.SubPattern) and not _self_contained(s, parser) for s in subs):
+                return False
+    return True
