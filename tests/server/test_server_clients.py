@@ -173,6 +173,14 @@ streamed = pick.run(stream=True)
 assert "".join(streamed.text_iter("code")) == state["code"]  # greedy: the same code, streamed
 states = pick.run_batch([{}, {}], num_threads=2)
 assert [s["code"] for s in states] == [state["code"]] * 2
+
+@sgl.function
+def digits(s):
+    s += sgl.user("Digits:")
+    s += sgl.assistant(sgl.gen("d", regex="[0-9]{8}", stop_regex="[0-9]{3}", max_tokens=12, temperature=0))
+
+d = digits.run()["d"]
+assert len(d) == 3 and d.isdigit(), d  # stop_regex ended it at the third digit, text kept
 backend.flush_cache()
 print("ok")
 """
