@@ -217,7 +217,8 @@ class LLMEngine:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.runner.config.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.bias]), ("allowed_token_ids", params.allowed)):
+        for name, ids in (("logit_bias", [t for t, _ in params.bias]), ("allowed_token_ids", params.allowed),
+                          ("logprob_token_ids", params.logprob_ids)):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad}")

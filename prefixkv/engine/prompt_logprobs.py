@@ -60,6 +60,7 @@ class PromptLogprobsRunner:
             logits[: end - start],
             seq.token_ids[start + 1 : end + 1],
             [req.params.prompt_logprobs or 0] * (end - start),
+            [req.params.logprob_ids] * (end - start),
         )
         if not req.params.detokenize:  # ids only: no decoded_token
             for pos, t in enumerate(found, start + 1):

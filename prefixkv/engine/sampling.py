@@ -79,7 +79,8 @@ class SeqSampler:
         entries: dict[int, dict[int, Logprob]] = {}
         if want:
             found = token_logprobs(
-                picked[want], [tokens[j] for j in want], [seqs[j].params.logprobs or 0 for j in want]
+                picked[want], [tokens[j] for j in want], [seqs[j].params.logprobs or 0 for j in want],
+                [seqs[j].params.logprob_ids for j in want],
             )
             entries = {j: self.logprob_entry(t) for j, t in zip(want, found)}
         return [Pick(tok, entries.get(j)) for j, tok in enumerate(tokens)]

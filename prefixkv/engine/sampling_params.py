@@ -15,6 +15,8 @@ from prefixkv.engine.structured_output import StructuredOutputsParams
 
 _MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
 _MAX_SEED = 2**64 - 1
+MAX_LOGPROB_TOKEN_IDS = 128
+"""Most ``logprob_token_ids`` a request may give (vLLM's limit)."""
 MAX_LOGIT_BIAS = 100.0
 """``logit_bias`` values are clamped to ``[-100, 100]`` (OpenAI's range)."""
 
@@ -73,6 +75,10 @@ class SamplingParams:
             (SGLang's ``logprob_start_len``): up to this many leading prompt tokens are read
             from the prefix cache, and the entries of positions ``<= prompt_logprobs_start``
             are ``None`` whatever the cache held. 0 (the default): every token after the first.
+        logprob_token_ids: with ``logprobs`` (0 when unset), also the log-probability and rank
+            of each of these ids at every generated position (and every prompt position with
+            ``prompt_logprobs``): vLLM's field for scoring a fixed label set; at most
+            :data:`MAX_LOGPROB_TOKEN_IDS` ids.
         include_stop_str_in_output: keep the matched stop string (or the stop token's text)
             in ``text``.
         structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
@@ -109,6 +115,7 @@ class SamplingParams:
     detokenize: bool = True
     allowed_token_ids: Sequence[int] | None = None
     stop_regex: str | Sequence[str] | None = None
+    logprob_token_ids: Sequence[int] | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_regex: tuple[StopRegex, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -192,6 +199,14 @@ class SamplingParams:
             or not all(_is_int(t) and t >= 0 for t in allowed)
         ):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}")
+        ids = self.logprob_token_ids
+        if ids is not None:
+            if (isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids
+                    or len(ids) > MAX_LOGPROB_TOKEN_IDS or not all(_is_int(t) and t >= 0 for t in ids)):
+                raise ValueError(f"logprob_token_ids must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token "
+                                 f"ids (ints >= 0), got {ids!r}")
+            if self.logprobs is None:
+                object.__setattr__(self, "logprobs", 0)  # (vLLM: they imply sample logprobs)
         if not isinstance(self.detokenize, bool):
             raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")  # noqa: TRY004
         if not self.detokenize and (self._stop or self._stop_regex):
@@ -241,6 +256,11 @@ class SamplingParams:
     def bias(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as ``(token_id, clamped bias)`` pairs (possibly empty)."""
         return self._bias
+
+    @property
+    def logprob_ids(self) -> tuple[int, ...]:
+        """``logprob_token_ids`` as a tuple (possibly empty)."""
+        return tuple(self.logprob_token_ids or ())
 
     @property
     def allowed(self) -> tuple[int, ...]:

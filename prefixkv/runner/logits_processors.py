@@ -138,10 +138,12 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowProcessing | None]) -
 
 
 def token_logprobs(
-    logits: torch.Tensor, chosen: Sequence[int], num_top: Sequence[int]
+    logits: torch.Tensor, chosen: Sequence[int], num_top: Sequence[int],
+    extra: Sequence[Sequence[int]] | None = None,
 ) -> list[TokenLogprobs]:
     """For each row ``i`` of ``logits`` ``[N, V]``: the log-probability and rank of
-    ``chosen[i]`` and the ``num_top[i]`` most likely tokens (capped at ``V``)."""
+    ``chosen[i]`` and the ``num_top[i]`` most likely tokens (capped at ``V``), then those of
+    the ids ``extra[i]`` (vLLM's ``logprob_token_ids``) not among them."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(list(chosen), dtype=torch.long, device=lp.device)
     picked = lp.gather(1, ids.unsqueeze(1))
@@ -156,5 +158,16 @@ def token_logprobs(
     for i, tok in enumerate(chosen):
         n = min(num_top[i], k)
         top = [(top_ids[i][j], top_vals[i][j], j + 1) for j in range(n)]
+        if extra is not None and extra[i]:
+            top += _of_ids(lp[i], [t for t in extra[i] if t not in {e[0] for e in top}])
         out.append(TokenLogprobs(int(tok), float(picked[i, 0]), int(ranks[i]), top))
     return out
+
+
+def _of_ids(row: torch.Tensor, ids: Sequence[int]) -> list[tuple[int, float, int]]:
+    """``(id, logprob, rank)`` of each of ``ids`` in the log-probabilities ``row`` ``[V]``."""
+    if not ids:
+        return []
+    vals = row[torch.tensor(list(ids), dtype=torch.long, device=row.device)]
+    ranks = ((row.unsqueeze(0) > vals.unsqueeze(1)).sum(dim=1) + 1).tolist()
+    return [(int(t), float(v), int(r)) for t, v, r in zip(ids, vals.tolist(), ranks)]

@@ -25,7 +25,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "bad_words": lambda v: bool(v), "chat_template": lambda v: v is not None,
     "use_beam_search": lambda v: v is True, "length_penalty": lambda v: v not in (None, 1, 1.0),
     "documents": lambda v: v is not None, "echo": lambda v: v is True,
-    "logprob_token_ids": lambda v: v is not None, "thinking_token_budget": lambda v: v is not None,
+    "thinking_token_budget": lambda v: v is not None,
     # vLLM's: another prompt, P/D or encoder transfer, logits-processor args, early stops, marks
     "prompt_embeds": _SET, "kv_transfer_params": _SET, "ec_transfer_params": _SET,
     "vllm_xargs": _SET, "repetition_detection": _SET, "watermarking": _SET,

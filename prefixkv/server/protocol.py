@@ -10,7 +10,8 @@ vLLM's extension fields: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tok
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``prompt_logprobs``, ``structured_outputs`` / ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar``, ``stream_options.continuous_usage_stats``,
-``truncate_prompt_tokens`` / ``truncation_side``, ``return_tokens_as_token_ids`` and
+``truncate_prompt_tokens`` / ``truncation_side``, ``return_tokens_as_token_ids``,
+``logprob_token_ids`` and
 ``cache_salt`` (a tenant key: requests with different salts never share cached KV).
 SGLang's: ``regex``, ``ebnf`` (a GBNF grammar), ``json_schema`` (completions), ``stop_regex``,
 ``no_stop_trim`` (its name for ``include_stop_str_in_output``) and ``extra_key`` (a cache
@@ -124,6 +125,9 @@ class SamplingRequest(_Body):
     """SGLang's cache-isolation key (:func:`~prefixkv.kv_events.request_salt`)."""
     return_token_ids: StrictBool = False
     return_tokens_as_token_ids: StrictBool | None = None
+    logprob_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=128)] | None = None
+    """vLLM's: the log-probabilities of these ids at each generated position, instead of the
+    top ``logprobs`` (which must be set); every candidate is returned."""
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")] | None = None
@@ -186,6 +190,8 @@ class SamplingRequest(_Body):
             out.append(("best_of", f"best_of={self.best_of} is not supported: only best_of == n ({self.n})"))
         if isinstance(self, CompletionRequest) and self.max_tokens == 0 and not self.echo:
             out.append(("max_tokens", "max_tokens must be >= 1 (0 only with echo)"))
+        if self.logprob_token_ids and getattr(self, "logprobs", None) in (None, False):  # vLLM's rule
+            out.append(("logprob_token_ids", "logprob_token_ids needs logprobs set"))
         if isinstance(self, ChatCompletionRequest):
             if self.top_logprobs and not self.logprobs:
                 out.append(("top_logprobs", "top_logprobs needs logprobs=true"))

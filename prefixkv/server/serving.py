@@ -104,8 +104,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: i
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
             skip_special_tokens=req.skip_special_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            logprobs=0 if req.logprob_token_ids and logprobs is not None else logprobs,  # (vLLM's rule)
+            logprob_token_ids=req.logprob_token_ids, prompt_logprobs=prompt_logprobs,
             structured_outputs=structured,
         )
     except ValueError as exc:
@@ -212,6 +212,8 @@ class OpenAIServing:
 
     def _renderer(self, req: SamplingRequest, **kwargs: Any) -> ChoiceRenderer:
         tok = self.engine.tokenizer
+        if req.logprob_token_ids and kwargs["num_logprobs"] is not None:  # vLLM: every candidate
+            kwargs["num_logprobs"] = 1 << 20
         return ChoiceRenderer(
             decode=lambda t: tok.decode([t], skip_special_tokens=False),
             decode_ids=lambda ids: tok.decode(ids, skip_special_tokens=False),

@@ -9,6 +9,9 @@ With ``return_logprob`` a result's ``meta_info`` carries, as SGLang's does:
 * ``output_token_logprobs``: the same for each generated token;
 * with ``top_logprobs_num`` k > 0, ``input_top_logprobs`` / ``output_top_logprobs``: per position
   the k most likely tokens as ``[logprob, token_id, text]`` (``None`` where the position has none).
+* with ``token_ids_logprob`` (ids), ``input_token_ids_logprobs`` / ``output_token_ids_logprobs``:
+  per position those ids' ``[logprob, token_id, text]`` in the order given (the engine's
+  :attr:`SamplingParams.logprob_token_ids`; ``None`` where the position has none).
 
 ``text`` is the token decoded alone with ``return_text_in_logprobs`` (SGLang's), else ``None``.
 The prompt is read from the prefix cache up to ``logprob_start_len`` and computed after it
@@ -42,11 +45,11 @@ class LogprobOptions(_Body):
 
     def engine_fields(self) -> dict[str, Any]:
         """The :class:`SamplingParams` fields these options set (none without ``return_logprob``)."""
-        if self.token_ids_logprob is not None:
-            raise ValueError("token_ids_logprob is not supported by this server")
         if not self.return_logprob:
             return {}
         fields: dict[str, Any] = {"logprobs": self.top_logprobs_num}
+        if self.token_ids_logprob:  # (SGLang reads [] as none)
+            fields["logprob_token_ids"] = self.token_ids_logprob
         if self.logprob_start_len >= 0:
             fields.update(prompt_logprobs=self.top_logprobs_num,
                           prompt_logprobs_start=self.logprob_start_len)
@@ -103,4 +106,12 @@ class LogprobFormatter:
         if opts.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [self._top(e) for e in entries]
             meta["output_top_logprobs"] = [self._top(e) for e in gen]
+        if opts.token_ids_logprob:
+            meta["input_token_ids_logprobs"] = [self._of_ids(e) for e in entries]
+            meta["output_token_ids_logprobs"] = [self._of_ids(e) for e in gen]
         return meta
+
+    def _of_ids(self, entry: dict[int, Logprob] | None) -> list[Triple] | None:
+        if entry is None:
+            return None
+        return [(entry[t].logprob, t, self._text(t)) for t in self.options.token_ids_logprob or () if t in entry]

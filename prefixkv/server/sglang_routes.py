@@ -12,9 +12,8 @@ unchanged. ``/generate`` takes ``text`` or ``input_ids`` (one prompt or a batch)
 ``return_logprob`` SGLang's logprob lists too (:mod:`prefixkv.server.sglang_logprobs`); with
 ``stream`` each event carries the text and ids so far, as SGLang's default streaming does, then
 ``data: [DONE]``. SGLang's frontend language (``sglang.RuntimeEndpoint``: ``gen``, ``select``,
-regex and typed ``gen``, streaming) runs on it unchanged. Fields we do not implement
-(``token_ids_logprob``, images) are a 400 naming them; unknown ones follow the server's field
-policy.
+regex and typed ``gen``, streaming) runs on it unchanged. Fields we do not implement (images)
+are a 400 naming them; unknown ones follow the server's field policy.
 """
 
 from __future__ import annotations
@@ -193,13 +192,10 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
                            f"(--max-prompts-per-request), got {len(prompts)}",
                            param="text" if body.text is not None else "input_ids")
         try:
-            extra = body.engine_fields()
+            params = body.sampling_params.to_params(**body.engine_fields())
         except ValueError as exc:
-            raise APIError(str(exc), param="token_ids_logprob") from exc
-        try:
-            params = body.sampling_params.to_params(**extra)
-        except ValueError as exc:
-            raise APIError(str(exc), param="sampling_params") from exc
+            about_ids = str(exc).startswith("logprob_token_ids")
+            raise APIError(str(exc), param="token_ids_logprob" if about_ids else "sampling_params") from exc
         base = body.rid or uuid.uuid4().hex
         shape = _Shape(time.perf_counter(), body.sampling_params.max_new_tokens == 0, None if not
                        body.return_logprob else LogprobFormatter(body, lambda t: str(
@@ -212,6 +208,7 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
         except ValueError as exc:  # a bad prompt, or a grammar that does not compile
             await _close(streams)
             param = ("sampling_params" if str(exc).startswith("structured_outputs:") else
+                     "token_ids_logprob" if str(exc).startswith("logprob_token_ids") else
                      "text" if body.text is not None else "input_ids")
             raise APIError(str(exc), param=param) from exc
         except RuntimeError as exc:

@@ -68,6 +68,32 @@ def test_full_vocab_logprobs_are_a_distribution(llm: LLM) -> None:
     assert sum(math.exp(lp.logprob) for lp in c.logprobs[0].values()) == pytest.approx(1.0, abs=1e-4)
 
 
+def test_logprob_token_ids_add_those_ids_with_their_true_logprob_and_rank(llm: LLM) -> None:
+    """vLLM's ``logprob_token_ids``: each generated (and prompt) position also reports these ids,
+    with the values and ranks a full-vocabulary entry gives them."""
+    vocab = llm.engine.runner.config.vocab_size
+    labels = [ord("Y"), ord("N"), 250]
+    full = llm.generate("Yes or no?", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=vocab,
+                                                     prompt_logprobs=vocab))[0]
+    some = llm.generate("Yes or no?", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                     logprob_token_ids=labels, prompt_logprobs=1))[0]
+    c, f = some.outputs[0], full.outputs[0]
+    assert c.token_ids == f.token_ids and c.logprobs is not None and f.logprobs is not None
+    for entry, whole, tok in zip(c.logprobs, f.logprobs, c.token_ids):
+        assert set(entry) == {tok, *labels}  # logprobs unset: 0 top ids, the chosen and the labels
+        for t in labels:
+            assert entry[t].logprob == pytest.approx(whole[t].logprob, abs=1e-5) and entry[t].rank == whole[t].rank
+    assert some.prompt_logprobs is not None and full.prompt_logprobs is not None
+    for entry, whole in zip(some.prompt_logprobs[1:], full.prompt_logprobs[1:]):
+        assert entry is not None and whole is not None
+        assert {t: round(entry[t].logprob, 4) for t in labels} == {t: round(whole[t].logprob, 4) for t in labels}
+    for bad in ([], [-1], list(range(129)), "ab"):
+        with pytest.raises(ValueError, match="logprob_token_ids"):
+            SamplingParams(logprob_token_ids=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="logprob_token_ids has token ids outside the vocabulary"):
+        llm.generate("x", SamplingParams(logprob_token_ids=[vocab]))
+
+
 def test_prompt_logprobs_on_a_cached_prompt_equal_a_cold_run(demo_model: Any, helpers: Any) -> None:
     prompt = helpers.tokens(7, 150)  # 9 full blocks + a partial one
     sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4, logprobs=2)

@@ -82,7 +82,8 @@ def test_generate_errors_name_the_field(http: httpx.Client) -> None:
     for body, param in [({}, None), ({"text": "x", "input_ids": [1]}, None),
                         ({"text": "x", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
                         ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
-                        ({"text": "x", "return_logprob": True, "token_ids_logprob": [1]}, "token_ids_logprob"),
+                        ({"text": "x", "return_logprob": True, "token_ids_logprob": [10**7]}, "token_ids_logprob"),
+                        ({"text": "x", "return_logprob": True, "token_ids_logprob": [1] * 129}, "token_ids_logprob"),
                         ({"text": "x", "sampling_params": {"stop_regex": "("}}, "sampling_params"),
                         ({"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "sampling_params"),
                         ({"text": "x", "sampling_params": {"ebnf": "root ::= ("}}, "sampling_params"),
@@ -146,6 +147,33 @@ def test_generate_logprobs_as_sglang_frontend_select_asks(http: httpx.Client) ->
                                                                    "ignore_eos": True}}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]  # so far, each event
+
+
+def test_token_ids_logprob_scores_labels_at_every_position(http: httpx.Client) -> None:
+    """SGLang's ``token_ids_logprob`` (vLLM's ``logprob_token_ids`` on the OpenAI routes): per
+    prompt position from ``logprob_start_len`` and per generated token, those ids' logprobs in
+    the order given, equal to what the OpenAI route reports for the same greedy request."""
+    labels = [ord("N"), ord("Y")]
+    prompt = "Yes or no? "
+    out = generate(http, text=prompt, return_logprob=True, logprob_start_len=3, token_ids_logprob=labels,
+                   sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    meta = out["meta_info"]
+    outs = meta["output_token_ids_logprobs"]
+    assert len(outs) == 3 and all([e[1] for e in pos] == labels and all(e[0] <= 0 for e in pos) for pos in outs)
+    ins = meta["input_token_ids_logprobs"]
+    assert len(ins) == len(meta["input_token_logprobs"]) and ins[0] is None  # nothing before the start
+    assert all([e[1] for e in pos] == labels for pos in ins[1:])
+    ref = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                             "ignore_eos": True, "logprobs": 5, "logprob_token_ids": labels}).json()
+    tops = ref["choices"][0]["logprobs"]["top_logprobs"]
+    assert [set(t) >= {"N", "Y"} and len(t) <= 3 for t in tops] == [True] * 3  # the chosen and exactly the labels
+    assert [[e[0] for e in pos] for pos in outs] == [[pytest.approx(t[chr(i)], abs=1e-5) for i in labels] for t in tops]
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "logprob_token_ids": labels})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_token_ids"  # vLLM: needs logprobs
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                                                   "max_tokens": 2, "logprobs": True, "logprob_token_ids": labels}).json()
+    for entry in chat["choices"][0]["logprobs"]["content"]:
+        assert {"N", "Y"} <= {c["token"] for c in entry["top_logprobs"]} and len(entry["top_logprobs"]) <= 3
 
 
 def test_health_generate_is_503_when_the_engine_is_gone() -> None:
