@@ -159,13 +159,15 @@ def token_logprobs(
         n = min(num_top[i], k)
         top = [(top_ids[i][j], top_vals[i][j], j + 1) for j in range(n)]
         if extra is not None and extra[i]:
-            top += _of_ids(lp[i], [t for t in extra[i] if t not in {e[0] for e in top}])
+            have = {e[0] for e in top}
+            top += _of_ids(lp[i], [t for t in extra[i] if t not in have])
         out.append(TokenLogprobs(int(tok), float(picked[i, 0]), int(ranks[i]), top))
     return out
 
 
 def _of_ids(row: torch.Tensor, ids: Sequence[int]) -> list[tuple[int, float, int]]:
-    """``(id, logprob, rank)`` of each of ``ids`` in the log-probabilities ``row`` ``[V]``."""
+    """``(id, logprob, rank)`` of each of ``ids`` in the log-probabilities ``row`` ``[V]`` (one
+    ``len(ids) x V`` comparison for the ranks, as vLLM's sampler counts them)."""
     if not ids:
         return []
     vals = row[torch.tensor(list(ids), dtype=torch.long, device=row.device)]

@@ -190,7 +190,8 @@ class SamplingRequest(_Body):
             out.append(("best_of", f"best_of={self.best_of} is not supported: only best_of == n ({self.n})"))
         if isinstance(self, CompletionRequest) and self.max_tokens == 0 and not self.echo:
             out.append(("max_tokens", "max_tokens must be >= 1 (0 only with echo)"))
-        if self.logprob_token_ids and getattr(self, "logprobs", None) in (None, False):  # vLLM's rule
+        wants = getattr(self, "logprobs", None)  # completions: an int (0 counts), chat: a bool
+        if self.logprob_token_ids and (wants is None or wants is False):  # vLLM's rule
             out.append(("logprob_token_ids", "logprob_token_ids needs logprobs set"))
         if isinstance(self, ChatCompletionRequest):
             if self.top_logprobs and not self.logprobs:

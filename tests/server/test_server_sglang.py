@@ -89,6 +89,7 @@ def test_generate_errors_name_the_field(http: httpx.Client) -> None:
                         ({"text": "x", "sampling_params": {"ebnf": "root ::= ("}}, "sampling_params"),
                         ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
                         ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+                        ({"text": "x", "image_data": "http://x/cat.png"}, "image_data"),  # not dropped
                         ({"input_ids": [10**7]}, "input_ids"),
                         # the OpenAI routes' limits hold here too (n=100000 would be 100,000 sequences)
                         ({"text": "x", "sampling_params": {"n": 100_000}}, "sampling_params.n"),
@@ -168,6 +169,9 @@ def test_token_ids_logprob_scores_labels_at_every_position(http: httpx.Client) -
     tops = ref["choices"][0]["logprobs"]["top_logprobs"]
     assert [set(t) >= {"N", "Y"} and len(t) <= 3 for t in tops] == [True] * 3  # the chosen and exactly the labels
     assert [[e[0] for e in pos] for pos in outs] == [[pytest.approx(t[chr(i)], abs=1e-5) for i in labels] for t in tops]
+    zero = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "logprobs": 0,
+                                              "logprob_token_ids": labels}).json()  # logprobs 0 is set
+    assert {"N", "Y"} <= set(zero["choices"][0]["logprobs"]["top_logprobs"][0])
     bad = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "logprob_token_ids": labels})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_token_ids"  # vLLM: needs logprobs
     chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": prompt}],
