@@ -115,10 +115,17 @@ def _ids_key(ids: Sequence[int], namespace: Hashable, chunk_bytes: int) -> Route
     return RouteKey(("ids", namespace), chunks, len(ids), per)
 
 
+def body_salt(body: Mapping[str, Any]) -> str | None:
+    """The cache salt a worker files a request body's blocks under (``cache_salt`` and SGLang's
+    ``extra_key``, :func:`~prefixkv.kv_events.request_salt`); a value that is not a string
+    counts as absent (the worker answers its 400)."""
+    salt, key = body.get("cache_salt"), body.get("extra_key")
+    return request_salt(salt if isinstance(salt, str) else None, key if isinstance(key, str) else None)
+
+
 def _namespace(body: Mapping[str, Any]) -> Hashable:
-    model, salt, key = body.get("model"), body.get("cache_salt"), body.get("extra_key")
-    return (model if isinstance(model, str) else None,
-            request_salt(salt if isinstance(salt, str) else None, key if isinstance(key, str) else None))
+    model = body.get("model")
+    return (model if isinstance(model, str) else None, body_salt(body))
 
 
 def completion_key(body: Mapping[str, Any], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RouteKey:

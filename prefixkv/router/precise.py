@@ -63,9 +63,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import zmq.asyncio
 
-from prefixkv.kv_events import block_hashes, request_salt
+from prefixkv.kv_events import block_hashes
 from prefixkv.router.cache_aware import CacheAwarePolicy
-from prefixkv.router.keys import RouteKey
+from prefixkv.router.keys import RouteKey, body_salt
 from prefixkv.router.kv_index import ExactIndex
 from prefixkv.router.kv_stream import EventSource, EventStream, discover_source
 from prefixkv.router.policies import Decision, check_candidates
@@ -176,8 +176,7 @@ class PrecisePolicy:
         live = [u for u in urls if self.index.workers[u].live]
         if not live or path.endswith(("/responses", "/messages")):  # (no ids for those inputs here)
             return key
-        raw, extra = body.get("cache_salt"), body.get("extra_key")
-        salt = request_salt(raw if isinstance(raw, str) else None, extra if isinstance(extra, str) else None)
+        salt = body_salt(body)
         ns = (salt, None) if salt is not None else None
         ids: Any = None
         payload: dict[str, Any] = {}

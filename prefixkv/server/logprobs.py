@@ -30,11 +30,14 @@ def _lp(value: float) -> float:
     return max(value, FLOOR)
 
 
-def _name(token_id: int, lp: Logprob | None, decode: Any, as_ids: bool) -> str:
-    """How a token is shown: ``token_id:<id>``, else its text in context, else decoded alone."""
-    if as_ids:
-        return f"token_id:{token_id}"
+def _text(token_id: int, lp: Logprob | None, decode: Any) -> str:
+    """A token's text: in context when the engine recorded it, else decoded alone."""
     return lp.decoded_token if lp is not None and lp.decoded_token is not None else str(decode(token_id))
+
+
+def _name(token_id: int, text: str, as_ids: bool) -> str:
+    """How a token is shown: ``token_id:<id>`` with ``as_ids`` (vLLM's form), else its text."""
+    return f"token_id:{token_id}" if as_ids else text
 
 
 def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
@@ -61,7 +64,7 @@ class CompletionLogprobs:
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for tok, entry in zip(token_ids, entries):
-            text = _name(tok, entry.get(tok) if entry is not None else None, decode, self.as_ids)
+            text = _name(tok, _text(tok, entry.get(tok) if entry is not None else None, decode), self.as_ids)
             tokens.append(text)
             offsets.append(self.offset)
             self.offset += len(text)
@@ -72,7 +75,7 @@ class CompletionLogprobs:
             token_lps.append(_lp(entry[tok].logprob))
             top = {text: _lp(entry[tok].logprob)}  # the chosen token, then the top ones
             for t, lp in _top(entry, self.num_top):
-                top.setdefault(_name(t, lp, decode, self.as_ids), _lp(lp.logprob))
+                top.setdefault(_name(t, _text(t, lp, decode), self.as_ids), _lp(lp.logprob))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
@@ -85,12 +88,12 @@ def chat_logprobs(
     """The chat ``logprobs`` object for generated ``token_ids``."""
     content = []
     for tok, entry in zip(token_ids, entries):
-        text = _name(tok, entry[tok], decode, False)
+        text = _text(tok, entry[tok], decode)
         top = []
         for t, lp in _top(entry, num_top):
-            s = _name(t, lp, decode, False)
-            top.append({"token": _name(t, lp, decode, as_ids), "logprob": _lp(lp.logprob),
+            s = _text(t, lp, decode)  # (bytes are the text's even when tokens are shown as ids)
+            top.append({"token": _name(t, s, as_ids), "logprob": _lp(lp.logprob),
                         "bytes": list(s.encode("utf-8", "replace"))})
-        content.append({"token": _name(tok, entry[tok], decode, as_ids), "logprob": _lp(entry[tok].logprob),
+        content.append({"token": _name(tok, text, as_ids), "logprob": _lp(entry[tok].logprob),
                         "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top})
     return {"content": content}
