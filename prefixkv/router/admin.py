@@ -41,7 +41,8 @@ def admin_headers(admin_api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
 
 
-def _refusal(request: Request, admin_api_key: str | None) -> Response | None:
+def refusal(request: Request, admin_api_key: str | None) -> Response | None:
+    """The error answer for a caller the admin rule refuses, or ``None`` when it may proceed."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if admin_api_key is not None:
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), admin_api_key):
@@ -82,7 +83,7 @@ def add_admin_routes(app: FastAPI, worker_urls: tuple[str, ...], client: Any,
 
     def handler(method: str, path: str) -> Any:
         async def fan_out(request: Request) -> Response:
-            refused = _refusal(request, admin_api_key)
+            refused = refusal(request, admin_api_key)
             if refused is not None:
                 return refused
             wanted = request.query_params.get("worker")

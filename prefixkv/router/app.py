@@ -10,7 +10,8 @@ streaming and failures: see :mod:`prefixkv.router.proxy`). Every other route, an
 that starts and stops the router, is a FastAPI app's: ``GET /v1/models`` (from a healthy
 worker), ``GET`` / ``DELETE /v1/responses/{id}`` and its ``/input_items`` (from the worker
 holding it), ``GET /health``,
-``GET /workers`` (the router's view), ``GET /metrics``, and the
+``GET /workers`` (the router's view), ``GET /metrics``, ``POST /router/learn`` (what another
+router replica routed: :mod:`prefixkv.router.replicas`), and the
 workers' cache admin routes fanned out to every worker (:mod:`prefixkv.router.admin`). :class:`RouterServer` serves the app
 with uvicorn in a background thread.
 
@@ -37,7 +38,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from prefixkv.router.admin import add_admin_routes
+from prefixkv.router.admin import add_admin_routes, admin_headers
+from prefixkv.router.admin import refusal as admin_refusal
 from prefixkv.router.answer import error_answer, send_answer
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.errors import error_response
@@ -53,6 +55,13 @@ from prefixkv.router.keys import (
 from prefixkv.router.local import free_port
 from prefixkv.router.metrics import CONTENT_TYPE
 from prefixkv.router.proxy import WORKER_HEADER, Router
+from prefixkv.router.replicas import (
+    PeerLoads,
+    ReplicaSync,
+    decode_entries,
+    decode_loads,
+    learning_policy,
+)
 
 __all__ = ["WORKER_HEADER", "Router", "RouterApp", "RouterConfig", "RouterServer", "create_app",
            "error_response"]
@@ -63,13 +72,27 @@ log = logging.getLogger("prefixkv.router")
 def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monotonic) -> RouterApp:
     """The router's ASGI app; ``app.state.router`` is its :class:`Router`."""
     router = Router(config, clock=clock)
+    learner = learning_policy(router.policy)
+    sync = ReplicaSync(config.peer_urls, interval=config.peer_sync_interval,
+                       headers=admin_headers(config.admin_api_key),
+                       loads=lambda: {w.url: w.in_flight for w in router.workers.all()}) if (
+        config.peer_urls and learner is not None) else None
+    if sync is not None and learner is not None:
+        learner.peer_loads = PeerLoads(ttl=max(1.0, 50 * config.peer_sync_interval),
+                                       clock=clock)
+        learner.replica_index = config.replica_index
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        if sync is not None and learner is not None:
+            learner.listener = sync.note
+            await sync.start(router.client)
         try:
             yield
         finally:
+            if sync is not None:
+                await sync.stop()
             await router.stop()
 
     app = FastAPI(title="prefixkv router", lifespan=lifespan)
@@ -101,6 +124,23 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
         rest = request.url.path.split(f"/v1/responses/{response_id}", 1)[1]
         return await router.stored_response(request.method, response_id, request.headers,
                                             rest + (f"?{request.url.query}" if request.url.query else ""))
+
+    @app.post("/router/learn")
+    async def learn(request: Request) -> Response:
+        refused = admin_refusal(request, config.admin_api_key)
+        if refused is not None:
+            return refused
+        body = await request.body()
+        try:
+            entries = decode_entries(body)
+            replica, loads = decode_loads(body)
+        except ValueError as exc:
+            return error_response(400, f"router/learn: {exc}", type_="invalid_request_error",
+                                  code="invalid_value")
+        if learner is not None and learner.peer_loads is not None:
+            learner.peer_loads.update(replica, loads)
+        learned = sum(learner.learn(url, key) for url, key in entries) if learner else 0
+        return JSONResponse({"learned": learned, "skipped": len(entries) - learned})
 
     add_admin_routes(app, config.worker_urls, lambda: router.client, config.admin_api_key,
                      config.request_timeout)

@@ -88,12 +88,17 @@ class PolicyResult:
     rss_mb: float | None = None  # the router process's peak RSS (external routers)
 
 
-async def replay(url: str, workload: Workload, *, concurrency: int, max_tokens: int,
+async def replay(url: str | Sequence[str], workload: Workload, *, concurrency: int,
+                 max_tokens: int,
                  model: str | None) -> tuple[list[dict[str, float]], Counter[str], int]:
     """Send every session's turns to ``url``, ``concurrency`` sessions at a time: per answered
     request its usage and latency, the requests per worker (from prefixkv's worker header;
-    empty through other routers), and the count of failed requests."""
+    empty through other routers), and the count of failed requests. Several URLs (router
+    replicas) take the requests in turn, round robin, as a load balancer in front would."""
     import httpx
+
+    urls = [url] if isinstance(url, str) else list(url)
+    sent = 0
 
     from prefixkv.router.app import WORKER_HEADER
 
@@ -105,7 +110,7 @@ async def replay(url: str, workload: Workload, *, concurrency: int, max_tokens: 
     errors = 0
 
     async def run_sessions(client: httpx.AsyncClient) -> None:
-        nonlocal errors
+        nonlocal errors, sent
         while not queue.empty():
             session = queue.get_nowait()
             messages: list[dict[str, str]] = [{"role": "system", "content": workload.system}]
@@ -115,9 +120,10 @@ async def replay(url: str, workload: Workload, *, concurrency: int, max_tokens: 
                                            "temperature": 0.0}
                 if model:
                     body["model"] = model
+                target, sent = urls[sent % len(urls)], sent + 1
                 t0 = time.perf_counter()
                 try:
-                    resp = await client.post(f"{url}/v1/chat/completions", json=body)
+                    resp = await client.post(f"{target}/v1/chat/completions", json=body)
                 except httpx.HTTPError:  # counted; the session goes on with its next turn
                     errors += 1
                     messages.append({"role": "assistant", "content": assistant})
@@ -152,11 +158,27 @@ async def reset_caches(urls: Sequence[str]) -> None:
                 pass  # not a prefixkv worker: its cache stays as it is
 
 
+def replica_runs(args: argparse.Namespace) -> list[tuple[int, bool]]:
+    """(replicas, unshared) per run of a policy, from ``--replicas`` and ``--unshared``."""
+    counts = getattr(args, "replicas", [1])
+    runs = [(max(1, n), False) for n in counts]
+    if getattr(args, "unshared", False):
+        runs += [(n, True) for n in counts if n > 1]
+    return runs
+
+
 def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
-               args: argparse.Namespace, workload_name: str = "chat") -> PolicyResult:
-    """Replay ``workload`` through a fresh router running ``policy`` (a ``BENCH_POLICIES``)."""
+               args: argparse.Namespace, workload_name: str = "chat", *, replicas: int = 1,
+               unshared: bool = False) -> PolicyResult:
+    """Replay ``workload`` through a fresh router running ``policy`` (a ``BENCH_POLICIES``), or
+    through ``args.replicas`` replicas of it that share their decisions (``--peer-urls``),
+    taking the requests round robin; the CPU figures are then the first replica's."""
+    import contextlib
+    import dataclasses
+
     from prefixkv.router.app import RouterConfig, RouterServer
     from prefixkv.router.disturb import PeriodicResets
+    from prefixkv.router.local import free_port
 
     asyncio.run(reset_caches(worker_urls))
     config = RouterConfig(
@@ -172,26 +194,35 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
         load_factor=args.load_factor, hash_prefix_chunks=args.hash_prefix_chunks,
         health_check_interval=args.health_check_interval,
     )
-    with RouterServer(config) as server:
+    ports = [free_port() for _ in range(max(1, replicas))]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(RouterServer(
+            dataclasses.replace(config, replica_index=i, peer_urls=() if unshared
+                                else tuple(u for u in urls if u != url)), port=port))
+            for i, (url, port) in enumerate(zip(urls, ports))]
+        server = servers[0]
         meter = CpuMeter(server.router.policy.select)
         setattr(server.router.policy, "select", meter)  # noqa: B010 (mypy: method assignment)
         # one warm-up request is not needed: the first select records the router thread
         t0 = time.perf_counter()
-        registry = server.router.workers
         with PeriodicResets(worker_urls, getattr(args, "reset_every", 0),
-                            count=lambda: sum(w.routed for w in registry.all())):
+                            count=lambda: sum(w.routed for s in servers
+                                              for w in s.router.workers.all())):
             usages, per_worker, errors = asyncio.run(replay(
-                server.url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                urls, workload, concurrency=args.concurrency, max_tokens=args.max_tokens,
                 model=args.model,
             ))
         seconds = time.perf_counter() - t0
         router_cpu = thread_cpu(meter.native_id)
         reasons: Counter[str] = Counter()
-        for metric in server.router.metrics.requests.collect():
+        for metric in (m for s in servers for m in s.router.metrics.requests.collect()):
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     reasons[sample.labels["reason"]] += int(sample.value)
     n = max(1, len(usages))
+    if len(urls) > 1:
+        policy += f" x{len(urls)}" + (" unshared" if unshared else "")
     return summarize(
         workload_name, policy, usages, per_worker, errors, seconds, reasons=dict(reasons),
         workers=config.worker_urls, policy_cpu_us=meter.seconds / n * 1e6,
@@ -273,6 +304,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-interval", type=float, default=1.0,
                    help="also how often the workers' cache stats are read")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, nargs="+", default=[1], metavar="N",
+                   help="run each policy through N router replicas sharing their decisions "
+                   "(--peer-urls), the requests sent to them round robin; several counts run "
+                   "in turn over the same workers (e.g. 1 4)")
+    p.add_argument("--unshared", action="store_true",
+                   help="also run each replica count above 1 with replicas that do not share "
+                   "(the baseline)")
     p.add_argument("--reset-every", type=int, default=0, metavar="N",
                    help="admin-reset one worker's cache after every N dispatched requests, the "
                    "workers in turn (caches emptied behind the router's back; 0: never)")
@@ -321,8 +359,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             asyncio.run(ready(urls))
             for policy in args.policies:
-                results.append(run_policy(policy, urls, workload, args, name))
-                progress(results[-1])
+                for n, unshared in replica_runs(args):
+                    results.append(run_policy(policy, urls, workload, args, name,
+                                              replicas=n, unshared=unshared))
+                    progress(results[-1])
         finally:
             if launched is not None:
                 launched.stop()

@@ -63,6 +63,7 @@ from prefixkv.router.tree import ApproxTree
 
 if TYPE_CHECKING:
     from prefixkv.router.health import WorkerCacheStats
+    from prefixkv.router.replicas import PeerLoads
     from prefixkv.router.keys import RouteKey
 
 __all__ = ["BYTES_PER_TOKEN", "CacheAwarePolicy"]
@@ -135,6 +136,10 @@ class CacheAwarePolicy:
         self._routed_tokens = dict.fromkeys(self.trees, 0.0)
         self._capacity: dict[str, int] = {}
         self._rate: dict[str, float] = {}
+        self.listener: Callable[[str, RouteKey], None] | None = None
+        self.peer_loads: PeerLoads | None = None  # router replicas: their in-flight requests
+        self.replica_index = 0  # router replicas: this one's position (ties start there)
+        self._order = {url: i for i, url in enumerate(self.trees)}
 
     # ------------------------------------------------------------------ choosing
     def is_imbalanced(self, loads: Sequence[int]) -> bool:
@@ -152,7 +157,8 @@ class CacheAwarePolicy:
     def select(self, urls: Sequence[str], loads: Mapping[str, int], key: RouteKey) -> Decision:
         check_candidates(urls)
         self.maybe_trim()
-        load = {u: loads.get(u, 0) for u in urls}
+        load = ({u: loads.get(u, 0) for u in urls} if self.peer_loads is None
+                else self.peer_loads.add(loads, urls))
         recent = {u: self.recent[u] for u in urls}
         matched = {u: self.trees[u].match(key) for u in urls}
         if self.is_imbalanced(list(load.values())):
@@ -167,14 +173,44 @@ class CacheAwarePolicy:
                 url, reason = low, "share"
                 self._last_move = self._dispatches
         else:
-            url = min(urls, key=lambda u: (load[u], recent[u], self.trees[u].size))
+            # replicas: requests arriving at several routers at once see the same loads; each
+            # replica breaks the ties from its own worker (``replica_index``), so they spread
+            n = len(self._order)
+            url = min(urls, key=lambda u: (load[u], recent[u], self.trees[u].size,
+                                           (self._order[u] - self.replica_index) % n))
             reason = "least_load"
         self.record(url, key)
         return Decision(url, reason, key.ratio(matched[url]))
 
     def record(self, url: str, key: RouteKey) -> None:
         """``key`` was sent to ``url``: its tree, load and recent window learn it (also called
-        by :class:`~prefixkv.router.precise.PrecisePolicy`, which embeds this policy)."""
+        by :class:`~prefixkv.router.precise.PrecisePolicy`, which embeds this policy); then the
+        ``listener`` hears of it (router replicas: :mod:`prefixkv.router.replicas`)."""
+        self._learn(url, key)
+        self._dispatches += 1
+        self._count(url)
+        if self.listener is not None:
+            self.listener(url, key)
+
+    def learn(self, url: str, key: RouteKey) -> bool:
+        """Another router replica sent ``key`` to ``url``: its tree and the recent-dispatch
+        window learn it (so new sessions spread by the fleet's dispatches, not this replica's
+        share of them); the in-flight loads stay this router's own. ``False`` for a worker it
+        does not know."""
+        if url not in self.trees:
+            return False
+        self._learn(url, key)
+        self._count(url)
+        return True
+
+    def _count(self, url: str) -> None:
+        if self._window.maxlen:
+            if len(self._window) == self._window.maxlen:
+                self.recent[self._window[0]] -= 1
+            self._window.append(url)
+            self.recent[url] += 1
+
+    def _learn(self, url: str, key: RouteKey) -> None:
         tree = self.trees[url]
         self._routed[url] += len(key)
         if self.simulate_eviction:
@@ -187,12 +223,6 @@ class CacheAwarePolicy:
             tree.insert(key)
             if self.eviction_interval == 0:
                 tree.trim()
-        self._dispatches += 1
-        if self._window.maxlen:
-            if len(self._window) == self._window.maxlen:
-                self.recent[self._window[0]] -= 1
-            self._window.append(url)
-            self.recent[url] += 1
 
     def on_dispatch_failed(self, url: str) -> None:
         """A dispatch to ``url`` failed (refused, dropped, or a 5xx retried elsewhere): it leaves
