@@ -84,6 +84,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kv-events-rehash", action="store_true",
                    help="precise: the workers' block hashes are not prefixkv's (vLLM workers): "
                    "derive them from each event's tokens and parent")
+    p.add_argument("--epp", action="store_true",
+                   help="also serve the Gateway API Inference Extension's endpoint picker: "
+                   "Envoy's ext_proc gRPC on --epp-port, with the same policy and worker health "
+                   "(needs the epp extra: pip install 'prefixkv[epp]'; docs/router.md, EPP)")
+    p.add_argument("--epp-port", type=int, default=9002,
+                   help="with --epp: the picker's gRPC port (default %(default)s, as the "
+                   "Inference Extension's)")
     p.add_argument("--health-check-interval", type=float, default=10.0,
                    help="seconds between /health probes of every worker")
     p.add_argument("--health-check-timeout", type=float, default=5.0)
@@ -166,6 +173,7 @@ def run_route(args: argparse.Namespace) -> int:
             timeout_keep_alive=args.timeout_keep_alive,
             admin_api_key=args.admin_api_key, kv_events=tuple(args.kv_events),
             kv_events_topic=args.kv_events_topic, kv_events_rehash=args.kv_events_rehash,
+            epp_port=args.epp_port if args.epp else None,
         )
 
         async def check() -> None:
@@ -175,10 +183,16 @@ def run_route(args: argparse.Namespace) -> int:
         asyncio.run(check())
         print(f"prefixkv route: {config.policy} over {', '.join(config.worker_urls)} "
               f"on http://{args.host}:{args.port}", flush=True)
-        server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host,
+        app = create_app(config)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host,
                                                port=args.port, log_level=args.log_level,
                                                timeout_keep_alive=config.timeout_keep_alive))
-        server.run()
+        if config.epp_port is None:
+            server.run()
+        else:
+            from prefixkv.router.epp_server import serve_beside
+
+            asyncio.run(serve_beside(server, app.router, args.host, config.epp_port))
     except _Stop as stop:
         return int(stop.code or 0)
     finally:

@@ -34,6 +34,8 @@ class RouterConfig:
     ``kv_events`` / ``kv_events_topic``: the ``precise`` policy's event endpoints, one per worker
     (``auto``: discovered, the default; ``none``; ``ENDPOINT[|REPLAY]``); ``kv_events_rehash``:
     derive prefixkv's block hashes from the events' tokens (workers with other hashes: vLLM).
+    ``epp_port``: also serve the Gateway API Inference Extension's endpoint picker (Envoy
+    ext_proc gRPC) on this port (0: a free one; ``None``: not at all; :mod:`prefixkv.router.epp`).
     """
 
     worker_urls: tuple[str, ...]
@@ -61,6 +63,7 @@ class RouterConfig:
     kv_events: tuple[str, ...] = ()
     kv_events_topic: str = ""
     kv_events_rehash: bool = False
+    epp_port: int | None = None
 
     def __post_init__(self) -> None:
         urls = tuple(normalize_worker_url(u) for u in self.worker_urls)
@@ -88,6 +91,8 @@ class RouterConfig:
 
             object.__setattr__(self, "kv_events", tuple(self.kv_events))
             parse_sources(urls, self.kv_events, self.kv_events_topic)  # ValueError if bad
+        if self.epp_port is not None and not 0 <= self.epp_port <= 65535:
+            raise ValueError(f"epp_port must be in [0, 65535], got {self.epp_port!r}")
         if self.failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold!r}")
         for name in ("health_check_interval", "health_check_timeout", "request_timeout",
