@@ -534,3 +534,16 @@ def test_chaos_kill_and_stop_workers_under_load(workers: LocalWorkers, router: R
     print(f"chaos: {len(plain)} plain (all 200), {len(streams)} streams ({cut} cut with an error "
           f"event), first traffic after healthy: "
           + ", ".join(f"{s:.2f} s" for s in served.values()))
+
+
+def test_vllm_render_routes_pass_through_to_a_worker(router: RouterServer) -> None:
+    messages = [{"role": "user", "content": "render me " * 20}]
+    r = httpx.post(f"{router.url}/v1/chat/completions/render", timeout=60,
+                   json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    worker = r.headers[WORKER_HEADER]
+    ids = httpx.post(f"{worker}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert r.json()["token_ids"] == ids
+    rows = httpx.post(f"{router.url}/v1/completions/render", timeout=60,
+                      json={"prompt": ["a b c", "d e"]}).json()
+    assert [len(row["token_ids"]) > 0 for row in rows] == [True, True]
