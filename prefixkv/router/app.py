@@ -2,7 +2,7 @@
 
 Contract. :func:`create_app` builds the router's ASGI app (:class:`RouterApp`). The proxied
 routes, ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, Anthropic's
-``/v1/messages`` and SGLang's ``/generate``, are served over raw ASGI
+``/v1/messages`` and SGLang's ``/generate`` (and vLLM's render routes), are served over raw ASGI
 (the request path the router adds latency on: one body read, one JSON parse, the route key, the
 dispatch): the body must be a JSON object (else a 400 with an OpenAI-style error body); its route
 key and ``stream`` flag go to ``Router.dispatch``, which forwards the body unchanged (retries,
@@ -223,7 +223,10 @@ _PROXIED: dict[str, Callable[[Any, int], RouteKey]] = {
     "/v1/completions": completion_key, "/v1/chat/completions": chat_key,
     "/generate": generate_key,  # SGLang's native API
     "/v1/responses": responses_key, "/v1/messages": messages_key,  # Anthropic's
-    "/v1/messages/count_tokens": messages_key}
+    "/v1/messages/count_tokens": messages_key,
+    # vLLM's render API: to the worker the request itself would go to (same tokenizer, and the
+    # real request that usually follows finds its prefix there)
+    "/v1/completions/render": completion_key, "/v1/chat/completions/render": chat_key}
 
 
 async def _read_body(receive: Receive) -> bytes | None:

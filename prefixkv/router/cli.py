@@ -84,6 +84,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kv-events-rehash", action="store_true",
                    help="precise: the workers' block hashes are not prefixkv's (vLLM workers): "
                    "derive them from each event's tokens and parent")
+    p.add_argument("--peer-urls", nargs="+", default=[], metavar="URL",
+                   help="the other router replicas behind the same load balancer: each routing "
+                   "decision is shared with them, so N replicas route as one (cache_aware, and "
+                   "precise's fallback tree; docs/router.md, Replicas)")
     p.add_argument("--epp", action="store_true",
                    help="also serve the Gateway API Inference Extension's endpoint picker: "
                    "Envoy's ext_proc gRPC on --epp-port, with the same policy and worker health "
@@ -91,6 +95,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--epp-port", type=int, default=9002,
                    help="with --epp: the picker's gRPC port (default %(default)s, as the "
                    "Inference Extension's)")
+    p.add_argument("--replica-index", type=int, default=0, metavar="I",
+                   help="with --peer-urls: this replica's position among the replicas (0..N-1, "
+                   "e.g. a StatefulSet ordinal): new sessions arriving at several replicas at "
+                   "once start on different workers")
     p.add_argument("--health-check-interval", type=float, default=10.0,
                    help="seconds between /health probes of every worker")
     p.add_argument("--health-check-timeout", type=float, default=5.0)
@@ -173,6 +181,7 @@ def run_route(args: argparse.Namespace) -> int:
             timeout_keep_alive=args.timeout_keep_alive,
             admin_api_key=args.admin_api_key, kv_events=tuple(args.kv_events),
             kv_events_topic=args.kv_events_topic, kv_events_rehash=args.kv_events_rehash,
+            peer_urls=tuple(args.peer_urls), replica_index=args.replica_index,
             epp_port=args.epp_port if args.epp else None,
         )
 

@@ -34,6 +34,10 @@ class RouterConfig:
     ``kv_events`` / ``kv_events_topic``: the ``precise`` policy's event endpoints, one per worker
     (``auto``: discovered, the default; ``none``; ``ENDPOINT[|REPLAY]``); ``kv_events_rehash``:
     derive prefixkv's block hashes from the events' tokens (workers with other hashes: vLLM).
+    ``peer_urls``: the other router replicas, told every routing decision every
+    ``peer_sync_interval`` seconds (:mod:`prefixkv.router.replicas`); ``replica_index``: this
+    replica's position among them (0..N-1, e.g. a StatefulSet ordinal), so new sessions arriving
+    at several replicas at once start on different workers.
     ``epp_port``: also serve the Gateway API Inference Extension's endpoint picker (Envoy
     ext_proc gRPC) on this port (0: a free one; ``None``: not at all; :mod:`prefixkv.router.epp`).
     """
@@ -63,6 +67,9 @@ class RouterConfig:
     kv_events: tuple[str, ...] = ()
     kv_events_topic: str = ""
     kv_events_rehash: bool = False
+    peer_urls: tuple[str, ...] = ()
+    peer_sync_interval: float = 0.01
+    replica_index: int = 0
     epp_port: int | None = None
 
     def __post_init__(self) -> None:
@@ -91,6 +98,12 @@ class RouterConfig:
 
             object.__setattr__(self, "kv_events", tuple(self.kv_events))
             parse_sources(urls, self.kv_events, self.kv_events_topic)  # ValueError if bad
+        object.__setattr__(self, "peer_urls", tuple(normalize_worker_url(u)
+                                                    for u in self.peer_urls))
+        if not isinstance(self.replica_index, int) or self.replica_index < 0:
+            raise ValueError(f"replica_index must be an int >= 0, got {self.replica_index!r}")
+        if self.peer_sync_interval <= 0:
+            raise ValueError(f"peer_sync_interval must be > 0, got {self.peer_sync_interval!r}")
         if self.epp_port is not None and not 0 <= self.epp_port <= 65535:
             raise ValueError(f"epp_port must be in [0, 65535], got {self.epp_port!r}")
         if self.failure_threshold < 1:

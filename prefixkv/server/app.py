@@ -48,6 +48,7 @@ from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.serving import OpenAIServing
 from prefixkv.server.messages_stream import build_messages_router
+from prefixkv.server.render_routes import build_render_router
 from prefixkv.server.responses_stream import build_responses_router
 from prefixkv.server.sglang_routes import build_sglang_router
 from prefixkv.server.tokenizer_routes import build_tokenizer_router
@@ -195,6 +196,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
 
     v1.include_router(build_responses_router(serving, policy, check_model))
     v1.include_router(build_messages_router(serving, policy, check_model))
+    v1.include_router(build_render_router(serving, policy, check_model))
     app.include_router(v1)
     app.include_router(build_tokenizer_router(engine, check_model, policy),
                        dependencies=[Depends(_auth_dependency(api_key))])
