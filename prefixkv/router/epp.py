@@ -26,7 +26,7 @@ Serving it (gRPC server, health service, ``prefixkv route --epp``): :mod:`prefix
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,29 +35,18 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from prefixkv.router import epp_protocol as msg
-from prefixkv.router.keys import (
-    RouteKey,
-    chat_key,
-    completion_key,
-    generate_key,
-    hinted_key,
-    messages_key,
-    responses_key,
-)
+from prefixkv.router.app import _PROXIED as _KEYS  # the HTTP router's paths and keys: one table
+from prefixkv.router.keys import RouteKey, hinted_key
 from prefixkv.router.proxy import Router
 
 __all__ = ["EndpointPicker"]
 
 log = logging.getLogger("prefixkv.router")
 
-_KEYS: dict[str, Callable[[Any, int], RouteKey]] = {
-    "/v1/completions": completion_key, "/v1/chat/completions": chat_key,
-    "/generate": generate_key, "/v1/responses": responses_key, "/v1/messages": messages_key,
-    "/v1/messages/count_tokens": messages_key}
-"""The HTTP router's proxied paths and their route keys; other paths get an empty key."""
 
 
 def _no_key(body: Any, chunk_bytes: int) -> RouteKey:
+    """Paths the HTTP router does not proxy get an empty key (the policy's load rules pick)."""
     return RouteKey(("text", None), ())
 
 

@@ -317,6 +317,10 @@ def test_subset_hint_restricts_the_candidates(workers: list[Worker]) -> None:
         two = [workers[0].endpoint, workers[1].endpoint]
         assert sorted(destination(_pick(channel, metadata_context=metadata(*hint, two)),
                                   "request_body")) == sorted(two)
+        as_text = f"{workers[1].endpoint}, {workers[2].endpoint}"  # the hint as one string
+        assert sorted(destination(_pick(channel, metadata_context=metadata(*hint, as_text)),
+                                  "request_body")) == sorted([workers[1].endpoint,
+                                                              workers[2].endpoint])
         for nothing in ([], ["10.0.0.1:8000"]):  # empty, or no endpoint the picker knows
             answer = _pick(channel, metadata_context=metadata(*hint, nothing))
             assert answer.immediate_response.status.code == 503
