@@ -199,9 +199,12 @@ _TIER_OPTIONS: dict[str, dict[str, Any]] = {
                  "shown": "no disk tier", "kind": "str", "metavar": "DIR"},
     "disk_size": {"help": "disk tier capacity: blocks or bytes", "shown": "10GiB",
                   "kind": "str", "metavar": "SIZE"},
-    "remote": {"help": "shared tier on Valkey/Redis, redis://host:port[/db]: workers on it "
-                       "reuse each other's prefixes", "shown": "none", "kind": "str",
-               "metavar": "URL"},
+    "remote": {"help": "shared tier on Valkey/Redis, redis://[user:pass@]host:port[/db] "
+                       "(rediss:// for TLS): workers on it reuse each other's prefixes",
+               "shown": "none", "kind": "str", "metavar": "URL"},
+    "remote_secret": {"help": "key of an HMAC on every disk and remote record: records that "
+                              "fail it are misses (env PREFIXKV_KV_REMOTE_SECRET)",
+                      "shown": "none", "kind": "str", "metavar": "SECRET"},
     "remote_timeout": {"help": "a remote call slower than this counts as down",
                        "metavar": "SECONDS"},
     "remote_ttl": {"help": "expiry of unpinned blocks stored in the remote tier; with the "

@@ -11,6 +11,7 @@ is positional (``--model`` is the same). :func:`engine_kwargs` reads them back a
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from prefixkv.config import OPTIONS, Option
@@ -27,6 +28,9 @@ A step budget of 2,048 tokens is vLLM's OpenAI-server default on CPU (its ``LLM`
 a long prompt prefills in 2,048-token chunks, so requests already decoding wait at most one such
 chunk per token (demo model, a 4,000-token prompt: 160 ms -> 101-103 ms longest decode gap,
 ``scripts/prefill_stall.py``)."""
+
+ENV_DEFAULTS = {"kv_remote_secret": "PREFIXKV_KV_REMOTE_SECRET"}
+"""Flags whose default is read from the environment (a secret is better kept out of ``ps``)."""
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -45,6 +49,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _add(g: argparse._ArgumentGroup, opt: Option) -> None:
     help_text = opt.help_text
     default = SERVE_DEFAULTS.get(opt.name, opt.default)
+    if opt.name in ENV_DEFAULTS:
+        default = os.environ.get(ENV_DEFAULTS[opt.name]) or default
     if opt.name in SERVE_DEFAULTS:
         help_text = f"{opt.help} (default: {default}; {opt.shown} for LLM)"
     kw: dict[str, Any] = {"dest": opt.name, "default": default, "help": _escape(help_text)}

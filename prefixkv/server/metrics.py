@@ -156,6 +156,8 @@ _TIER_SERIES = (  # (name, kind, TierStats field, help); one series per tier (la
     ("kv_tier_evictions", "counter", "evictions", "Blocks this tier dropped for room."),
     ("kv_tier_errors", "counter", "errors", "Failed calls to this tier (remote down, disk I/O)."),
     ("kv_tier_corrupt", "counter", "corrupt", "Stored blocks rejected by the checksum check."),
+    ("kv_tier_unauthenticated", "counter", "unauthenticated",
+     "Stored blocks rejected by the MAC check (kv_remote_secret set)."),
     ("kv_tier_prefetched", "counter", "prefetched", "Blocks read ahead for queued requests."),
     ("kv_tier_occupancy_blocks", "gauge", "occupancy_blocks", "Blocks this tier holds now."),
     ("kv_tier_capacity_blocks", "gauge", "capacity_blocks", "Blocks this tier can hold (0: unknown)."),

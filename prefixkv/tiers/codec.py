@@ -1,20 +1,33 @@
-"""The stored form of one KV block: a small header, then the raw bytes.
+"""The stored form of one KV block: a small header, then the raw bytes, then (with a secret) a MAC.
 
 Header (little endian): magic ``PKVB``, version (u16), header length (u16), payload length
 (u64), xxhash64 of the payload (u64), the block key (32 bytes), then the layout string (utf-8,
 e.g. ``float32:2x4x16x2x64``). :func:`decode` accepts a record only when every field matches
 what the reader expects and the checksum holds; anything else is :class:`CorruptBlockError`,
 which callers treat as a miss (and delete), never as KV.
+
+The checksum catches accidents, not writers: anyone who can write the store can recompute it.
+With a *secret* (``kv_remote_secret``) a record is version 2 and ends in an HMAC-SHA256 tag of
+everything before it (header, layout, payload) under that secret; a reader with the secret
+accepts only version-2 records whose tag holds (:class:`UnauthenticatedBlockError` otherwise),
+a reader without one only version 1. HMAC-SHA256 runs at ~1.8 GB/s where the CPU has SHA
+instructions (1.1 ms for a 2 MiB block; keyed BLAKE2b measured 0.9 GB/s).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 
 import xxhash
 
 MAGIC = b"PKVB"
 VERSION = 1
+"""Records without a MAC."""
+VERSION_MAC = 2
+"""Records that end in an HMAC-SHA256 tag."""
+TAG_BYTES = 32
 _FIXED = struct.Struct("<4sHHQQ32s")
 
 
@@ -22,30 +35,75 @@ class CorruptBlockError(ValueError):
     """A stored block is truncated, damaged, or for another key/layout."""
 
 
-def encode(key: bytes, layout: str, payload: bytes) -> bytes:
-    """The stored record of ``payload`` (one block's KV bytes) under ``key``."""
+class UnauthenticatedBlockError(CorruptBlockError):
+    """A record whose MAC does not hold under the reader's secret (or that has none)."""
+
+
+def secret_id(secret: bytes) -> str:
+    """A public name of ``secret`` (16 hex digits; reveals nothing of it): part of the block
+    keys of engines using it, so engines with another secret (or none) never read its records."""
+    return hmac.new(secret, b"prefixkv/kv-secret-id", hashlib.sha256).hexdigest()[:16]
+
+
+def encode(key: bytes, layout: str, payload: bytes, secret: bytes | None = None) -> bytes:
+    """The stored record of ``payload`` (one block's KV bytes) under ``key`` (with a MAC under
+    ``secret`` when given)."""
     lay = layout.encode()
-    head = _FIXED.pack(MAGIC, VERSION, _FIXED.size + len(lay), len(payload),
-                       xxhash.xxh64_intdigest(payload), key)
-    return head + lay + payload
+    head = _FIXED.pack(MAGIC, VERSION if secret is None else VERSION_MAC, _FIXED.size + len(lay),
+                       len(payload), xxhash.xxh64_intdigest(payload), key)
+    if secret is None:
+        return head + lay + payload
+    mac = hmac.new(secret, head, hashlib.sha256)
+    mac.update(lay)
+    mac.update(payload)
+    return b"".join((head, lay, payload, mac.digest()))
 
 
-def decode(record: bytes, key: bytes, layout: str, nbytes: int) -> bytes:
+def decode(record: bytes, key: bytes, layout: str, nbytes: int, secret: bytes | None = None) -> bytes:
     """The payload of ``record`` if it is intact and holds ``key`` in ``layout`` with
-    ``nbytes`` bytes; else :class:`CorruptBlockError` saying what is wrong."""
+    ``nbytes`` bytes (and, with ``secret``, its MAC holds); else :class:`CorruptBlockError`
+    (:class:`UnauthenticatedBlockError` for a MAC that fails or is missing) saying what is wrong."""
     if len(record) < _FIXED.size:
         raise CorruptBlockError(f"truncated header ({len(record)} bytes)")
     magic, version, head_len, length, checksum, stored_key = _FIXED.unpack_from(record)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version not in (VERSION, VERSION_MAC):
         raise CorruptBlockError(f"bad magic/version {magic!r}/{version}")
+    end = len(record)
+    if secret is not None:
+        if version != VERSION_MAC:
+            raise UnauthenticatedBlockError("record carries no MAC")
+        end -= TAG_BYTES
+        want = hmac.new(secret, memoryview(record)[: max(end, 0)], hashlib.sha256).digest()
+        if end < _FIXED.size or not hmac.compare_digest(want, record[end:]):
+            raise UnauthenticatedBlockError("MAC mismatch (tampered, or written under another secret)")
+    elif version != VERSION:
+        raise CorruptBlockError("record carries a MAC and this reader has no secret")
     if stored_key != key:
         raise CorruptBlockError("record holds another key")
     lay = layout.encode()
     if head_len != _FIXED.size + len(lay) or record[_FIXED.size : head_len] != lay:
         raise CorruptBlockError("layout differs")
-    if length != nbytes or len(record) != head_len + length:
-        raise CorruptBlockError(f"payload is {len(record) - head_len} bytes, expected {nbytes}")
-    payload = record[head_len:]
+    if length != nbytes or end != head_len + length:
+        raise CorruptBlockError(f"payload is {end - head_len} bytes, expected {nbytes}")
+    payload = record[head_len:end]
     if xxhash.xxh64_intdigest(payload) != checksum:
         raise CorruptBlockError("checksum mismatch")
     return payload
+
+
+def header_size(layout: str) -> int:
+    """Bytes :func:`is_record_of` needs from a record's start."""
+    return _FIXED.size + len(layout.encode())
+
+
+def is_record_of(head: bytes, key: bytes, layout: str, authenticated: bool) -> bool:
+    """Whether ``head`` (a record's first :func:`header_size` bytes) starts a record of ``key``
+    in ``layout``, with a MAC when ``authenticated``: the writer was an engine like the reader
+    (the payload and MAC are not checked)."""
+    if len(head) < _FIXED.size:
+        return False
+    magic, version, head_len, _, _, stored_key = _FIXED.unpack_from(head)
+    lay = layout.encode()
+    return (magic == MAGIC and version == (VERSION_MAC if authenticated else VERSION)
+            and stored_key == key and head_len == _FIXED.size + len(lay)
+            and head[_FIXED.size : head_len] == lay)

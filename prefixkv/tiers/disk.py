@@ -1,12 +1,21 @@
 """DiskTier (L3): one file per block under a directory, written off the request path.
 
 A file is ``<key hex>.kvb`` holding one :mod:`~prefixkv.tiers.codec` record, written to a
-temporary name and renamed into place (a crash leaves a ``.tmp`` file, removed at the next
-start, never a half-written ``.kvb``). At start the directory is indexed again (oldest
+temporary name ``<key hex>.kvb.<pid>.<writer>.tmp`` and renamed into place (a crash leaves such
+a ``.tmp`` file, never a half-written ``.kvb``). At start the directory is indexed again (oldest
 modification time first), which is what makes a restarted engine answer from disk.
 
-Reads check the record (magic, version, key, layout, length, xxhash64); a corrupt or truncated
-file is a miss and is deleted. Capacity is in blocks; the least recently used file goes first,
+Only the tier's own files are ever deleted (the directory may hold anything else): a ``.kvb``
+counts as its own when its name is a key and its header is a record of that key in this tier's
+layout (with a MAC exactly when the tier has a secret), or it is empty (it holds nothing; a
+power loss can leave one); anything else is neither indexed nor touched. A ``.tmp`` file is removed at start only when its name is one this tier's writers
+use and its writer is gone (no such process here) or it is older than :data:`STALE_TMP_S`.
+Engines of one KV layout sharing a directory therefore share its files (capacity, reset): give
+each model its own directory.
+
+Reads check the record (magic, version, key, layout, length, xxhash64; the MAC with a
+secret); a corrupt or truncated file is a miss and is deleted. A read refreshes the file's
+mtime; where that fails (a read-only directory) the read still counts, with one warning. Capacity is in blocks; the least recently used file goes first,
 skipping pinned keys (:class:`~prefixkv.tiers.pins.PinnedKeys`): when only pinned files could
 make room, the new block is the one not kept. Recency is per prefix chain, with the pool's
 tie-break: :meth:`DiskTier.touch` makes a chain the most recent with its *first* block the most
@@ -23,13 +32,21 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from prefixkv.tiers.codec import CorruptBlockError, decode, encode
+from prefixkv.tiers.codec import (
+    CorruptBlockError,
+    UnauthenticatedBlockError,
+    decode,
+    encode,
+    header_size,
+    is_record_of,
+)
 from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.stats import TierCounters
 from prefixkv.tiers.writer import BackgroundWriter
@@ -39,7 +56,11 @@ SUFFIX = ".kvb"
 KEY_BYTES = 32
 """Length of a block key (sha256)."""
 WARN_EVERY_S = 60.0
-"""Write failures are logged at most this often (each one is counted in ``errors``)."""
+"""Write and read failures are logged at most this often (each one is counted in ``errors``)."""
+STALE_TMP_S = 60.0
+"""A temporary file of ours this old is a crashed write's leftover (a write takes milliseconds)."""
+TMP_NAME = re.compile(r"^(?:[0-9a-f]{64}\.kvb|\.probe)\.(\d+)\.[0-9a-f]+\.tmp$")
+"""The temporary names this module writes (block writes and the start-up probe)."""
 
 
 class DiskTier:
@@ -48,6 +69,7 @@ class DiskTier:
     def __init__(
         self, directory: str | Path, capacity: int, layout: str, nbytes: int,
         pinned: PinnedKeys | None = None, clock: Callable[[], float] = time.monotonic,
+        secret: bytes | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"kv_disk_size must be >= 1 block, got {capacity}")
@@ -63,9 +85,10 @@ class DiskTier:
         self.layout = layout
         self.nbytes = nbytes
         self.counters = TierCounters("disk", capacity)
+        self._secret = secret
         self._clock = clock
-        self._unreported = 0  # write failures since the last warning
-        self._warned_at: float | None = None
+        self._unreported: dict[str, int] = {}  # failures of a kind since its last warning
+        self._warned_at: dict[str, float] = {}
         self.pinned = pinned if pinned is not None else PinnedKeys()
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first; pending keys too
@@ -76,14 +99,23 @@ class DiskTier:
 
     def _scan(self) -> None:
         files = []
+        peek = header_size(self.layout)
         for p in self.directory.iterdir():
-            if p.name.endswith(".tmp"):
-                _unlink(p)
+            tmp = TMP_NAME.match(p.name)
+            if tmp is not None:
+                if _stale_tmp(p, int(tmp.group(1))):
+                    _unlink(p)
             elif p.suffix == SUFFIX and len(p.stem) == 64:
                 try:
-                    files.append((p.stat().st_mtime_ns, bytes.fromhex(p.stem), p))
+                    key = bytes.fromhex(p.stem)
+                    with open(p, "rb") as f:
+                        head = f.read(peek)
+                        mtime = os.fstat(f.fileno()).st_mtime_ns
                 except (OSError, ValueError):
                     continue
+                if p.name == key.hex() + SUFFIX and (not head or is_record_of(
+                        head, key, self.layout, self._secret is not None)):
+                    files.append((mtime, key, p))  # ours (or empty: a power loss's): indexed
         files.sort()
         for _, key, p in files[max(0, len(files) - self.capacity):]:
             self._index[key] = None
@@ -137,21 +169,27 @@ class DiskTier:
         path = self.path(key)
         try:
             record = path.read_bytes()
-            payload = decode(record, key, self.layout, self.nbytes)
-            os.utime(path)
+            payload = decode(record, key, self.layout, self.nbytes, self._secret)
         except FileNotFoundError:
             self._forget(key)
             return None
         except CorruptBlockError as exc:
-            logger.warning("disk tier: %s is corrupt (%s); removed", path.name, exc)
-            self.counters.add(corrupt=1)
+            forged = isinstance(exc, UnauthenticatedBlockError)
+            logger.warning("disk tier: %s is %s (%s); removed", path.name,
+                           "unauthenticated" if forged else "corrupt", exc)
+            self.counters.add(**{"unauthenticated" if forged else "corrupt": 1})
             self._forget(key)
             _unlink(path)
             return None
         except OSError as exc:
-            logger.warning("disk tier: cannot read %s: %s", path.name, exc)
             self.counters.add(errors=1)
+            self._warn("read", f"cannot read {path.name}: {exc}", "that block is recomputed")
             return None
+        try:
+            os.utime(path)
+        except OSError as exc:  # read-only directory: the hit stands, the recency is not kept
+            self._warn("utime", f"cannot refresh {path.name}'s mtime: {exc}",
+                       "reads go on; a restart may see an older recency order")
         return payload
 
     def stored_keys(self) -> list[bytes]:
@@ -208,7 +246,7 @@ class DiskTier:
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{id(self):x}.tmp")  # unique per writer
         try:
-            tmp.write_bytes(encode(key, self.layout, payload))
+            tmp.write_bytes(encode(key, self.layout, payload, self._secret))
             os.replace(tmp, path)
         except BaseException:
             with self._lock:
@@ -234,16 +272,22 @@ class DiskTier:
             _unlink(self.path(v))
 
     def _write_failed(self, exc: BaseException) -> None:
-        """Count a failed write; warn at the first and then at most every
-        :data:`WARN_EVERY_S` seconds (a full or read-only disk fails every block)."""
+        """Count a failed write and warn (throttled: a full or read-only disk fails every block)."""
         self.counters.add(errors=1)
-        self._unreported += 1
-        now = self._clock()
-        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
-            more = (f" ({self._unreported} failed since the last warning)"
-                    if self._warned_at is not None else "")
-            logger.warning("disk tier: write failed: %s%s; requests recompute instead", exc, more)
-            self._warned_at, self._unreported = now, 0
+        self._warn("write", f"write failed: {exc}", "requests recompute instead")
+
+    def _warn(self, kind: str, what: str, then: str) -> None:
+        """Log a failure of ``kind`` at its first occurrence and then at most every
+        :data:`WARN_EVERY_S` seconds, with the count of those not logged."""
+        with self._lock:
+            self._unreported[kind] = self._unreported.get(kind, 0) + 1
+            now, last = self._clock(), self._warned_at.get(kind)
+            if last is not None and now - last < WARN_EVERY_S:
+                return
+            n = self._unreported[kind]
+            self._warned_at[kind], self._unreported[kind] = now, 0
+        more = f" ({n} failed since the last warning)" if last is not None else ""
+        logger.warning("disk tier: %s%s; %s", what, more, then)
 
 
 def _probe_write(directory: Path) -> None:
@@ -252,6 +296,25 @@ def _probe_write(directory: Path) -> None:
     with open(probe, "wb") as f:
         f.write(b"prefixkv")
     probe.unlink()
+
+
+def _stale_tmp(path: Path, pid: int) -> bool:
+    """Whether ``path``, a temporary file of writer process ``pid``, is a leftover: that process
+    is gone, or the file is older than :data:`STALE_TMP_S`."""
+    try:
+        if time.time() - path.stat().st_mtime > STALE_TMP_S:
+            return True
+    except OSError:
+        return False
+    if pid == os.getpid():  # another tier of this process may be writing it
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: alive, another user's
+        return False
+    return False
 
 
 def _unlink(path: Path) -> None:

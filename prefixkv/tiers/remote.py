@@ -9,6 +9,16 @@ Failure policy: the remote is a cache. Any error or timeout counts in ``errors``
 warning, and opens a circuit for ``retry_after`` seconds during which every read is a miss and
 every write is dropped: requests then recompute; they never fail because of the remote.
 
+Access: the URL may carry a user and password (Valkey ``AUTH``: ``redis://user:pass@host:6379/0``,
+``redis://:pass@...`` for ``requirepass``) and ask for TLS (``rediss://``, ``valkeys://``; redis-py's
+``ssl_*`` query parameters, e.g. ``?ssl_ca_certs=/etc/ca.pem``); it is handed to redis-py as
+given (``valkey`` schemes renamed) and never logged with its password. A refused login is a
+failure like any other: counted, warned about once, requests recompute.
+
+Authenticity: with a ``secret`` every record carries an HMAC (:mod:`~prefixkv.tiers.codec`) and
+a record whose MAC fails is a miss, counted in ``unauthenticated`` and deleted; the checksum
+alone stops accidents, not a client that can write to the server.
+
 Eviction is the server's own. Pins: :meth:`RemoteTier.pin` counts a pin per block in
 ``pkv:pin:<key>`` (shared by every engine on the server) and makes sure the block is stored
 without an expiry; unpinning the last pin gives it back its ``ttl``. Run the server with
@@ -28,8 +38,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
-from prefixkv.tiers.codec import CorruptBlockError, decode, encode
+from prefixkv.tiers.codec import CorruptBlockError, UnauthenticatedBlockError, decode, encode
 from prefixkv.tiers.stats import TierCounters
 from prefixkv.tiers.writer import BackgroundWriter
 
@@ -78,7 +89,7 @@ class RemoteTier:
 
     def __init__(
         self, url: str, layout: str, nbytes: int, *, timeout: float = 0.5,
-        retry_after: float = 5.0, ttl: float | None = None,
+        retry_after: float = 5.0, ttl: float | None = None, secret: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         try:
@@ -86,14 +97,17 @@ class RemoteTier:
         except ImportError as exc:
             raise ValueError("kv_remote needs the redis client: pip install 'prefixkv[remote]'") from exc
 
-        if url.startswith("valkey://"):
-            url = "redis://" + url[len("valkey://"):]
+        for ours, theirs in (("valkey://", "redis://"), ("valkeys://", "rediss://")):
+            if url.startswith(ours):
+                url = theirs + url[len(ours):]
+        self.url = redact(url)
+        """The URL without its password (for messages)."""
         try:
             self._client: Any = redis.Redis.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout)
         except ValueError as exc:
-            raise ValueError(f"kv_remote {url!r} is not a valid redis URL: {exc}") from exc
-        self.url = url
+            raise ValueError(f"kv_remote {self.url!r} is not a valid redis URL: {exc}") from None
+        self._secret = secret
         self.layout = layout
         self.nbytes = nbytes
         self.retry_after = retry_after
@@ -144,7 +158,7 @@ class RemoteTier:
             self.counters.add(dropped=len(keys))
             return False
         names = _pairs(keys)
-        records = [encode(k, self.layout, p) for k, p in zip(keys, payloads)]
+        records = [encode(k, self.layout, p, self._secret) for k, p in zip(keys, payloads)]
         ok = self._writer.submit(lambda: self._pin(keys=names, args=records))
         if not ok:
             self.counters.add(dropped=len(keys))
@@ -171,11 +185,15 @@ class RemoteTier:
                 out.append(None)
                 continue
             try:
-                out.append(decode(rec, key, self.layout, self.nbytes))
+                out.append(decode(rec, key, self.layout, self.nbytes, self._secret))
             except CorruptBlockError as exc:
-                logger.warning("remote tier: block %s is corrupt (%s); deleted", key.hex()[:16], exc)
-                self.counters.add(corrupt=1)
+                forged = isinstance(exc, UnauthenticatedBlockError)
+                logger.warning("remote tier: block %s is %s (%s); deleted", key.hex()[:16],
+                               "unauthenticated" if forged else "corrupt", exc)
+                self.counters.add(**{"unauthenticated" if forged else "corrupt": 1})
                 self._delete(key)
+                with self._lock:  # published again by the next engine that computes it
+                    self._known.pop(key, None)
                 out.append(None)
                 continue
             with self._lock:
@@ -244,7 +262,7 @@ class RemoteTier:
             return
         try:
             self._set(keys=[PREFIX + key, PIN_PREFIX + key],
-                      args=[encode(key, self.layout, payload), self.ttl])
+                      args=[encode(key, self.layout, payload, self._secret), self.ttl])
         except BaseException:
             with self._lock:
                 self._known.pop(key, None)
@@ -265,8 +283,23 @@ class RemoteTier:
             if was_up:  # a server that went down may come back empty: publish again
                 self._known.clear()
         if was_up:
-            logger.warning("remote KV tier %s unavailable (%s); recomputing for %.1f s",
-                           self.url, exc, self.retry_after)
+            hint = ("; it wants a password: redis://[user]:password@host:port/db"
+                    if any(w in str(exc).lower() for w in ("auth", "password")) else "")
+            logger.warning("remote KV tier %s unavailable (%s%s); recomputing for %.1f s",
+                           self.url, exc, hint, self.retry_after)
+
+
+def redact(url: str) -> str:
+    """``url`` with its password (in the authority or a ``password=`` parameter) replaced by
+    ``***``; the rest kept."""
+    parts = urlsplit(url)
+    netloc, query = parts.netloc, parts.query
+    user, at, host = netloc.rpartition("@")
+    if at and ":" in user:
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    query = "&".join("password=***" if q.lower().startswith("password=") else q
+                     for q in query.split("&")) if query else query
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def _call(job: Callable[[], None]) -> None:

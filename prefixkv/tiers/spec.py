@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _UNITS = {
@@ -22,6 +22,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 Size = int | str | None
 
 LOWER_TIERS = ("host", "disk", "remote")
+REMOTE_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
+"""URL schemes of ``kv_remote``: ``rediss`` / ``valkeys`` are TLS, ``unix`` a socket path."""
 RESET_PRESETS = {"local": frozenset({"host"}), "all": frozenset(LOWER_TIERS), "none": frozenset()}
 """What an admin reset clears below the pool: ``local`` (the default: the host tier, which like
 the pool is this process's memory), ``all`` (also the disk and the shared remote tier), or
@@ -76,7 +78,8 @@ class TierSpec:
         offload_size: host-memory tier (L2) capacity: blocks or bytes with a unit.
         disk_dir: directory of the disk tier (L3); ``None``: no disk tier.
         disk_size: disk tier capacity (default 10GiB when ``disk_dir`` is set).
-        remote: ``redis://host:port[/db]`` of a shared Valkey/Redis tier; ``None``: none.
+        remote: URL of a shared Valkey/Redis tier (:data:`REMOTE_SCHEMES`; a password and
+            TLS as redis-py reads them: ``rediss://user:pass@host:6380/0``); ``None``: none.
         remote_timeout: seconds a remote call may take before it counts as down.
         remote_ttl: expiry (seconds) of the unpinned blocks this engine stores in the remote
             tier; with the server on ``maxmemory-policy volatile-lru`` pinned blocks (no
@@ -85,6 +88,9 @@ class TierSpec:
             stored under one namespace are invisible to engines using another.
         prefetch_blocks: most blocks read ahead from disk / remote into host staging while
             their requests wait in the queue (``prefixkv.tiers.prefetch``); 0 turns it off.
+        remote_secret: key of the HMAC every disk and remote record then carries
+            (:mod:`prefixkv.tiers.codec`): records without a valid one are misses. ``None``:
+            checksums only. Never shown in a repr.
     """
 
     offload_size: Size = None
@@ -95,12 +101,19 @@ class TierSpec:
     remote_ttl: float | None = None
     namespace: str = ""
     prefetch_blocks: int = 1024
+    remote_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.remote is not None and not (
-            isinstance(self.remote, str) and self.remote.startswith(("redis://", "valkey://"))
+            isinstance(self.remote, str) and self.remote.startswith(REMOTE_SCHEMES)
+        ):  # the URL is not echoed: it may carry a password
+            scheme = self.remote.partition("://")[0] if isinstance(self.remote, str) else self.remote
+            raise ValueError(f"kv_remote must be a URL starting {' / '.join(REMOTE_SCHEMES)}, "
+                             f"got {scheme!r}")
+        if self.remote_secret is not None and not (
+            isinstance(self.remote_secret, str) and self.remote_secret
         ):
-            raise ValueError(f"kv_remote must be a redis://host:port[/db] URL, got {self.remote!r}")
+            raise ValueError("kv_remote_secret must be a non-empty string")
         if not isinstance(self.remote_timeout, (int, float)) or not self.remote_timeout > 0:
             raise ValueError(f"kv_remote_timeout must be > 0, got {self.remote_timeout!r}")
         if self.remote_ttl is not None and (

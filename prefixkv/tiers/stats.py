@@ -17,6 +17,8 @@ class TierStats:
     ``occupancy_blocks`` / ``capacity_blocks``: what it holds now / at most (0: unbounded or
     unknown, for the remote tier). ``errors``: failed calls (remote down, disk I/O);
     ``corrupt``: records rejected by the checksum/header check (deleted, never used);
+    ``unauthenticated``: records whose MAC failed or was missing with ``kv_remote_secret``
+    set (tampered, or written by an engine without the secret; misses, deleted like corrupt ones).
     ``dropped``: writes skipped because the writer queue was full. ``prefetched``: blocks
     read ahead into host staging for a queued request (``load_seconds`` counts only the
     time on the request path, so a prefetched block's read is not in it).
@@ -36,6 +38,7 @@ class TierStats:
     corrupt: int
     dropped: int
     prefetched: int = 0
+    unauthenticated: int = 0
 
 
 class TierCounters:
@@ -47,7 +50,7 @@ class TierCounters:
         self._lock = threading.Lock()
         self._n = dict.fromkeys(
             ("hits", "hit_tokens", "stored_blocks", "stored_bytes", "loaded_bytes", "evictions",
-             "errors", "corrupt", "dropped", "prefetched"), 0)
+             "errors", "corrupt", "dropped", "prefetched", "unauthenticated"), 0)
         self._load_seconds = 0.0
 
     def add(self, **counts: int) -> None:
@@ -77,4 +80,4 @@ class TierCounters:
         return TierStats(self.tier, n["hits"], n["hit_tokens"], n["stored_blocks"],
                          n["stored_bytes"], n["loaded_bytes"], secs, n["evictions"],
                          occupancy_blocks, self.capacity_blocks, n["errors"], n["corrupt"],
-                         n["dropped"], n["prefetched"])
+                         n["dropped"], n["prefetched"], n["unauthenticated"])

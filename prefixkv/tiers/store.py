@@ -29,7 +29,7 @@ Ownership and locking, per tier (docs/tiers.md, "Ownership"):
 
 Engine thread only (the disk and remote tiers have their own writer threads). Every lower
 tier is a cache: a failed read is a miss, never wrong KV (records carry their key and a
-checksum).
+checksum, and an HMAC when ``kv_remote_secret`` is set).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixkv.tiers.codec import secret_id
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
@@ -124,17 +125,21 @@ class TieredStore:
     ) -> TieredStore:
         """Build the tiers ``spec`` asks for; ``host_blocks`` is the arena ``transfer`` holds."""
         nbytes, layout = transfer.block_nbytes, transfer.layout
-        keyer = BlockKeyer(f"{fingerprint}/{layout}/{spec.namespace}", block_size)
+        secret = None if spec.remote_secret is None else spec.remote_secret.encode()
+        # engines with another secret (or none) use other keys: they never read these records
+        mac = "" if secret is None else f"/mac:{secret_id(secret)}"
+        keyer = BlockKeyer(f"{fingerprint}/{layout}/{spec.namespace}{mac}", block_size)
         host = HostTier(host_blocks) if host_blocks else None
         disk = None
         if spec.disk_dir is not None:
             size = spec.disk_size if spec.disk_size is not None else DEFAULT_DISK_SIZE
-            disk = DiskTier(spec.disk_dir, parse_size(size, nbytes, "kv_disk_size"), layout, nbytes)
+            disk = DiskTier(spec.disk_dir, parse_size(size, nbytes, "kv_disk_size"), layout, nbytes,
+                            secret=secret)
         remote = None
         if spec.remote is not None:
             try:
                 remote = RemoteTier(spec.remote, layout, nbytes, timeout=spec.remote_timeout,
-                                    ttl=spec.remote_ttl)
+                                    ttl=spec.remote_ttl, secret=secret)
             except BaseException:
                 if disk is not None:
                     disk.close()  # its writer thread started

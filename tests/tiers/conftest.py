@@ -46,7 +46,7 @@ class ValkeyProcess:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
                     c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
+                    if c.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (AUTH: refused)
                         return
             except OSError:
                 time.sleep(0.05)
@@ -83,6 +83,17 @@ def small_valkey() -> Iterator[ValkeyProcess]:
     """A server that must evict: 8 MB, least recently used among keys with an expiry (the
     configuration docs/tiers.md gives for pins)."""
     server = _start("--maxmemory", "8mb", "--maxmemory-policy", "volatile-lru")
+    yield server
+    server.kill()
+
+
+PASSWORD = "pa55word"
+
+
+@pytest.fixture
+def valkey_auth() -> Iterator[ValkeyProcess]:
+    """A server that needs a password (``requirepass``: Valkey AUTH as user ``default``)."""
+    server = _start("--requirepass", PASSWORD)
     yield server
     server.kill()
 

@@ -29,3 +29,36 @@ def test_spec_validation() -> None:
         TierSpec(remote="redis://h:1", remote_timeout=0)
     with pytest.raises(ValueError, match="kv_offload_size"):
         TierSpec(offload_size="big")
+
+
+def test_remote_urls_with_credentials_and_tls_and_the_secret() -> None:
+    """(rediss:// and unix:// were refused; the message echoed the URL, password included.)"""
+    for url in ("rediss://u:p@h:6380/0", "valkeys://h:6380", "unix:///run/valkey.sock",
+                "redis://:p@h:6379/1"):
+        assert TierSpec(remote=url).enabled
+    with pytest.raises(ValueError, match="kv_remote must be a URL starting redis://") as err:
+        TierSpec(remote="http://u:hunter2@h:1")
+    assert "hunter2" not in str(err.value)
+    spec = TierSpec(remote="redis://h:1", remote_secret="s3cret")
+    assert "s3cret" not in repr(spec)
+    for bad in ("", 12):
+        with pytest.raises(ValueError, match="kv_remote_secret"):
+            TierSpec(remote="redis://h:1", remote_secret=bad)  # type: ignore[arg-type]
+
+
+def test_the_secret_flag_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from prefixkv.config import EngineConfig
+    from prefixkv.server.cli_flags import add_engine_flags, engine_kwargs
+
+    def parse(*argv: str) -> EngineConfig:
+        p = argparse.ArgumentParser()
+        add_engine_flags(p)
+        return EngineConfig.from_kwargs(**engine_kwargs(p.parse_args(["m", *argv])))
+
+    monkeypatch.delenv("PREFIXKV_KV_REMOTE_SECRET", raising=False)
+    assert parse("--kv-remote", "redis://h:1").tiers.remote_secret is None
+    monkeypatch.setenv("PREFIXKV_KV_REMOTE_SECRET", "from-env")
+    assert parse("--kv-remote", "redis://h:1").tiers.remote_secret == "from-env"
+    assert parse("--kv-remote-secret", "flag").tiers.remote_secret == "flag"
