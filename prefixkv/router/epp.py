@@ -18,7 +18,9 @@ and the pick rides on the answer to the body's last piece (Envoy still holds the
 Load. The chosen worker counts the request in flight (the same counters the HTTP router's
 policies read) from the pick until the response's end of stream arrives on the same stream, or
 the stream ends; if Envoy says a fallback served it, the count moves there. Worker health is the
-router's: its ``/health`` probes and breakers (:class:`~prefixkv.router.proxy.Router`).
+router's (:class:`~prefixkv.router.proxy.Router`): its ``/health`` probes, and its breakers fed
+with what Envoy reports as the HTTP router's dispatches feed them (a worker's 5xx not blamed on
+the request, or a pick Envoy had to replace with a fallback, is a failure).
 
 Serving it (gRPC server, health service, ``prefixkv route --epp``): :mod:`prefixkv.router.epp_server`.
 """
@@ -37,7 +39,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prefixkv.router import epp_protocol as msg
 from prefixkv.router.app import _PROXIED as _KEYS  # the HTTP router's paths and keys: one table
 from prefixkv.router.keys import RouteKey, hinted_key
-from prefixkv.router.proxy import Router
+from prefixkv.router.proxy import ERROR_CAUSE_HEADER, Router
 
 __all__ = ["EndpointPicker"]
 
@@ -119,6 +121,7 @@ class EndpointPicker:
             return [*routed, msg.continue_trailers(request=True)]
         response_duplex = ex.response_mode == msg.FULL_DUPLEX
         if kind == "response_headers":
+            self._outcome(ex, msg.header_map(request.response_headers))
             if request.response_headers.end_of_stream:
                 self._release(ex)
             return [msg.continue_headers(request=False)]
@@ -181,10 +184,25 @@ class EndpointPicker:
         rest = sorted((u for u in candidates if u != decision.url), key=lambda u: loads.get(u, 0))
         return [self.endpoints[u] for u in (decision.url, *rest)]
 
+    def _outcome(self, ex: _Exchange, headers: dict[str, str]) -> None:
+        """The worker's answer counts for its breaker as on the HTTP router: a 5xx it does not
+        blame on the request is a failed dispatch (the router's own accounting: the breaker, an
+        immediate probe, the policy told); any other answer is a success."""
+        if ex.url is None:
+            return
+        status = headers.get(":status", "")
+        if status.startswith("5") and headers.get(ERROR_CAUSE_HEADER) != "request":
+            self.router._dispatch_failed(ex.url, "status_5xx", f"answered {status}")
+        else:
+            self.router.workers.record_success(ex.url)
+
     def _move(self, ex: _Exchange, served: str) -> None:
-        """Envoy says ``served`` took the request (a fallback): the in-flight count follows."""
+        """Envoy says ``served`` took the request: when that is a fallback, the pick failed
+        (Envoy could not connect, or retried its answer), which counts against its breaker, and
+        the in-flight count follows."""
         url = self._worker_at.get(served)
         if ex.url is not None and url is not None and url != ex.url:
+            self.router._dispatch_failed(ex.url, "connect", f"Envoy served the request from {served}")
             self.router.workers.end(ex.url)
             self.router.workers.begin(url)
             ex.url = url

@@ -308,6 +308,45 @@ def test_a_stopped_worker_is_never_picked_and_none_ready_is_a_503(workers: list[
         assert sum(in_flight(epp).values()) == 0
 
 
+def _answered(channel: grpc.Channel, status: str, only: Worker,
+              blame: str | None = None) -> list[str]:
+    """One request restricted to ``only`` whose response Envoy reports as ``status``."""
+    envoy = Envoy(channel)
+    envoy.send(request_headers=headers(), protocol_config=protocol(MODES.BUFFERED),
+               metadata_context=metadata("envoy.lb.subset_hint",
+                                         "x-gateway-destination-endpoint-subset", [only.endpoint]))
+    envoy.answer()
+    envoy.send(request_body=pb.HttpBody(body=body("fail me"), end_of_stream=True))
+    answer = envoy.answer()
+    if answer.HasField("immediate_response"):
+        envoy.close()
+        return []
+    pairs = {":status": status, **({"x-prefixkv-error-cause": blame} if blame else {})}
+    envoy.send(response_headers=pb.HttpHeaders(end_of_stream=True, headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])))
+    envoy.answer()
+    envoy.close()
+    return destination(answer, "request_body")
+
+
+def test_worker_5xx_reported_by_envoy_open_its_breaker_as_on_the_http_router(
+        workers: list[Worker]) -> None:
+    # probes every 30 s: only the reported answers can take the worker out of rotation
+    config = RouterConfig(worker_urls=tuple(w.url for w in workers), health_check_interval=30,
+                          failure_threshold=3)
+    bad = workers[0]
+    with EppServer(config) as epp, grpc.insecure_channel(f"127.0.0.1:{epp.port}") as channel:
+        for _ in range(5):  # blamed on the request: passed through, never the worker's fault
+            assert _answered(channel, "500", bad, blame="request") == [bad.endpoint]
+        assert _answered(channel, "200", bad) == [bad.endpoint]
+        for _ in range(3):
+            assert _answered(channel, "503", bad) == [bad.endpoint]
+        assert bad.url not in epp.run(epp.router.workers.healthy)
+        assert _answered(channel, "200", bad) == []  # the hint's only worker is out: a 503
+        for _ in range(4):
+            assert bad.endpoint not in destination(_pick(channel), "request_body")
+
+
 def test_subset_hint_restricts_the_candidates(workers: list[Worker]) -> None:
     hint = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
     with picker(workers) as epp, grpc.insecure_channel(f"127.0.0.1:{epp.port}") as channel:
