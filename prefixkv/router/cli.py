@@ -184,6 +184,12 @@ def run_route(args: argparse.Namespace) -> int:
             peer_urls=tuple(args.peer_urls), replica_index=args.replica_index,
             epp_port=args.epp_port if args.epp else None,
         )
+        if config.epp_port is not None:
+            try:
+                from prefixkv.router.epp_server import serve_beside
+            except ImportError as exc:  # before waiting on any worker: one line, exit 1
+                raise RuntimeError(f"--epp needs the epp extra (pip install 'prefixkv[epp]'): "
+                                   f"{exc}") from None
 
         async def check() -> None:
             async with httpx.AsyncClient() as client:
@@ -199,8 +205,6 @@ def run_route(args: argparse.Namespace) -> int:
         if config.epp_port is None:
             server.run()
         else:
-            from prefixkv.router.epp_server import serve_beside
-
             asyncio.run(serve_beside(server, app.router, args.host, config.epp_port))
     except _Stop as stop:
         return int(stop.code or 0)

@@ -411,3 +411,19 @@ def test_prefixkv_route_epp_serves_the_picker_beside_the_http_router(
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM, out  # a graceful exit, as without --epp
     assert f"endpoint picker (ext_proc gRPC) on 127.0.0.1:{epp_port}" in out
+
+
+def test_epp_without_its_extra_is_one_line_error_before_waiting_on_workers(tmp_path: Any) -> None:
+    (tmp_path / "grpc").mkdir()  # a grpcio that cannot be imported, as when the extra is missing
+    (tmp_path / "grpc" / "__init__.py").write_text("raise ImportError('No module named grpc')\n")
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixkv.cli", "route", "--worker-urls", "http://127.0.0.1:9",
+         "--epp", "--startup-timeout", "60"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "prefixkv route: error: --epp needs the epp extra (pip install 'prefixkv[epp]'): "
+        "No module named grpc"]
+    assert time.monotonic() - t0 < 30  # it did not wait on the (unreachable) worker
