@@ -10,15 +10,14 @@ that could not be reached counts as 502), so a 403 from workers that refuse the 
 403. Who may call (the same rule as a worker's admin routes): with the router's
 ``admin_api_key`` the client must send ``Authorization: Bearer <it>`` and the router sends it on
 to the workers (one admin key for the fleet); without one, only loopback clients that did not
-come through a proxy, and the router sends no credential (workers then accept it as a loopback
-client, or refuse).
+come through a proxy (no proxy header of any kind: :mod:`prefixkv.loopback`), and the router
+sends no credential (workers then accept it as a loopback client, or refuse).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 from typing import Any
 
@@ -27,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixkv.fanout import worker_row
+from prefixkv.loopback import is_local_client
 from prefixkv.router.errors import error_response
 
 __all__ = ["add_admin_routes", "admin_headers"]
@@ -49,13 +49,8 @@ def refusal(request: Request, admin_api_key: str | None) -> Response | None:
             return None
         return error_response(403, "cache admin through the router needs the admin key",
                               type_="permission_error", code="admin_only")
-    proxied = "forwarded" in request.headers or "x-forwarded-for" in request.headers
-    host = request.client.host if request.client is not None else ""
-    try:
-        local = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        local = host == "localhost"
-    if local and not proxied:
+    host = request.client.host if request.client is not None else None
+    if is_local_client(host, request.headers.keys()):  # no proxy header of any kind
         return None
     return error_response(403, "cache admin through the router is served to loopback clients "
                           "only; start it with --admin-api-key", type_="permission_error",

@@ -26,15 +26,19 @@ Who may call them (``admin_dependency``): these routes show every tenant's pinne
 ``cache_salt``s and can drop everyone's cache, so they are the operator's, not the tenants'.
 With ``--admin-api-key`` they need ``Authorization: Bearer <admin key>`` (the inference
 ``--api-key`` is not enough: 403). Without one, they answer only clients on the loopback
-interface that did not come through a proxy (no ``Forwarded`` / ``X-Forwarded-For`` header),
-and need the inference key too when ``--api-key`` is set; anyone else gets 403.
+interface that did not come through a proxy (no proxy header at all: ``Forwarded``,
+``X-Forwarded-*``, ``X-Real-IP``, ``Via``, ...; :mod:`prefixkv.loopback`), and need the
+inference key too when ``--api-key`` is set; anyone else gets 403.
+
+A route that changes state answers ``GET`` (SGLang's ``GET /flush_cache``) only with the admin
+key: a ``GET`` is what a page in a local browser can make anyone send (an ``<img>`` tag), so
+without ``--admin-api-key`` it is a 403 that says to use ``POST``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
-import ipaddress
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -44,6 +48,7 @@ from fastapi import APIRouter, Request
 from prefixkv.cache.protocol import PinnedPrefix
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import EngineStats
+from prefixkv.loopback import is_local_client, proxy_header
 from prefixkv.server.errors import APIError
 from prefixkv.server.protocol import LookupRequest, PinRequest, PrefixSpec, UnpinRequest
 
@@ -53,19 +58,11 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def _is_local(request: Request) -> bool:
-    """A direct client on the loopback interface (not relayed by a proxy on this host)."""
-    if "forwarded" in request.headers or "x-forwarded-for" in request.headers:
-        return False
-    host = request.client.host if request.client is not None else ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def admin_dependency(admin_api_key: str | None, api_key: str | None) -> Any:
-    """The check in front of every cache admin route (see the module docstring)."""
+def admin_dependency(
+    admin_api_key: str | None, api_key: str | None, *, changes_state_on_get: bool = False
+) -> Any:
+    """The check in front of every cache admin route (see the module docstring);
+    ``changes_state_on_get``: the route's ``GET`` changes state (served with the admin key only)."""
 
     async def check(request: Request) -> None:
         token = _bearer(request)
@@ -77,13 +74,20 @@ def admin_dependency(admin_api_key: str | None, api_key: str | None) -> Any:
                 raise APIError("this key may not use the cache admin routes (they need the "
                                "admin key)", status=403, code="admin_only")
             return
-        if not _is_local(request):
-            raise APIError("cache admin routes are served to loopback clients only; start the "
-                           "server with --admin-api-key to manage the cache remotely",
-                           status=403, code="admin_only")
+        host = request.client.host if request.client is not None else None
+        if not is_local_client(host, request.headers.keys()):
+            via = proxy_header(request.headers.keys())
+            why = f" (this one came through a proxy: {via} header)" if via else ""
+            raise APIError("cache admin routes are served to loopback clients only" + why +
+                           "; start the server with --admin-api-key to manage the cache "
+                           "remotely", status=403, code="admin_only")
         if api_key is not None and (token is None or not hmac.compare_digest(token, api_key)):
             raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'",
                            status=401, code="invalid_api_key")
+        if changes_state_on_get and request.method == "GET":
+            raise APIError(f"GET {request.url.path} changes the cache: send it as POST, or as "
+                           "GET with the admin key (start the server with --admin-api-key)",
+                           status=403, code="post_required")
 
     return check
 

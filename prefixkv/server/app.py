@@ -208,8 +208,10 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     app.add_api_route("/reset_prefix_cache", reset, methods=["POST"], dependencies=admin_check)
     sglang, flush = build_sglang_router(engine, policy, model_name, limits, metrics)
     app.include_router(sglang, dependencies=[Depends(_auth_dependency(api_key))])
+    get_check = [Depends(admin_dependency(admin_api_key, api_key, changes_state_on_get=True))]
     for method in ("POST", "GET"):  # SGLang answers both; one route each (distinct OpenAPI ids)
-        app.add_api_route("/flush_cache", flush, methods=[method], dependencies=admin_check,
+        app.add_api_route("/flush_cache", flush, methods=[method],
+                          dependencies=admin_check if method == "POST" else get_check,
                           operation_id=f"flush_cache_{method.lower()}")
     app.openapi = lambda: _openapi_with_error_bodies(app)  # type: ignore[method-assign]
     return app

@@ -108,3 +108,59 @@ def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 1 and "cannot reach the server" in err and len(err.strip().splitlines()) == 1
     code, _, err = _cli(capsys, "cache", "pin", "--tokens", "1,x", "--url", "http://127.0.0.1:9")
     assert code == 1 and "--tokens" in err
+
+
+PROXY_HEADERS = [("X-Real-IP", "203.0.113.7"), ("X-Forwarded-Host", "example.com"),
+                 ("X-Forwarded-Proto", "https"), ("Forwarded", "for=203.0.113.7"),
+                 ("Via", "1.1 nginx"), ("X-Client-IP", "203.0.113.7"),
+                 ("CF-Connecting-IP", "203.0.113.7"), ("True-Client-IP", "203.0.113.7"),
+                 ("X-Original-Forwarded-For", "203.0.113.7"),
+                 ("X-Envoy-External-Address", "203.0.113.7")]
+
+
+@pytest.mark.parametrize(("name", "value"), PROXY_HEADERS)
+def test_any_proxy_header_means_not_local(http: httpx.Client, name: str, value: str) -> None:
+    """(Was: only ``Forwarded`` / ``X-Forwarded-For`` counted, so a same-host proxy that sets
+    ``X-Real-IP`` gave every remote user the admin routes.)"""
+    assert http.get("/v1/cache/stats").status_code == 200  # the same client, direct
+    for method, path in [("GET", "/v1/cache/stats"), ("POST", "/v1/cache/reset"),
+                         ("POST", "/flush_cache")]:
+        r = http.request(method, path, headers={name: value})
+        assert r.status_code == 403, (name, path, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "admin_only" and name.lower() in err["message"]
+
+
+def _cached_blocks(http: httpx.Client) -> int:
+    return int(http.get("/v1/cache/stats").json()["cache"]["cached_blocks"])
+
+
+def test_get_flush_cache_needs_the_admin_key(http: httpx.Client) -> None:
+    """(Was: ``GET /flush_cache`` flushed, so a page in a local browser could flush with an
+    ``<img>`` tag.) Without an admin key it is a 403 that says to POST; nothing is flushed."""
+    r = http.post("/v1/completions", json={"prompt": unique_text("flushget", 40), "max_tokens": 1})
+    assert r.status_code == 200 and _cached_blocks(http) > 0
+    before = _cached_blocks(http)
+    r = http.get("/flush_cache")
+    assert r.status_code == 403, r.text
+    err = r.json()["error"]
+    assert err["code"] == "post_required" and "POST" in err["message"]
+    assert _cached_blocks(http) == before
+    assert http.post("/flush_cache").text.startswith("Cache flushed.")
+    assert _cached_blocks(http) == 0
+
+
+def test_get_flush_cache_with_the_admin_key_is_served(engine: object) -> None:
+    from server_live import start_server
+
+    live = start_server(engine, admin_api_key="adm1n")  # type: ignore[arg-type]
+    try:
+        with httpx.Client(base_url=live.url, timeout=60) as c:
+            assert c.get("/flush_cache").status_code == 401
+            r = c.get("/flush_cache", headers={"Authorization": "Bearer adm1n"})
+            assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+            r = c.get("/flush_cache", headers={"Authorization": "Bearer adm1n",
+                                               "X-Real-IP": "203.0.113.7"})
+            assert r.status_code == 200  # the key is the proof, wherever the caller is
+    finally:
+        live.stop()

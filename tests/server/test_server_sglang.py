@@ -40,7 +40,8 @@ def test_generate_text_ids_and_cached_tokens(http: httpx.Client) -> None:
     assert isinstance(batch, list) and len(batch) == 2
     samples = generate(http, text="x", sampling_params={"n": 3, "max_new_tokens": 2, "sampling_seed": 1})
     assert len(samples) == 3 and len({s["meta_info"]["id"] for s in samples}) == 3
-    assert http.get("/flush_cache").status_code == 200  # SGLang answers GET too
+    assert http.get("/flush_cache").status_code == 403  # a GET flushes only with the admin key
+    assert http.post("/flush_cache").status_code == 200
     series = 'prefixkv:request_success_total{finished_reason="length",model_name="prefixkv-demo"}'
 
     def finished() -> float:  # /generate requests count in the server's metrics too
