@@ -99,6 +99,17 @@ class ModelSettings:
         "between tokens, for every request (SGLang's flag; vLLM's disable_any_whitespace): for "
         "a model that pads JSON with whitespace", shown="off: whitespace allowed, as vLLM and "
         "SGLang", kind="bool", group="vllm"))
+    enable_lora: bool = field(default=False, metadata=_meta(
+        "serve LoRA adapters (PEFT format; requests pick one by model name, vLLM's "
+        "lora_request or SGLang's lora_path; docs/engine.md, LoRA)", kind="bool", group="vllm"))
+    lora_modules: tuple[str, ...] = field(default=(), metadata=_meta(
+        "adapters loaded at start (with enable_lora), as NAME=PATH", shown="none", kind="list",
+        group="vllm", metavar="NAME=PATH"))
+    max_lora_rank: int = field(default=16, metadata=_meta(
+        "the largest adapter rank accepted", kind="int", group="vllm"))
+    max_loras: int = field(default=4, metadata=_meta(
+        "adapters kept loaded; the least recently used leaves first (and is loaded again from "
+        "its path when asked for)", kind="int", group="vllm"))
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "chat_template"):
@@ -115,6 +126,17 @@ class ModelSettings:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int(self, "max_model_len", 1, optional=True)
         _check_int(self, "seed", 0)
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        modules = self.lora_modules
+        if isinstance(modules, str) or not isinstance(modules, (list, tuple)) or not all(
+                isinstance(m, str) and "=" in m for m in modules):
+            raise ValueError(f"lora_modules must be a list of NAME=PATH, got {modules!r}")
+        object.__setattr__(self, "lora_modules", tuple(modules))
+        if modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        _check_int(self, "max_lora_rank", 1)
+        _check_int(self, "max_loras", 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ from typing import Any, Self, TypeVar
 
 from prefixkv.cache.protocol import PinError, PinnedPrefix
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
+from prefixkv.engine.lora import LoRARequest
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import PromptInput
@@ -140,8 +141,10 @@ class AsyncEngine:
         *,
         cache_salt: Hashable | None = None,
         lora_id: Hashable | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield a snapshot each step it changes, the last one finished."""
+        """Submit a request and yield a snapshot each step it changes, the last one finished
+        (``lora_request``: its adapter, as :meth:`LLMEngine.add_request`)."""
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -151,9 +154,8 @@ class AsyncEngine:
         def submit(engine: LLMEngine) -> None:
             if rid in self._core.sinks:
                 raise ValueError(f"request_id {rid!r} is already running")
-            engine.add_request(
-                resolved, sampling_params, request_id=rid, cache_salt=cache_salt, lora_id=lora_id
-            )
+            engine.add_request(resolved, sampling_params, request_id=rid, cache_salt=cache_salt,
+                               lora_id=lora_id, lora_request=lora_request)
             self._core.sinks[rid] = (loop, queue)
 
         try:

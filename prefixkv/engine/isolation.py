@@ -42,7 +42,7 @@ def run_model_isolated(
     for the sequences that ran (``({}, None)`` if none did)."""
     items = [
         RunItem(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n],
-                seq.num_computed_tokens, seq.block_table)
+                seq.num_computed_tokens, seq.block_table, seq.request.lora)
         for seq, n in zip(seqs, num_new)
     ]
     try:

@@ -18,6 +18,7 @@ from typing import Any
 from prefixkv.cache.protocol import CacheStats, PinError, PinnedPrefix
 from prefixkv.config import EngineConfig, parse_size
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
+from prefixkv.engine.lora import LoRARequest
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput, template_options
@@ -177,12 +178,15 @@ class LLM:
         *,
         cache_salt: Hashable | None = None,
         lora_id: Hashable | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list; results in input order, all finished.
 
         A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}`` /
         ``{"prompt": "..."}``. ``sampling_params`` is one for all or one per prompt. A bad
         prompt or a request that can never fit raises ``ValueError`` before anything runs.
+        ``lora_request`` (vLLM's; with ``enable_lora``): one adapter for all, or one per prompt
+        (``None`` entries run the base model); a ``LoRARequest`` or a loaded adapter's name.
         """
         batch = _as_batch(prompts)
         if isinstance(sampling_params, Sequence):
@@ -193,12 +197,16 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or SamplingParams()] * len(batch)
+        loras = (list(lora_request) if isinstance(lora_request, Sequence)
+                 and not isinstance(lora_request, (str, LoRARequest)) else [lora_request] * len(batch))
+        if len(loras) != len(batch):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(batch)} prompts")
         ids: list[str] = []
         with self._lock:
             try:
-                for p, sp in zip(batch, params_list):
+                for p, sp, lora in zip(batch, params_list, loras):
                     ids.append(self.engine.add_request(p, sp, cache_salt=cache_salt,
-                                                       lora_id=lora_id))
+                                                       lora_id=lora_id, lora_request=lora))
             except ValueError:
                 for rid in ids:
                     self.engine.abort_request(rid)

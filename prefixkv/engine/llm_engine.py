@@ -26,6 +26,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.cache_admin import CacheAdmin
 from prefixkv.engine.isolation import FaultHook, run_model_isolated, sample_isolated
 from prefixkv.engine.kv_manager import KVManager, make_tier_store
+from prefixkv.engine.lora import LoRARequest, make_registry, request_lora
 from prefixkv.engine.output_processor import OutputProcessor
 from prefixkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from prefixkv.engine.prompt_logprobs import PromptLogprobsRunner
@@ -121,6 +122,7 @@ class LLMEngine:
                           "failed": 0}
         self.fault_hook: FaultHook | None = None
         self.cache_admin = CacheAdmin(self.kv, cc.max_pinned_blocks_per_tenant)
+        self.lora = make_registry(config.model, runner)  # None unless enable_lora
         self._max_chars: int | None = None
 
     # ------------------------------------------------------------------ requests
@@ -159,13 +161,14 @@ class LLMEngine:
         cache_salt: Hashable | None = None,
         lora_id: Hashable | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id.
 
-        Raises ``ValueError`` for a malformed prompt, a duplicate id, or a request that can
-        never fit: prompt + max_tokens over ``max_model_len`` or more KV blocks than the pool.
-        ``cache_salt`` / ``lora_id`` partition the prefix index (tenants never share blocks).
-        """
+        Raises ``ValueError`` for a malformed prompt, a duplicate id, an unknown adapter, or a
+        request that can never fit: prompt + max_tokens over ``max_model_len`` or more KV blocks
+        than the pool. ``cache_salt`` / ``lora_id`` partition the prefix index (tenants never
+        share blocks); a ``lora_request`` runs an adapter, its blocks keyed by its weights."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")  # noqa: TRY004
@@ -195,11 +198,12 @@ class LLMEngine:
         self._check_token_ids(params)
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self._grammar_compiler()
+            grammar = self.grammar_compiler()
             grammar.new_state(params.structured_outputs)  # ValueError now, not in the loop
-        namespace = _namespace(cache_salt, lora_id)
+        adapter, lora_id = request_lora(self.lora, lora_request, lora_id)
         now = self.clock() if arrival_time is None else arrival_time
-        req = Request(rid, text, ids, params, max_tokens, namespace, RequestMetrics(now))
+        req = Request(rid, text, ids, params, max_tokens, _namespace(cache_salt, lora_id),
+                      RequestMetrics(now), lora=adapter)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         for i in range(params.n):  # everything that can fail happens before anything is queued
@@ -223,7 +227,9 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad}")
 
-    def _grammar_compiler(self) -> GrammarCompiler:
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this model (built on first use; the server
+        prepares a request's grammar with it off the engine thread, so ``add_request`` copies)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(
                 self.tokenizer.backend.to_str(), self.runner.config.vocab_size, self._eos,
@@ -406,14 +412,8 @@ class LLMEngine:
         """:meth:`CacheAdmin.prepare_pin` in the request's namespace."""
         return self.cache_admin.prepare_pin(token_ids, _namespace(cache_salt, lora_id))
 
-    def pin_prefix(
-        self,
-        token_ids: Sequence[int],
-        *,
-        cache_salt: Hashable | None = None,
-        lora_id: Hashable | None = None,
-        description: str | None = None,
-    ) -> PinnedPrefix:
+    def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None,
+                   lora_id: Hashable | None = None, description: str | None = None) -> PinnedPrefix:
         """Pin the cached full blocks of ``token_ids`` (they must be cached: see ``LLM.pin_prefix``).
 
         Raises :class:`~prefixkv.cache.PinError` (a ``ValueError``) when not cached, shorter than

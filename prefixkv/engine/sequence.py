@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prefixkv.cache.protocol import PrefixMatch, PrefixNode
 from prefixkv.engine.outputs import PromptLogprobs, RequestMetrics
 from prefixkv.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from prefixkv.models.lora import LoRAAdapter
 
 
 class GrammarLike(Protocol):
@@ -58,6 +61,7 @@ class Request:
     prompt_prefilled: bool = False
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    lora: LoRAAdapter | None = None  # its adapter (held while it runs; models/lora.py)
 
     @property
     def finished(self) -> bool:

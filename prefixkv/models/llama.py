@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from torch import nn
 from prefixkv.models import cpu_ops
 from prefixkv.models.config import ModelConfig
 from prefixkv.models.cpu_pack import PackedWeight, pack_weight, packed_linear
+
+if TYPE_CHECKING:
+    from prefixkv.models.lora import LoRAStep
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D]``.
@@ -59,6 +62,8 @@ class CausalLM(Protocol):
     ) -> Any: ...
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
 
 
 PACKED_WEIGHTS: dict[str, tuple[str, int, int]] = {
@@ -154,6 +159,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: PackedWeight | None = None  # a plain attribute: never in the state dict
+        self.lora: tuple[LoRAStep, str] | None = None  # this step's adapters (models/lora.py)
 
     def pack(self) -> bool:
         """Pack the loaded weight for the CPU matmul; ``False`` when it stays on ``F.linear``.
@@ -172,9 +178,12 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        y = (packed_linear(x, self.packed, self.bias) if self.packed is not None
+             else F.linear(x, self.weight, self.bias))
+        if self.lora is not None:
+            step, name = self.lora
+            return step.apply(name, x, y)
+        return y
 
 
 class Embedding(nn.Module):

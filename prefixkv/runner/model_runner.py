@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from prefixkv.models.config import ModelConfig
-from prefixkv.models.llama import CausalLM
+from prefixkv.models.llama import CausalLM, Linear
 from prefixkv.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
+from prefixkv.models.lora import LoRAAdapter, LoRAStep, applied, load_adapter
 from prefixkv.runner.attention import PagedAttention
 from prefixkv.runner.cpu_decode import CpuDecode
 from prefixkv.runner.kv_pool import KVPool
@@ -74,11 +75,13 @@ class RunItem:
     take positions ``start_pos, start_pos + 1, ...``.
     ``block_table``: block ids covering positions ``[0, start_pos + len(token_ids))`` (extra
     trailing entries are allowed and ignored).
+    ``lora``: the adapter its tokens run with (items of one step may each have their own).
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    lora: LoRAAdapter | None = None  # the item's LoRA adapter (models/lora.py); None: base
 
 
 class ModelRunner:
@@ -213,12 +216,30 @@ class ModelRunner:
             query_lens=[len(it.token_ids) for it in items],
             block_tables=[it.block_table for it in items],
         )
-        hidden = self.cpu_decode.run(tokens, positions, attention) if self.cpu_decode else None
+        lora = (LoRAStep([(it.lora, len(it.token_ids)) for it in items], self.device)
+                if any(it.lora is not None for it in items) else None)
+        hidden = (self.cpu_decode.run(tokens, positions, attention)
+                  if self.cpu_decode and lora is None else None)  # the C path has no LoRA
         if hidden is None:
             input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-            hidden = self.model(input_ids, pos, attention)
+            if lora is None:
+                hidden = self.model(input_ids, pos, attention)
+            else:
+                with applied(self.model, lora):
+                    hidden = self.model(input_ids, pos, attention)
         return hidden, list(accumulate(len(it.token_ids) for it in items))
+
+    def load_lora(self, path: str | Path, *, name: str, max_rank: int) -> LoRAAdapter:
+        """A PEFT LoRA directory loaded for this model (``ValueError`` if it does not fit)."""
+        adapter = load_adapter(path, self.config, name=name, max_rank=max_rank,
+                               dtype=self.dtype, device=self.device)
+        modules = dict(self.model.named_modules())
+        missing = [n for n in adapter.pieces if not isinstance(modules.get(n), Linear)]
+        if missing:
+            raise ValueError(f"lora adapter {name!r}: this model cannot apply it to {missing[0]} "
+                             "(quantized matmuls take no adapters)")
+        return adapter
 
     def copy_block_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         """Copy the first ``num_rows`` KV rows of ``src_block`` into ``dst_block`` (all layers)."""

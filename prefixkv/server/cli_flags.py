@@ -56,6 +56,8 @@ def _add(g: argparse._ArgumentGroup, opt: Option) -> None:
     kw: dict[str, Any] = {"dest": opt.name, "default": default, "help": _escape(help_text)}
     if opt.kind == "bool":
         kw["action"] = argparse.BooleanOptionalAction
+    elif opt.kind == "list":
+        kw.update(nargs="+", metavar=opt.metavar)
     else:
         kw["type"] = _TYPES[opt.kind]
         if opt.choices is not None:
