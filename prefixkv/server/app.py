@@ -48,6 +48,7 @@ from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.serving import OpenAIServing
 from prefixkv.server.messages_stream import build_messages_router
+from prefixkv.server.lora_routes import adapter_names, adapter_of, build_lora_router
 from prefixkv.server.render_routes import build_render_router
 from prefixkv.server.responses_stream import build_responses_router
 from prefixkv.server.sglang_routes import build_sglang_router
@@ -142,9 +143,10 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     app.state.metrics = metrics
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in known_models:
+        if name is not None and name not in known_models and adapter_of(engine, name) is None:
             raise APIError(f"the model {name!r} does not exist; this server serves "
-                           f"{list(listed)}", status=404, param="model", code="model_not_found")
+                           f"{[*listed, *adapter_names(engine)]}", status=404, param="model",
+                           code="model_not_found")
 
     @app.get("/health")
     @app.get("/ping")  # vLLM's SageMaker-style alias
@@ -163,19 +165,19 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
 
     def card(name: str) -> dict[str, Any]:
+        adapter = adapter_of(engine, name) is not None and name not in known_models
         return {"id": name, "object": "model", "created": created, "owned_by": "prefixkv",
-                "root": model_name, "parent": None, "max_model_len": engine.max_model_len,
-                "permission": []}
+                "root": model_name, "parent": model_name if adapter else None,
+                "max_model_len": engine.max_model_len, "permission": []}
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [card(name) for name in listed]}
+        return {"object": "list", "data": [card(name) for name in
+                                           (*listed, *adapter_names(engine))]}
 
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        if model_id not in known_models:
-            raise APIError(f"the model {model_id!r} does not exist; this server serves "
-                           f"{list(listed)}", status=404, param="model", code="model_not_found")
+        check_model(model_id)
         return card(model_id)
 
     @v1.post("/completions", response_model=None, responses=_JSON_OR_EVENTS)
@@ -205,6 +207,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     admin, reset = build_admin_router(engine)
     admin_check = [Depends(admin_dependency(admin_api_key, api_key))]
     app.include_router(admin, prefix="/v1", dependencies=admin_check)
+    app.include_router(build_lora_router(engine, model_name), prefix="/v1",
+                       dependencies=admin_check)
     app.add_api_route("/reset_prefix_cache", reset, methods=["POST"], dependencies=admin_check)
     sglang, flush = build_sglang_router(engine, policy, model_name, limits, metrics)
     app.include_router(sglang, dependencies=[Depends(_auth_dependency(api_key))])

@@ -1,0 +1,125 @@
+"""LoRA adapters through the server (issue 44): the openai SDK picks an adapter by model name,
+/v1/models lists it with its parent, vLLM's runtime load/unload routes, under concurrent load."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from server_live import MODEL, LiveServer, start_server
+
+from prefixkv.engine import AsyncEngine, SamplingParams
+from prefixkv.engine.lora import LoRARequest
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+def make_adapter(base: Path, out: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, dict[str, Path]]]:
+    from prefixkv.models.demo import ensure_demo_model
+
+    base = ensure_demo_model()
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {"sql": make_adapter(base, root / "sql", 1), "chat": make_adapter(base, root / "chat", 2)}
+    engine = AsyncEngine.from_args(None, block_size=16, num_kv_blocks=256, dtype="float32",
+                                   enable_lora=True, lora_modules=[f"sql={paths['sql']}"])
+    live = start_server(engine, model_name=MODEL)
+    yield live, paths
+    live.stop()
+    engine.shutdown()
+
+
+def offline(live: LiveServer, prompt: str, lora: LoRARequest | None) -> list[int]:
+    """The engine's own greedy tokens for ``prompt`` (the reference for the HTTP answers)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def run() -> list[int]:
+        out = None
+        async for out in live.engine.generate(prompt, params, lora_request=lora):
+            pass
+        assert out is not None
+        return list(out.outputs[0].token_ids)
+
+    import asyncio
+    return asyncio.run(run())
+
+
+def test_the_openai_client_picks_adapters_by_model_name(
+        lora_server: tuple[LiveServer, dict[str, Path]]) -> None:
+    live, paths = lora_server
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {MODEL, "sql"}
+    assert models["sql"].model_extra["parent"] == MODEL and models[MODEL].model_extra["parent"] is None
+    prompt = "SELECT name FROM users WHERE " * 4
+    texts = {}
+    for model in (MODEL, "sql"):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        texts[model] = r.choices[0].model_extra["token_ids"]
+    assert texts["sql"] == offline(live, prompt, LoRARequest("sql", 1, str(paths["sql"])))
+    assert texts[MODEL] == offline(live, prompt, None) != texts["sql"]
+    # the adapter's blocks are its own: the base model's request cached nothing for it
+    again = client.completions.create(model="sql", prompt=prompt + "x", max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    chat = client.chat.completions.create(model="sql", max_tokens=2,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_runtime_load_and_unload_under_concurrent_requests(
+        lora_server: tuple[LiveServer, dict[str, Path]]) -> None:
+    live, paths = lora_server
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            while not stop.is_set():
+                r = http.post("/v1/completions", json={"model": "sql", "prompt": "abc " * 20,
+                                                        "max_tokens": 3})
+                if r.status_code != 200:
+                    failures.append(r.text)
+
+    workers = [threading.Thread(target=traffic) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            load = http.post("/v1/load_lora_adapter",
+                             json={"lora_name": "chat", "lora_path": str(paths["chat"])})
+            assert load.status_code == 200 and "chat" in load.text
+            assert http.post("/v1/load_lora_adapter", json={
+                "lora_name": "chat", "lora_path": str(paths["chat"])}).status_code == 400
+            r = http.post("/v1/completions", json={"model": "chat", "prompt": "hello " * 10,
+                                                   "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 200
+            gone = http.post("/v1/completions", json={"model": "chat", "prompt": "x", "max_tokens": 1})
+            assert gone.status_code == 404
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 404
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert not failures
