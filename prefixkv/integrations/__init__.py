@@ -1,0 +1,5 @@
+"""Adapters that give other inference engines prefixkv's KV tiers.
+
+``prefixkv.integrations.vllm``: a KV connector for vLLM (``PrefixKVConnector``), see docs/vllm.md.
+Each adapter imports its engine lazily: importing this package needs neither vLLM nor torch.
+"""

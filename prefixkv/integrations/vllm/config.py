@@ -1,0 +1,67 @@
+"""ConnectorConfig: ``kv_connector_extra_config`` read once, validated, and resolved.
+
+The keys are prefixkv's tier flags under the same names (docs/tiers.md), with one difference
+kept from vLLM: a bare number for ``kv_offload_size`` is GiB, as vLLM's ``--kv-offloading-size``
+(prefixkv's own flag reads a bare number as blocks). Unknown keys are a ``ValueError`` naming
+them (a misspelt tier must not silently turn into "no tier").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prefixkv.tiers.spec import TierSpec, parse_size
+
+_BARE_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
+KEYS = frozenset({
+    "kv_offload_size", "kv_disk_dir", "kv_disk_size", "kv_remote", "kv_remote_timeout",
+    "kv_remote_ttl", "kv_remote_secret", "kv_namespace",
+})
+"""The ``kv_connector_extra_config`` keys the connector reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """The tiers the connector runs, as a :class:`TierSpec` (host size in bytes or blocks)."""
+
+    spec: TierSpec
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse vLLM's ``kv_connector_extra_config``; ``ValueError`` naming a bad key."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - KEYS)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; "
+                             f"known: {sorted(KEYS)}")
+        offload = extra.get("kv_offload_size")
+        if isinstance(offload, bool):
+            raise ValueError(f"kv_offload_size must be a size, got {offload!r}")
+        if isinstance(offload, (int, float)) or (
+                isinstance(offload, str) and _BARE_NUMBER.match(offload)):
+            offload = f"{float(offload)}GiB" if offload else None
+        elif offload is not None and not isinstance(offload, str):
+            raise ValueError(f"kv_offload_size must be GiB or a size like '512MiB', got {offload!r}")
+        namespace = extra.get("kv_namespace", "")
+        if not isinstance(namespace, str):
+            raise ValueError(f"kv_namespace must be a string, got {namespace!r}")
+        disk_dir = extra.get("kv_disk_dir")
+        if disk_dir is not None and not (isinstance(disk_dir, str) and disk_dir):
+            raise ValueError(f"kv_disk_dir must be a directory path, got {disk_dir!r}")
+        spec = TierSpec(
+            offload_size=offload, disk_dir=disk_dir, disk_size=extra.get("kv_disk_size"),
+            remote=extra.get("kv_remote"), remote_timeout=extra.get("kv_remote_timeout", 0.5),
+            remote_ttl=extra.get("kv_remote_ttl"), namespace=namespace,
+            remote_secret=extra.get("kv_remote_secret"), prefetch_blocks=0,
+        )
+        if not spec.enabled:
+            raise ValueError("kv_connector_extra_config names no tier: set kv_offload_size, "
+                             "kv_disk_dir or kv_remote")
+        return cls(spec)
+
+    def host_blocks(self, block_nbytes: int) -> int:
+        """Host-tier capacity in blocks of ``block_nbytes`` (0: no host tier)."""
+        return parse_size(self.spec.offload_size, block_nbytes, "kv_offload_size")

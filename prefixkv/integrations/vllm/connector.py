@@ -1,0 +1,197 @@
+"""PrefixKVConnector: vLLM's ``KVConnectorBase_V1`` over prefixkv's host, disk and Valkey tiers.
+
+vLLM builds the class once per role: in the engine-core process (``SCHEDULER``: a
+:class:`SchedulerSide`, which decides every load and save) and in each worker process
+(``WORKER``: a :class:`WorkerSide`, which copies the bytes). Loads are synchronous (before the
+step's forward pass) and saves complete in ``wait_for_save``, so vLLM may free a finished
+request's blocks at once. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from prefixkv.integrations.vllm.config import ConnectorConfig
+from prefixkv.integrations.vllm.identity import KVGeometry, make_keyer, weights_fingerprint
+from prefixkv.integrations.vllm.plan import StepPlan
+from prefixkv.integrations.vllm.scheduler_side import SchedulerSide
+from prefixkv.integrations.vllm.worker_side import WorkerSide
+from prefixkv.tiers.codec import secret_id
+from prefixkv.tiers.remote import RemoteTier
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's :class:`StepPlan`, as vLLM carries it to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def geometry_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVGeometry:
+    """The KV geometry both halves key by; ``ValueError`` for a model with several KV cache
+    groups (hybrid attention) or without a plain attention spec."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"PrefixKVConnector supports one KV cache group (full attention), "
+                         f"this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    for attr in ("block_size", "num_kv_heads", "head_size", "dtype"):
+        if not hasattr(spec, attr):
+            raise ValueError(f"PrefixKVConnector: KV spec {type(spec).__name__} has no {attr}")
+    return KVGeometry(
+        dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+        num_layers=len(groups[0].layer_names), spec=type(spec).__name__,
+        device=str(vllm_config.device_config.device_type),
+    )
+
+
+def fingerprint_of(vllm_config: VllmConfig) -> tuple[str, str]:
+    """(weights fingerprint or "", the model's name@revision) for the keys' root."""
+    mc = vllm_config.model_config
+    ref = f"{mc.model}@{mc.revision or ''}/{mc.dtype}/{mc.quantization or ''}"
+    path = Path(mc.model)
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(mc.model, revision=mc.revision, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not cached locally: the name and revision key it
+            return "", ref
+    try:
+        return weights_fingerprint(path), ref
+    except ValueError:
+        return "", ref
+
+
+class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """prefixkv's KV tiers (host memory, disk, shared Valkey) as a vLLM KV connector."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self.geometry = geometry_of(vllm_config, kv_cache_config)
+        self.num_blocks = kv_cache_config.num_blocks
+        host_blocks = self.config.host_blocks(self.geometry.block_nbytes)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self.remote: RemoteTier | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            spec = self.config.spec
+            weights, ref = fingerprint_of(vllm_config)
+            mac = secret_id(spec.remote_secret.encode()) if spec.remote_secret else ""
+            keyer = make_keyer(weights, ref, self.geometry, spec.namespace, mac)
+            if spec.remote is not None:
+                self.remote = RemoteTier(spec.remote, "", self.geometry.block_nbytes,
+                                         timeout=spec.remote_timeout)
+            self.scheduler = SchedulerSide(keyer, host_blocks, spec.disk_dir,
+                                           self.remote.present if self.remote else None)
+            if transfer.kv_load_failure_policy != "recompute":
+                logger.warning("prefixkv: kv_load_failure_policy is %r: a block that cannot "
+                               "be read fails its request; set \"kv_load_failure_policy\": "
+                               "\"recompute\" to recompute it instead",
+                               transfer.kv_load_failure_policy)
+            logger.info("prefixkv connector: host %d blocks, disk %s, remote %s, keys %s",
+                        host_blocks, spec.disk_dir, self.remote.url if self.remote else None,
+                        "weights " + weights if weights else ref)
+        else:
+            self.worker = WorkerSide(self.config, host_blocks)
+
+    # ------------------------------------------------------------------ worker role
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take the per-layer KV tensors and open the tiers."""
+        assert self.worker is not None
+        self.worker.register(kv_caches, self.num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Run this step's loads (all of them, before the forward pass)."""
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, PrefixKVMetadata)
+            self.worker.run_loads(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finished in :meth:`start_load_kv`: nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Saves run once per step in :meth:`wait_for_save`, over all layers."""
+
+    def wait_for_save(self) -> None:
+        """Store the blocks this step completed (host now; disk and remote queued)."""
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, PrefixKVMetadata)
+            if meta.plan.saves:
+                self.worker.save(meta.plan.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of this step whose load failed (vLLM recomputes them)."""
+        return self.worker.take_failed() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        """Flush queued writes and stop the writer threads."""
+        if self.worker is not None:
+            self.worker.close()
+        if self.remote is not None:
+            self.remote.close()
+
+    # ------------------------------------------------------------------ scheduler role
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
+                                   **kwargs: Any) -> tuple[int | None, bool]:
+        """Leading tokens past vLLM's hit that some tier holds (loaded synchronously)."""
+        assert self.scheduler is not None
+        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Plan the loads of the counted tokens into the request's blocks."""
+        assert self.scheduler is not None
+        if num_external_tokens > 0:
+            self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        else:
+            self.scheduler.after_alloc(request, [], 0)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads and saves for the workers."""
+        assert self.scheduler is not None
+        return PrefixKVMetadata(self.scheduler.build(scheduler_output))
+
+    def on_new_request(self, request: Request) -> None:
+        """Start tracking ``request`` (its keys are computed as its blocks fill)."""
+        if self.scheduler is not None:
+            self.scheduler.track(request)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are done within each step: vLLM may free the blocks now."""
+        if self.scheduler is not None:
+            self.scheduler.forget(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool:
+        """``reset_prefix_cache(reset_connector=True)``: drop the host tier (disk and remote
+        are kept: they are shared and survive restarts by design)."""
+        if self.scheduler is not None:
+            self.scheduler.reset()
+        return True

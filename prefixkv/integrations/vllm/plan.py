@@ -1,0 +1,47 @@
+"""StepPlan: what the scheduler half tells the worker half to copy in one engine step.
+
+Plain records (pickled into vLLM's scheduler output). The worker runs a plan in order: every
+load in ``start_load_kv`` (before the forward pass), every save in ``wait_for_save`` (after
+it). The scheduler relies on that order: a host slot released by this step's loads may be
+reserved for this step's saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+HOST = "host"
+DISK = "disk"
+REMOTE = "remote"
+GONE = "gone"
+"""A load whose block left its tier after the scheduler counted it: the worker reports it
+failed (vLLM recomputes it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBlock:
+    """Copy the block stored under ``key`` in ``tier`` (host: arena ``slot``) into vLLM's
+    block ``block_id``."""
+
+    block_id: int
+    key: bytes
+    tier: str
+    slot: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SaveBlock:
+    """Store vLLM's block ``block_id`` under ``key``: into host arena ``slot`` when given,
+    and into the disk and remote tiers unless they hold ``key`` already."""
+
+    block_id: int
+    key: bytes
+    slot: int | None = None
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's loads and saves."""
+
+    loads: list[LoadBlock] = field(default_factory=list)
+    saves: list[SaveBlock] = field(default_factory=list)

