@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -96,6 +97,70 @@ def valkey_auth() -> Iterator[ValkeyProcess]:
     server = _start("--requirepass", PASSWORD)
     yield server
     server.kill()
+
+
+class TlsFront:
+    """A TLS endpoint on 127.0.0.1 in front of a plain server port (the embedded valkey-server
+    is built without TLS): real TLS handshakes with a self-signed certificate for 127.0.0.1,
+    then bytes relayed both ways. ``ca``: the certificate a client must trust."""
+
+    def __init__(self, target_port: int, directory: Path) -> None:
+        import ssl
+
+        self.ca, key = directory / "cert.pem", directory / "key.pem"
+        made = subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-keyout", str(key), "-out", str(self.ca), "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1"], capture_output=True, check=False)
+        if made.returncode != 0:
+            raise RuntimeError(made.stderr.decode())
+        self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._ctx.load_cert_chain(self.ca, key)
+        self._target = target_port
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._sock.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            tls = self._ctx.wrap_socket(conn, server_side=True)
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+        except OSError:  # a client that does not speak TLS, or a closed server
+            conn.close()
+            return
+        for a, b in ((tls, upstream), (upstream, tls)):
+            threading.Thread(target=_relay, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _relay(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    for s in (src, dst):
+        s.close()
+
+
+@pytest.fixture
+def valkey_tls(valkey_auth: ValkeyProcess, tmp_path: Path) -> Iterator[TlsFront]:
+    """TLS in front of :func:`valkey_auth` (``rediss://``); skips without the openssl CLI."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a certificate")
+    front = TlsFront(valkey_auth.port, tmp_path)
+    yield front
+    front.close()
 
 
 @pytest.fixture(scope="session")

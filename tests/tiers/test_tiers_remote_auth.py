@@ -157,3 +157,22 @@ def test_bad_url_message_hides_the_password() -> None:
 ])
 def test_redact(url: str, shown: str) -> None:
     assert redact(url) == shown
+
+
+def test_tls_url_with_a_password(valkey_tls: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """``rediss://`` with a password and a CA file (redis-py's ``ssl_ca_certs``): a real TLS
+    connection (to a TLS front of the AUTH server); without the CA, or without TLS, a clean
+    failure (counted, the engine would recompute)."""
+    base = f":pa55word@127.0.0.1:{valkey_tls.port}/0"
+    r = RemoteTier(f"rediss://{base}?ssl_ca_certs={valkey_tls.ca}", LAYOUT, 16, timeout=2.0,
+                   secret=SECRET)
+    r.submit(key(0), b"a" * 16)
+    assert r.flush() and r.read_many([key(0)]) == [b"a" * 16]
+    assert r.counters.get("errors") == 0
+    r.close()
+    with caplog.at_level(logging.WARNING, logger="prefixkv.tiers.remote"):
+        for url in (f"rediss://{base}", f"redis://{base}"):  # untrusted certificate; plain TCP
+            bad = RemoteTier(url, LAYOUT, 16, timeout=1.0)
+            assert bad.read_many([key(0)]) == [None] and bad.counters.get("errors") == 1
+            bad.close()
+    assert "CERTIFICATE_VERIFY_FAILED" in caplog.text and "pa55word" not in caplog.text
