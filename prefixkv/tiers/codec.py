@@ -59,7 +59,9 @@ def encode(key: bytes, layout: str, payload: bytes, secret: bytes | None = None)
     return b"".join((head, lay, payload, mac.digest()))
 
 
-def decode(record: bytes, key: bytes, layout: str, nbytes: int, secret: bytes | None = None) -> bytes:
+def decode(
+    record: bytes, key: bytes, layout: str, nbytes: int, secret: bytes | None = None
+) -> bytes:
     """The payload of ``record`` if it is intact and holds ``key`` in ``layout`` with
     ``nbytes`` bytes (and, with ``secret``, its MAC holds); else :class:`CorruptBlockError`
     (:class:`UnauthenticatedBlockError` for a MAC that fails or is missing) saying what is wrong."""
@@ -75,7 +77,8 @@ def decode(record: bytes, key: bytes, layout: str, nbytes: int, secret: bytes | 
         end -= TAG_BYTES
         want = hmac.new(secret, memoryview(record)[: max(end, 0)], hashlib.sha256).digest()
         if end < _FIXED.size or not hmac.compare_digest(want, record[end:]):
-            raise UnauthenticatedBlockError("MAC mismatch (tampered, or written under another secret)")
+            raise UnauthenticatedBlockError(
+                "MAC mismatch (tampered, or written under another secret)")
     elif version != VERSION:
         raise CorruptBlockError("record carries a MAC and this reader has no secret")
     if stored_key != key:

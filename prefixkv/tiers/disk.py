@@ -8,18 +8,19 @@ modification time first), which is what makes a restarted engine answer from dis
 Only the tier's own files are ever deleted (the directory may hold anything else): a ``.kvb``
 counts as its own when its name is a key and its header is a record of that key in this tier's
 layout (with a MAC exactly when the tier has a secret), or it is empty (it holds nothing; a
-power loss can leave one); anything else is neither indexed nor touched. A ``.tmp`` file is removed at start only when its name is one this tier's writers
-use and its writer is gone (no such process here) or it is older than :data:`STALE_TMP_S`.
-Engines of one KV layout sharing a directory therefore share its files (capacity, reset): give
-each model its own directory.
+power loss can leave one); anything else is neither indexed nor touched. A ``.tmp`` file is
+removed at start only when its name is one this tier's writers use and its writer is gone (no
+such process here) or it is older than :data:`STALE_TMP_S`. Engines of one KV layout sharing a
+directory therefore share its files (capacity, reset): give each model its own directory.
 
 Reads check the record (magic, version, key, layout, length, xxhash64; the MAC with a
 secret); a corrupt or truncated file is a miss and is deleted. A read refreshes the file's
-mtime; where that fails (a read-only directory) the read still counts, with one warning. Capacity is in blocks; the least recently used file goes first,
-skipping pinned keys (:class:`~prefixkv.tiers.pins.PinnedKeys`): when only pinned files could
-make room, the new block is the one not kept. Recency is per prefix chain, with the pool's
-tie-break: :meth:`DiskTier.touch` makes a chain the most recent with its *first* block the most
-recent of all, so a full tier drops a prompt's tail before its head (a head block lost makes
+mtime; where that fails (a read-only directory) the hit stands, with one warning (then one a
+minute). Capacity is in blocks; the least recently used file goes first, skipping pinned keys
+(:class:`~prefixkv.tiers.pins.PinnedKeys`): when only pinned files could make room, the new
+block is the one not kept. Recency is per prefix chain, with the pool's tie-break:
+:meth:`DiskTier.touch` makes a chain the most recent with its *first* block the most recent of
+all, so a full tier drops a prompt's tail before its head (a head block lost makes
 every block after it unreachable). The writer thread stamps the same order into the files'
 mtimes, so it survives a restart.
 

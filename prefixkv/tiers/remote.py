@@ -9,11 +9,12 @@ Failure policy: the remote is a cache. Any error or timeout counts in ``errors``
 warning, and opens a circuit for ``retry_after`` seconds during which every read is a miss and
 every write is dropped: requests then recompute; they never fail because of the remote.
 
-Access: the URL may carry a user and password (Valkey ``AUTH``: ``redis://user:pass@host:6379/0``,
-``redis://:pass@...`` for ``requirepass``) and ask for TLS (``rediss://``, ``valkeys://``; redis-py's
-``ssl_*`` query parameters, e.g. ``?ssl_ca_certs=/etc/ca.pem``); it is handed to redis-py as
-given (``valkey`` schemes renamed) and never logged with its password. A refused login is a
-failure like any other: counted, warned about once, requests recompute.
+Access: the URL may carry a user and password (Valkey ``AUTH``:
+``redis://user:pass@host:6379/0``, ``redis://:pass@...`` for ``requirepass``) and ask for TLS
+(``rediss://``, ``valkeys://``; redis-py's ``ssl_*`` query parameters, e.g.
+``?ssl_ca_certs=/etc/ca.pem``); it is handed to redis-py as given (``valkey`` schemes
+renamed) and never logged with its password. A refused login is a failure like any other:
+counted, warned about once, requests recompute.
 
 Authenticity: with a ``secret`` every record carries an HMAC (:mod:`~prefixkv.tiers.codec`) and
 a record whose MAC fails is a miss, counted in ``unauthenticated`` and deleted; the checksum

@@ -107,7 +107,7 @@ class TierSpec:
         if self.remote is not None and not (
             isinstance(self.remote, str) and self.remote.startswith(REMOTE_SCHEMES)
         ):  # the URL is not echoed: it may carry a password
-            scheme = self.remote.partition("://")[0] if isinstance(self.remote, str) else self.remote
+            scheme = self.remote.split("://")[0] if isinstance(self.remote, str) else self.remote
             raise ValueError(f"kv_remote must be a URL starting {' / '.join(REMOTE_SCHEMES)}, "
                              f"got {scheme!r}")
         if self.remote_secret is not None and not (

@@ -51,8 +51,8 @@ def test_a_record_with_a_recomputed_checksum_is_caught_by_the_mac(valkey: Any) -
     """(Was accepted: the xxhash64 is no defence against a writer.)"""
     import redis
 
-    plain = RemoteTier(valkey.url, LAYOUT, 16)
-    signed = RemoteTier(valkey.url, LAYOUT, 16, secret=SECRET)
+    plain = RemoteTier(valkey.url, LAYOUT, 16, timeout=5.0)
+    signed = RemoteTier(valkey.url, LAYOUT, 16, timeout=5.0, secret=SECRET)
     plain.submit(key(0), b"a" * 16)
     signed.submit(key(1), b"b" * 16)
     assert plain.flush() and signed.flush()
@@ -71,15 +71,15 @@ def test_a_record_with_a_recomputed_checksum_is_caught_by_the_mac(valkey: Any) -
 def test_another_secret_or_none_reads_nothing(valkey: Any) -> None:
     import redis
 
-    ours = RemoteTier(valkey.url, LAYOUT, 16, secret=SECRET)
+    ours = RemoteTier(valkey.url, LAYOUT, 16, timeout=5.0, secret=SECRET)
     ours.submit(key(0), b"a" * 16)
     assert ours.flush()
-    other = RemoteTier(valkey.url, LAYOUT, 16, secret=b"another secret")
+    other = RemoteTier(valkey.url, LAYOUT, 16, timeout=5.0, secret=b"another secret")
     assert other.read_many([key(0)]) == [None] and other.counters.get("unauthenticated") == 1
     redis.Redis.from_url(valkey.url).set(PREFIX + key(2), encode(key(2), LAYOUT, b"c" * 16))
     assert ours.read_many([key(2)]) == [None]  # no MAC at all
     assert ours.counters.get("unauthenticated") == 1
-    plain = RemoteTier(valkey.url, LAYOUT, 16)
+    plain = RemoteTier(valkey.url, LAYOUT, 16, timeout=5.0)
     ours.submit(key(3), b"d" * 16)
     assert ours.flush()
     assert plain.read_many([key(3)]) == [None] and plain.counters.get("corrupt") == 1
@@ -94,28 +94,31 @@ def test_tampered_kv_never_changes_another_workers_output(
     secret) recomputes: its greedy output equals a cold run; a worker with another secret never
     even sees A's records (other keys)."""
     prompts = [tokens(40, 64) + tokens(41 + i, 9) for i in range(3)]
-    want = [o.outputs[0].token_ids for o in make_llm(enable_prefix_caching=False).generate(prompts, GREEDY)]
-    a = make_llm(kv_remote=valkey.url, kv_remote_secret=SECRET.decode())
+    cold = make_llm(enable_prefix_caching=False).generate(prompts, GREEDY)
+    want = [o.outputs[0].token_ids for o in cold]
+    a = make_llm(kv_remote=valkey.url, kv_remote_timeout=5.0, kv_remote_secret=SECRET.decode())
     assert [o.outputs[0].token_ids for o in a.generate(prompts, GREEDY)] == want
     assert a.engine.kv.tiers.flush()
     assert tamper_all(valkey.url) > 0
-    b = make_llm(kv_remote=valkey.url, kv_remote_secret=SECRET.decode())
+    b = make_llm(kv_remote=valkey.url, kv_remote_timeout=5.0, kv_remote_secret=SECRET.decode())
     outs = b.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == want
     remote = next(t for t in b.get_stats().tiers if t.tier == "remote")
     assert remote.hits == 0 and remote.unauthenticated > 0
-    c = make_llm(kv_remote=valkey.url, kv_remote_secret="another secret")
+    c = make_llm(kv_remote=valkey.url, kv_remote_timeout=5.0, kv_remote_secret="another secret")
     assert [o.outputs[0].token_ids for o in c.generate(prompts, GREEDY)] == want
     remote = next(t for t in c.get_stats().tiers if t.tier == "remote")
     assert remote.hits == 0 and remote.unauthenticated == 0  # other keys: plain misses
 
 
-def test_untampered_records_are_hits_with_the_secret(valkey: Any, make_llm: Any, tokens: Any) -> None:
+def test_untampered_records_are_hits_with_the_secret(
+    valkey: Any, make_llm: Any, tokens: Any
+) -> None:
     prompts = [tokens(50, 64) + tokens(51, 9)]
-    a = make_llm(kv_remote=valkey.url, kv_remote_secret="s3cret")
+    a = make_llm(kv_remote=valkey.url, kv_remote_timeout=5.0, kv_remote_secret="s3cret")
     want = [o.outputs[0].token_ids for o in a.generate(prompts, GREEDY)]
     assert a.engine.kv.tiers.flush()
-    b = make_llm(kv_remote=valkey.url, kv_remote_secret="s3cret")
+    b = make_llm(kv_remote=valkey.url, kv_remote_timeout=5.0, kv_remote_secret="s3cret")
     outs = b.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == want and outs[0].num_cached_tokens >= 64
     remote = next(t for t in b.get_stats().tiers if t.tier == "remote")
@@ -126,7 +129,7 @@ def test_auth_url_works_and_a_missing_password_fails_cleanly(
     valkey_auth: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     host = valkey_auth.url.removeprefix("redis://")
-    good = RemoteTier(f"redis://:pa55word@{host}", LAYOUT, 16, secret=SECRET)
+    good = RemoteTier(f"redis://:pa55word@{host}", LAYOUT, 16, timeout=5.0, secret=SECRET)
     good.submit(key(0), b"a" * 16)
     assert good.flush() and good.read_many([key(0)]) == [b"a" * 16]
     assert good.counters.get("errors") == 0
@@ -164,7 +167,7 @@ def test_tls_url_with_a_password(valkey_tls: Any, caplog: pytest.LogCaptureFixtu
     connection (to a TLS front of the AUTH server); without the CA, or without TLS, a clean
     failure (counted, the engine would recompute)."""
     base = f":pa55word@127.0.0.1:{valkey_tls.port}/0"
-    r = RemoteTier(f"rediss://{base}?ssl_ca_certs={valkey_tls.ca}", LAYOUT, 16, timeout=2.0,
+    r = RemoteTier(f"rediss://{base}?ssl_ca_certs={valkey_tls.ca}", LAYOUT, 16, timeout=5.0,
                    secret=SECRET)
     r.submit(key(0), b"a" * 16)
     assert r.flush() and r.read_many([key(0)]) == [b"a" * 16]
