@@ -163,11 +163,11 @@ def test_redact(url: str, shown: str) -> None:
 
 
 def test_tls_url_with_a_password(valkey_tls: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """``rediss://`` with a password and a CA file (redis-py's ``ssl_ca_certs``): a real TLS
-    connection (to a TLS front of the AUTH server); without the CA, or without TLS, a clean
-    failure (counted, the engine would recompute)."""
+    """``valkeys://`` (= ``rediss://``) with a password and a CA file (redis-py's
+    ``ssl_ca_certs``): a real TLS connection (to a TLS front of the AUTH server); without the
+    CA, or without TLS, a clean failure (counted, the engine would recompute)."""
     base = f":pa55word@127.0.0.1:{valkey_tls.port}/0"
-    r = RemoteTier(f"rediss://{base}?ssl_ca_certs={valkey_tls.ca}", LAYOUT, 16, timeout=5.0,
+    r = RemoteTier(f"valkeys://{base}?ssl_ca_certs={valkey_tls.ca}", LAYOUT, 16, timeout=5.0,
                    secret=SECRET)
     r.submit(key(0), b"a" * 16)
     assert r.flush() and r.read_many([key(0)]) == [b"a" * 16]
