@@ -14,12 +14,16 @@ logits mask (:mod:`prefixkv.runner.logits_processors`).
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
 
+from prefixkv.engine import grammar_limits
+from prefixkv.engine.grammar_guard import GrammarGuard
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,8 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    _text: dict[bool, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``to_grammar``'s answer per ``compact`` (the server and the engine both ask)."""
 
     def __post_init__(self) -> None:
         given = [
@@ -74,24 +80,33 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.choice must be a list of non-empty str, got {self.choice!r}")
 
     def to_grammar(self, *, compact: bool = False) -> str:
-        """The llguidance grammar text of this constraint (``ValueError`` if malformed);
+        """The llguidance grammar text of this constraint; ``ValueError`` if it is malformed or
+        exceeds :mod:`~prefixkv.engine.grammar_limits` (nothing compiled yet);
         ``compact``: no free whitespace in JSON even if ``disable_any_whitespace`` is off."""
-        options: dict[str, Any] = {"whitespace_flexible": not (compact or self.disable_any_whitespace)}
-        try:
-            if self.json is not None:
-                schema = json.loads(self.json) if isinstance(self.json, str) else dict(self.json)
-                return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))  # type: ignore[arg-type]
-            if self.json_object:
-                return str(
-                    llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)  # type: ignore[arg-type]
-                )
-            if self.regex is not None:
-                return str(llguidance.LLMatcher.grammar_from_regex(self.regex))
-            if self.choice is not None:
-                return str(llguidance.grammar_from("choice", json.dumps(list(self.choice))))
-            return str(llguidance.grammar_from("grammar", self.grammar or ""))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"structured_outputs: {exc}") from exc
+        compact = compact or self.disable_any_whitespace
+        if compact not in self._text:
+            try:
+                self._text[compact] = self._grammar(compact)
+            except (ValueError, TypeError, RecursionError) as exc:  # all the request's doing
+                raise ValueError(f"structured_outputs: {exc}") from None
+        return self._text[compact]
+
+    def _grammar(self, compact: bool) -> str:
+        options: dict[str, Any] = {"whitespace_flexible": not compact}
+        if self.json is not None:
+            schema = grammar_limits.parse_schema(self.json) if isinstance(self.json, str) else dict(self.json)
+            grammar_limits.check_schema(schema)
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))  # type: ignore[arg-type]
+        if self.json_object:
+            return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options))  # type: ignore[arg-type]
+        if self.regex is not None:
+            grammar_limits.check_regex(self.regex)
+            return str(llguidance.LLMatcher.grammar_from_regex(self.regex))
+        if self.choice is not None:
+            grammar_limits.check_choices(self.choice)
+            return str(llguidance.grammar_from("choice", json.dumps(list(self.choice))))
+        grammar_limits.check_grammar(self.grammar or "")
+        return str(llguidance.grammar_from("grammar", self.grammar or ""))
 
 
 class GrammarState:
@@ -117,6 +132,12 @@ class GrammarState:
 class GrammarCompiler:
     """Builds :class:`GrammarState` objects for one tokenizer (the llguidance vocabulary is built once).
 
+    A grammar is compiled once, and only after a child process of :class:`GrammarGuard`
+    compiled it on a smaller stack within the time budget (a grammar that would crash or hang
+    the compiler is a ``ValueError`` for its request alone); each state is a copy of that
+    matcher. :meth:`prepare` does this work, off the engine thread: the server calls it before
+    it submits a request, so ``add_request`` only copies. Thread safe.
+
     Args:
         tokenizer_json: the Hugging Face ``tokenizers`` JSON of the model's tokenizer.
         vocab_size: the model's vocabulary (logits width), which may exceed the tokenizer's.
@@ -124,6 +145,9 @@ class GrammarCompiler:
         compact_json: JSON without free whitespace for every request (the engine's
             ``constrained_json_disable_any_whitespace``).
     """
+
+    CACHED = 32
+    """Compiled grammars kept (the most recently used) to copy states from."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int],
                  compact_json: bool = False) -> None:
@@ -133,10 +157,36 @@ class GrammarCompiler:
         self._tok = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=eos if eos else None
         )
+        self.guard = GrammarGuard(tokenizer_json, vocab_size, eos)
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def prepare(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """Check, guard-compile and keep ``params``' grammar (a no-op when it is kept);
+        ``ValueError`` (``"structured_outputs: ..."``, one line) if it fails. Blocks for as long
+        as the compile takes: call it off the engine thread."""
+        grammar = params.to_grammar(compact=self.compact_json)
+        with self._lock:
+            matcher = self._compiled.get(grammar)
+            if matcher is not None:
+                self._compiled.move_to_end(grammar)
+                return matcher
+        try:
+            self.guard.check(grammar)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs: {exc}") from None
+        matcher = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: invalid grammar: {matcher.get_error().splitlines()[0]}")
+        with self._lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > self.CACHED:
+                self._compiled.popitem(last=False)
+        return matcher
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        """A fresh state at the start of the output; ``ValueError`` if the grammar is invalid."""
-        matcher = llguidance.LLMatcher(self._tok, params.to_grammar(compact=self.compact_json), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs: invalid grammar: {matcher.get_error()}")
-        return GrammarState(matcher)
+        """A fresh state at the start of the output (a copy of the prepared matcher; prepared
+        now if it was not); ``ValueError`` if the grammar is invalid."""
+        matcher = self.prepare(params)
+        with self._lock:
+            return GrammarState(matcher.deep_copy())

@@ -76,6 +76,13 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def nested_too_deeply(exc: RecursionError, param: str | None = None) -> APIError:
+    """The 400 for a ``RecursionError``: the request's content nests too deeply to process (a
+    client error, never a fault of the server, which goes on serving)."""
+    return APIError(f"the request nests too deeply to process ({exc})", param=param,
+                    code="nested_too_deeply", request_caused=True)
+
+
 def error_body(
     message: str, *, type: str = "invalid_request_error", param: str | None = None,
     code: int | str | None = 400,
@@ -172,6 +179,8 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
         return respond(APIError(message, status=exc.status_code))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, RecursionError):  # only a request's own nesting recurses that deep
+            return respond(nested_too_deeply(exc))
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return respond(APIError(f"internal error: {exc}", status=500))
 

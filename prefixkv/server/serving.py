@@ -29,12 +29,12 @@ from prefixkv.engine.outputs import RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import template_options
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.structured_output import StructuredOutputsParams
-from prefixkv.server.errors import APIError
+from prefixkv.server.errors import APIError, nested_too_deeply
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from prefixkv.server.render import ChoiceRenderer
-from prefixkv.server.tools import structured_outputs
+from prefixkv.server.tools import output_constraint
 
 Disconnected = Callable[[], Awaitable[bool]]
 """``await is_disconnected()``: whether the HTTP client has gone away."""
@@ -49,6 +49,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 def engine_failure(exc: BaseException) -> APIError:
     """The HTTP error for a request the engine failed or could not take."""
+    if isinstance(exc, RecursionError):  # raised by the request's own content, not a fault
+        return nested_too_deeply(exc)
     if isinstance(exc, RequestFailedError):
         if exc.request_caused:
             return APIError(f"the request failed: {exc}", status=500, code="request_failed",
@@ -117,8 +119,6 @@ def _param_of(message: str, default: str) -> str | None:
     word = message.split(" ", 1)[0]
     if word in ("logit_bias", "allowed_token_ids"):
         return word
-    if word == "structured_outputs:":
-        return None  # response_format, tool_choice, guided_* or structured_outputs
     return default
 
 
@@ -198,7 +198,7 @@ class OpenAIServing:
         prompts = [req.prompt_options(p, self.engine.max_model_len, req.add_special_tokens)
                    for p in req.prompts()]
         self._check_limits(req, len(prompts))
-        structured, _ = structured_outputs(req)
+        structured, _ = await output_constraint(self.engine, req)
         echo_only = req.max_tokens == 0  # echo the prompt (and its logprobs) only
         prompt_lp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
@@ -224,7 +224,7 @@ class OpenAIServing:
                    is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
         """``POST /v1/chat/completions``."""
         self._check_limits(req, 1)
-        structured, tool_mode = structured_outputs(req)
+        structured, tool_mode = await output_constraint(self.engine, req)
         try:
             options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
                                        req.continue_final_message)

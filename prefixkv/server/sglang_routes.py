@@ -42,6 +42,7 @@ from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import TokenId, _Body
 from prefixkv.server.serving import EngineStreamingResponse, engine_failure, finish_unless_gone, sse
 from prefixkv.server.sglang_logprobs import LogprobFormatter, LogprobOptions
+from prefixkv.server.tools import compile_constraint
 
 HEALTH_TIMEOUT_S = 20.0
 """How long ``/health_generate`` waits for its token (SGLang's ``HEALTH_CHECK_TIMEOUT``)."""
@@ -196,6 +197,10 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
         except ValueError as exc:
             about_ids = str(exc).startswith("logprob_token_ids")
             raise APIError(str(exc), param="token_ids_logprob" if about_ids else "sampling_params") from exc
+        if params.structured_outputs is not None:  # compiled now: guarded, off the engine thread
+            sp = body.sampling_params
+            given = "json_schema" if sp.json_schema is not None else "regex" if sp.regex is not None else "ebnf"
+            await compile_constraint(engine, params.structured_outputs, f"sampling_params.{given}")
         base = body.rid or uuid.uuid4().hex
         shape = _Shape(time.perf_counter(), body.sampling_params.max_new_tokens == 0, None if not
                        body.return_logprob else LogprobFormatter(body, lambda t: str(

@@ -7,15 +7,25 @@ chat ``tool_choice`` of ``"required"`` or a named function. As in vLLM, a named 
 output to that function's ``parameters`` schema, and ``"required"`` to a JSON array of
 ``{"name", "parameters"}`` calls; the text is then returned as ``tool_calls``. ``"auto"`` /
 ``"none"`` constrain nothing (the tools still reach the chat template).
+
+:func:`output_constraint` also compiles the grammar before the request reaches the engine, on
+a worker thread and first in a guarded child process (:mod:`prefixkv.engine.grammar_guard`):
+a schema or grammar over the bounds of :mod:`prefixkv.engine.grammar_limits`, one that does not
+compile, crashes the compiler or runs past its budget is a 400 naming the field, and neither the
+event loop nor the engine thread waits on a compile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from prefixkv.engine.async_engine import AsyncEngine
+from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.protocol import ChatCompletionRequest, NamedToolChoice, SamplingRequest
@@ -31,7 +41,44 @@ class ToolMode:
 
 
 def structured_outputs(req: SamplingRequest) -> tuple[StructuredOutputsParams | None, ToolMode | None]:
-    """The constraint a request asks for (``None`` if none) and, for forced tools, how to read it."""
+    """The constraint a request asks for (``None`` if none) and, for forced tools, how to read it
+    (nothing compiled: :func:`output_constraint` compiles it too)."""
+    _, params, mode = _find(req)
+    return params, mode
+
+
+async def output_constraint(engine: AsyncEngine, req: SamplingRequest
+                            ) -> tuple[StructuredOutputsParams | None, ToolMode | None]:
+    """:func:`structured_outputs`, its grammar compiled (:func:`compile_constraint`)."""
+    field, params, mode = _find(req)
+    await compile_constraint(engine, params, "tools" if field == "tool_choice" else field)
+    return params, mode
+
+
+_COMPILER_LOCK = threading.Lock()  # one engine builds one compiler, however many ask at once
+
+
+async def compile_constraint(engine: AsyncEngine, params: StructuredOutputsParams | None,
+                             field: str) -> None:
+    """Compile ``params``' grammar for ``engine`` now, off the event loop and the engine thread
+    (guarded; kept, so the engine only copies it); a 400 naming ``field`` when it fails."""
+    if params is None:
+        return
+
+    def prepare(llm: LLMEngine) -> None:
+        with _COMPILER_LOCK:
+            compiler = llm.grammar_compiler()
+        compiler.prepare(params)
+
+    try:
+        await asyncio.to_thread(prepare, engine.engine)
+    except ValueError as exc:
+        raise APIError(f"{field}: {str(exc).removeprefix('structured_outputs: ')}", param=field,
+                       code="invalid_structured_output") from exc
+
+
+def _find(req: SamplingRequest) -> tuple[str, StructuredOutputsParams | None, ToolMode | None]:
+    """The field that constrains the output, its constraint and tool mode (400 if several)."""
     found: list[tuple[str, StructuredOutputsParams, ToolMode | None]] = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
@@ -60,8 +107,8 @@ def structured_outputs(req: SamplingRequest) -> tuple[StructuredOutputsParams | 
         raise APIError(f"give at most one output constraint; got {[f[0] for f in found]}",
                        param=found[1][0])
     if not found:
-        return None, None
-    return found[0][1], found[0][2]
+        return "", None, None
+    return found[0]
 
 
 def _params(field: str, **kwargs: Any) -> StructuredOutputsParams:

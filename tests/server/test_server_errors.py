@@ -43,7 +43,7 @@ BAD_COMPLETIONS = [
      {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "y"}},
      "stream_options.continuous_usage_stats"),
     ("bad response_format", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
-    ("bad json schema", {"prompt": "x", "guided_regex": "(unclosed"}, None),
+    ("bad json schema", {"prompt": "x", "guided_regex": "(unclosed"}, "guided_regex"),
     ("two output constraints",
      {"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}},

@@ -87,7 +87,7 @@ def test_generate_errors_name_the_field(http: httpx.Client) -> None:
                         ({"text": "x", "return_logprob": True, "token_ids_logprob": [1] * 129}, "token_ids_logprob"),
                         ({"text": "x", "sampling_params": {"stop_regex": "("}}, "sampling_params"),
                         ({"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "sampling_params"),
-                        ({"text": "x", "sampling_params": {"ebnf": "root ::= ("}}, "sampling_params"),
+                        ({"text": "x", "sampling_params": {"ebnf": "root ::= ("}}, "sampling_params.ebnf"),
                         ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
                         ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
                         ({"text": "x", "image_data": "http://x/cat.png"}, "image_data"),  # not dropped
