@@ -25,10 +25,12 @@ from prefixkv.models.lora import LoRAAdapter
 
 if TYPE_CHECKING:
     from prefixkv.config import ModelSettings
+    from prefixkv.engine.llm_engine import LLMEngine
+    from prefixkv.engine.sequence import Sequence
     from prefixkv.runner.model_runner import ModelRunner
 
-__all__ = ["LoRARegistry", "LoRARequest", "lora_namespace", "make_registry", "parse_lora_modules",
-           "request_lora"]
+__all__ = ["LoRARegistry", "LoRARequest", "lora_namespace", "lora_requests_info", "make_registry",
+           "parse_lora_modules", "request_lora"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +141,16 @@ def request_lora(registry: LoRARegistry | None, request: LoRARequest | str | Non
         raise ValueError("lora_request needs an engine started with enable_lora (--enable-lora)")
     adapter = registry.resolve(request)
     return adapter, lora_namespace(adapter)
+
+
+def lora_requests_info(engine: LLMEngine) -> tuple[list[str], list[str], int] | None:
+    """vLLM's ``lora_requests_info``: the adapters of running and of waiting requests (sorted
+    names) and ``max_loras``; ``None`` without ``enable_lora``. Call it on the engine thread."""
+    if engine.lora is None:
+        return None
+
+    def names(seqs: Iterable[Sequence]) -> list[str]:
+        return sorted({s.request.lora.name for s in seqs if s.request.lora is not None})
+
+    return (names(engine.scheduler.running), names(engine.scheduler.waiting),
+            engine.lora.max_loras)

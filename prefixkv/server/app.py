@@ -48,6 +48,7 @@ from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.serving import OpenAIServing
 from prefixkv.server.messages_stream import build_messages_router
+from prefixkv.engine.lora import lora_requests_info
 from prefixkv.server.lora_routes import adapter_names, adapter_of, build_lora_router
 from prefixkv.server.render_routes import build_render_router
 from prefixkv.server.responses_stream import build_responses_router
@@ -160,6 +161,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE: {}}}})
     async def prometheus() -> Response:
         gauges = engine_gauges(await engine.get_stats())
+        metrics.set_lora(await engine.call(lora_requests_info))
         return Response(metrics.render(gauges), media_type=CONTENT_TYPE)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])

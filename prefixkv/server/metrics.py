@@ -19,10 +19,11 @@ one process (tests) never share counters. Two kinds of series:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -198,6 +199,10 @@ class ServerMetrics:
         self.request_errors = Counter(
             "prefixkv:request_errors", "Requests answered with an error, by HTTP status.",
             lbl + ["status"], registry=r)
+        self.lora_info = Gauge(  # vLLM's series (llm-d's and the Gateway API's schedulers read it)
+            "vllm:lora_requests_info", "LoRA adapters of running and waiting requests; the value "
+            "is when it was read.", ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=r)
         self.ttft = Histogram(
             "prefixkv:time_to_first_token_seconds", "Time to first token, from request arrival.",
             lbl, buckets=_LATENCY_BUCKETS, registry=r)
@@ -312,6 +317,15 @@ class ServerMetrics:
     def hit_rate(self) -> float:
         """Hits over queries, in tokens, since the server started."""
         return self._hits_total / self._queries_total if self._queries_total else 0.0
+
+    def set_lora(self, info: tuple[list[str], list[str], int] | None) -> None:
+        """The adapters running and waiting now (``engine.lora.lora_requests_info``); ``None``
+        (adapters off) exports no sample."""
+        self.lora_info.clear()
+        if info is not None:
+            running, waiting, max_lora = info
+            self.lora_info.labels(",".join(running), ",".join(waiting), str(max_lora)).set(
+                time.time())
 
     def render(self, gauges: EngineGauges) -> bytes:
         """The exposition text for ``GET /metrics``, with ``gauges`` as the engine state."""

@@ -123,3 +123,33 @@ def test_runtime_load_and_unload_under_concurrent_requests(
         for w in workers:
             w.join()
     assert not failures
+
+
+def test_metrics_export_vllms_lora_requests_info(
+        lora_server: tuple[LiveServer, dict[str, Path]]) -> None:
+    live, _ = lora_server
+    done = threading.Event()
+
+    def slow() -> None:  # a long request on the adapter, running while /metrics is read
+        httpx.post(f"{live.url}/v1/completions", timeout=120, json={
+            "model": "sql", "prompt": "q " * 30, "max_tokens": 200, "ignore_eos": True})
+        done.set()
+
+    t = threading.Thread(target=slow)
+    t.start()
+    try:
+        seen = ""
+        for _ in range(200):
+            text = httpx.get(f"{live.url}/metrics").text
+            line = next((x for x in text.splitlines()
+                         if x.startswith("vllm:lora_requests_info{")), "")
+            if 'running_lora_adapters="sql"' in line:
+                seen = line
+                break
+            if done.is_set():
+                break
+        assert 'max_lora="4"' in seen and 'waiting_lora_adapters=""' in seen, seen
+    finally:
+        t.join()
+    idle = httpx.get(f"{live.url}/metrics").text
+    assert 'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""}' in idle
