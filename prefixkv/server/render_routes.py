@@ -32,11 +32,8 @@ from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from prefixkv.server.serving import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    OpenAIServing,
-    sampling_params,
-)
+from prefixkv.server.request_params import sampling_params
+from prefixkv.server.serving import COMPLETIONS_DEFAULT_MAX_TOKENS, OpenAIServing
 from prefixkv.server.tools import structured_outputs
 
 __all__ = ["build_render_router", "chat_prompt", "plain_sampling_params"]

@@ -28,12 +28,13 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import template_options
 from prefixkv.engine.sampling_params import SamplingParams
-from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError, nested_too_deeply
 from prefixkv.server.limits import ServerLimits
+from prefixkv.server.lora_routes import adapter_of
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from prefixkv.server.render import ChoiceRenderer
+from prefixkv.server.request_params import sampling_params
 from prefixkv.server.tools import output_constraint
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -80,38 +81,6 @@ async def finish_unless_gone(task: asyncio.Future[T], is_disconnected: Disconnec
         if not task.done():
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None,
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
-    """The engine's sampling params for a validated request body."""
-    try:
-        return SamplingParams(
-            n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0,
-            seed=req.seed,
-            max_tokens=max_tokens,
-            stop=req.stop_list or None, stop_regex=req.stop_regex,
-            stop_token_ids=req.stop_token_ids,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=req.bias,
-            allowed_token_ids=req.allowed_token_ids,
-            min_tokens=req.min_tokens if max_tokens is None else min(req.min_tokens, max_tokens),
-            ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
-            skip_special_tokens=req.skip_special_tokens,
-            logprobs=0 if req.logprob_token_ids and logprobs is not None else logprobs,  # (vLLM's rule)
-            logprob_token_ids=req.logprob_token_ids, prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured,
-        )
-    except ValueError as exc:
-        raise APIError(str(exc)) from exc
 
 
 def _param_of(message: str, default: str) -> str | None:
@@ -300,7 +269,8 @@ class OpenAIServing:
         async def start(i: int, prompt: Any) -> _Job:
             sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
             stream = self.engine.generate(prompt, params, request_id=sub_id,
-                                          cache_salt=req.cache_namespace)
+                                          cache_salt=req.cache_namespace,
+                                          lora_request=adapter_of(self.engine, req.model))
             try:
                 first = await stream.__anext__()
             except ValueError as exc:
