@@ -10,6 +10,10 @@ records waiting at once go into one batch), encoding and sending. When the queue
 record is dropped and the thread then sends :class:`AllBlocksCleared` and forgets its map:
 subscribers then know less than the worker holds (they under-estimate, which is safe), never
 more.
+
+**Tenants.** A salted request's blocks (``cache_salt`` / ``extra_key``) go out with their hashes
+only: ``token_ids`` empty (see :mod:`prefixkv.kv_events`, "Salted requests"). Their prompts
+never leave the worker; the router re-hashes the prompt it proxies with its salt.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from prefixkv.kv_events import (
     KVEventBatch,
     continue_chain,
     hash_int,
+    salted,
 )
 from prefixkv.tiers.keys import BlockKeyer
 
@@ -200,6 +205,7 @@ class KVEventSink:
             return []  # a namespace with no stable serialisation: not announced
         out: list[BlockStored] = []
         bs = self.block_size
+        hidden = salted(namespace)  # the tenant's tokens stay here: hashes only
         run: list[int] = []  # positions of a run of newly cached blocks
         for i, (block, digest) in enumerate(zip(ids, digests)):
             if block not in self._hashes:
@@ -211,6 +217,7 @@ class KVEventSink:
                 out.append(BlockStored(
                     [hash_int(digests[j]) for j in run],
                     None if prev is None else hash_int(prev),
-                    tokens[start * bs : (run[-1] + 1) * bs], bs, None, MEDIUM_GPU))
+                    [] if hidden else tokens[start * bs : (run[-1] + 1) * bs], bs, None,
+                    MEDIUM_GPU, None))
                 run = []
         return out

@@ -2,7 +2,10 @@
 
 * PUB socket: each batch is three frames ``(topic, seq, payload)``: ``seq`` counts batches from
   0 as an 8-byte big-endian int (a subscriber that sees a jump missed batches; a smaller number
-  means the worker restarted), ``payload`` is the msgpack :class:`KVEventBatch`.
+  means the worker restarted), ``payload`` is the msgpack :class:`KVEventBatch` in the config's
+  ``encoding`` (vLLM 0.32's map events by default).
+* Where: with no ``endpoint`` the PUB socket binds loopback port 5557 only; ``tcp://*:5557``
+  exposes it on every interface (see :class:`KVEventsConfig`).
 * Optional ROUTER socket (replay): a request ``(identity, b"", start_seq)`` is answered with
   ``(identity, b"", seq, payload)`` for every buffered batch from ``start_seq`` on (the last
   ``buffer_steps``), then ``(identity, b"", -1 as 8 signed bytes, b"")``.
@@ -21,16 +24,11 @@ import msgspec
 import zmq
 
 from prefixkv.engine.kv_events import KVEventSink
-from prefixkv.kv_events import KVEventBatch, KVEventsConfig
+from prefixkv.kv_events import KVEventBatch, KVEventsConfig, encode_batch
 
 __all__ = ["END_SEQ", "ZmqEventPublisher", "make_kv_event_sink"]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def _binds(endpoint: str) -> bool:
-    """vLLM's rule: wildcard, IPv6 any-address, ipc and inproc endpoints are bound."""
-    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")))
 
 
 class ZmqEventPublisher:
@@ -45,18 +43,20 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode("utf-8")
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._encoder = msgspec.msgpack.Encoder()
+        self.encoding = config.encoding
+        address, binds = config.address
         self._seq = 0
         self._replay: zmq.Socket[bytes] | None = None
         self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
         try:
             self._pub.set_hwm(config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            if _binds(config.endpoint):
-                self._pub.bind(config.endpoint)
+            if binds:
+                self._pub.bind(address)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
-                self._pub.connect(config.endpoint)
-                self.endpoint = config.endpoint
+                self._pub.connect(address)
+                self.endpoint = address
             self.replay_endpoint: str | None = None
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
@@ -65,14 +65,14 @@ class ZmqEventPublisher:
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self.close()
-            raise OSError(f"KV events: cannot open {config.endpoint!r}"
+            raise OSError(f"KV events: cannot open {address!r}"
                           f"{f' / {config.replay_endpoint!r}' if config.replay_endpoint else ''}:"
                           f" {exc}") from None
         self.topic = config.topic
 
     def send(self, batch: KVEventBatch) -> None:
         """Publish ``batch`` under the next sequence number and keep it for replay."""
-        payload = self._encoder.encode(batch)
+        payload = encode_batch(batch, self.encoding, self._encoder)
         seq = self._seq
         self._seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))

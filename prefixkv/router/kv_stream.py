@@ -13,33 +13,45 @@ numbers decide what the index can trust:
   worker's blocks are dropped and it is marked incomplete (``gaps`` counts these);
 * a number not above the last one: the worker restarted (its cache is empty): its blocks are
   dropped (``restarts``), and the new stream is followed from there;
-* an undecodable payload counts as a gap.
+* an undecodable payload (:func:`~prefixkv.kv_events.decode_batch` reads vLLM's map and array
+  encodings and SGLang's, per batch) counts as a gap and in ``undecodable``; the first one from
+  a worker is logged as a warning naming the worker and the reason (the policy then routes that
+  worker on its approximate tree: never silently).
 
 Joining. ZMQ drops what a PUB socket sends before a new subscription reaches it (the "slow
 joiner"), and a quiet worker may send nothing after that for a long time. So, once subscribed,
 the stream first asks the replay socket (when there is one) for everything still buffered from
 sequence 0: a router that starts, or re-discovers a restarted worker, late knows the worker's
 blocks at once. Live batches the catch-up already covered are skipped.
+
+**llm-d's topics.** llm-d's vLLM pods publish with the topic ``kv@<ip>:<port>@<model>`` into one
+socket their consumer binds (vLLM's "connect" form). Given one ``bind:ADDRESS`` for several
+workers, the router binds it once (:class:`SharedEventStream`), reads each message's topic
+(:func:`topic_worker`) and hands it to the stream of the worker at that ``ip:port`` (its URL's
+host and port; by host alone when one worker has it), each with its own sequence numbers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-import msgspec
 import zmq
 import zmq.asyncio
 
-from prefixkv.kv_events import KVEventBatch
+from prefixkv.kv_events import KVEventBatch, decode_batch
 from prefixkv.router.kv_index import ExactIndex
 
-__all__ = ["EventSource", "EventStream", "discover_source", "parse_sources"]
+__all__ = ["LLMD_TOPIC", "EventSource", "EventStream", "SharedEventStream", "discover_source",
+           "parse_sources", "topic_worker"]
+
+LLMD_TOPIC = "kv@"
+"""The prefix of llm-d's per-pod topics, ``kv@<ip>:<port>@<model>``."""
 
 log = logging.getLogger("prefixkv.router")
 _END = -1
@@ -60,6 +72,7 @@ class EventSource:
     replay_endpoint: str | None = None
     topic: str = ""
     bind: bool = False
+    shared: bool = False  # one bound socket for several workers, told apart by llm-d's topics
 
 
 async def discover_source(client: httpx.AsyncClient, url: str,
@@ -100,7 +113,6 @@ class EventStream:
         self._index = index
         self._ctx = ctx
         self._replay_timeout = replay_timeout
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.last_seq: int | None = None
         self._caught_up_to: int | None = None  # live batches up to here were in the catch-up
 
@@ -169,9 +181,14 @@ class EventStream:
         elif expected == 0:
             w.complete = True
         try:
-            batch = self._decoder.decode(payload)
-        except msgspec.DecodeError:
+            batch = decode_batch(payload)
+        except ValueError as exc:
             w.gaps += 1
+            w.undecodable += 1
+            if w.undecodable == 1:
+                log.warning("KV events from %s cannot be read (%s): its exact index is dropped "
+                            "and it is routed on its approximate tree until a batch can be "
+                            "read", self.url, exc)
             self._index.reset(self.url, complete=False)
         else:
             self._index.apply(self.url, batch)
@@ -218,12 +235,69 @@ class EventStream:
                 if seq == _END or (stop is not None and seq >= stop):
                     break
                 if seq >= start:
-                    got[seq] = self._decoder.decode(frames[2])
-        except (TimeoutError, zmq.ZMQError, msgspec.DecodeError):
+                    got[seq] = decode_batch(frames[2])
+        except (TimeoutError, zmq.ZMQError, ValueError):
             return None
         finally:
             sock.close(linger=0)
         return got
+
+
+def topic_worker(topic: bytes, urls: Sequence[str]) -> str | None:
+    """The worker of ``urls`` an llm-d topic ``kv@<ip>:<port>@<model>`` names: the one whose URL
+    has that host and port, else the only one with that host; ``None`` if none (or several)."""
+    text = topic.decode("utf-8", "replace")
+    if not text.startswith(LLMD_TOPIC):
+        return None
+    addr = text[len(LLMD_TOPIC):].split("@", 1)[0]
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    parts = [(u, urlsplit(u)) for u in urls]
+    exact = [u for u, p in parts if p.hostname == host and str(p.port) == port]
+    if len(exact) == 1:
+        return exact[0]
+    by_host = [u for u, p in parts if p.hostname == host]
+    return by_host[0] if len(by_host) == 1 else None
+
+
+class SharedEventStream:
+    """One bound SUB socket that several workers' PUB sockets connect to, each publishing under
+    llm-d's topic ``kv@<ip>:<port>@<model>``: each message goes to its worker's
+    :class:`EventStream` (its own sequence numbers, gaps and counters). A topic naming no known
+    worker is logged once and dropped."""
+
+    def __init__(self, source: EventSource, streams: Mapping[str, EventStream],
+                 ctx: zmq.asyncio.Context) -> None:
+        self.source = source
+        self.streams = dict(streams)
+        self._ctx = ctx
+        self._unknown: set[bytes] = set()
+
+    async def run(self) -> None:
+        """Bind, subscribe to ``kv@`` topics and dispatch batches until cancelled."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        try:
+            await _bind(sub, self.source.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, (self.source.topic or LLMD_TOPIC).encode("utf-8"))
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    continue
+                await self.receive(frames[0], int.from_bytes(frames[1], "big"), frames[2])
+        finally:
+            sub.close(linger=0)
+
+    async def receive(self, topic: bytes, seq: int, payload: bytes) -> None:
+        """Hand batch ``seq`` to the stream of the worker ``topic`` names."""
+        url = topic_worker(topic, list(self.streams))
+        if url is None:
+            if topic not in self._unknown and len(self._unknown) < 1024:
+                self._unknown.add(topic)
+                log.warning("KV events under topic %r name no worker of %s: dropped", topic,
+                            sorted(self.streams))
+            return
+        await self.streams[url].receive(seq, payload)
 
 
 async def _bind(sock: zmq.asyncio.Socket, endpoint: str, tries: int = 40) -> None:
@@ -244,7 +318,9 @@ def parse_sources(urls: Sequence[str], specs: Sequence[str],
     """``--kv-events`` values, one per worker (or one for all): ``auto`` (discover: left out of
     the result), ``none`` (publishes nothing), or ``ENDPOINT`` / ``ENDPOINT|REPLAY_ENDPOINT``,
     where ``ENDPOINT`` is the worker's bound PUB address or ``bind:ADDRESS``, an address the
-    router binds for a worker whose PUB connects to it (vLLM's "connect" form)."""
+    router binds for a worker whose PUB connects to it (vLLM's "connect" form). One
+    ``bind:ADDRESS`` for several workers is one socket for all of them, told apart by llm-d's
+    ``kv@<ip>:<port>@<model>`` topics (``shared``)."""
     if not specs:
         return {}
     if len(specs) not in (1, len(urls)):
@@ -264,7 +340,12 @@ def parse_sources(urls: Sequence[str], specs: Sequence[str],
             if ep and not ep.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"kv_events entries are auto, none or tcp://|ipc:// endpoints "
                                  f"('[bind:]ENDPOINT|REPLAY'), got {spec!r}")
-        if len(specs) == 1 and len(urls) > 1:
-            raise ValueError("one kv_events endpoint cannot serve several workers")
-        out[url] = EventSource(endpoint, replay or None, topic, bind)
+        shared = len(specs) == 1 and len(urls) > 1
+        if shared and not bind:
+            raise ValueError("one kv_events endpoint serves several workers only as "
+                             "bind:ADDRESS (their PUB sockets connect to it, llm-d's "
+                             "kv@<ip>:<port>@<model> topics name them)")
+        if shared and replay:
+            raise ValueError("a shared bind: endpoint takes no replay endpoint")
+        out[url] = EventSource(endpoint, replay or None, topic, bind, shared)
     return out

@@ -157,6 +157,7 @@ def make_policy(
     kv_events: Sequence[str] = (),
     kv_events_topic: str = "",
     kv_events_rehash: bool = False,
+    kv_tier_weights: str | None = None,
 ) -> Policy:
     """Build a policy by name (``POLICY_NAMES``) for the workers ``urls``.
 
@@ -165,7 +166,8 @@ def make_policy(
     ``capacity_tokens`` and ``worker_eviction_policy``; ``prefix_hash`` ``max_tree_size``;
     ``consistent_hash`` ``load_factor``, ``hash_prefix_chunks`` and ``hash_replicas``;
     ``precise`` (KV events) ``kv_events`` (per worker: ``auto``, ``none`` or endpoints),
-    ``kv_events_topic``, ``kv_events_rehash`` and everything ``cache_aware`` reads (its fallback).
+    ``kv_events_topic``, ``kv_events_rehash``, ``kv_tier_weights`` (``"pool=1,host=0.8,..."``)
+    and everything ``cache_aware`` reads (its fallback).
     """
     if name in ("cache_aware", "precise"):
         from prefixkv.router.cache_aware import CacheAwarePolicy
@@ -179,12 +181,14 @@ def make_policy(
         )
         if name == "cache_aware":
             return aware
+        from prefixkv.router.kv_index import TierWeights
         from prefixkv.router.kv_stream import parse_sources
         from prefixkv.router.precise import PrecisePolicy
 
         return PrecisePolicy(urls, aware, sources=parse_sources(urls, kv_events, kv_events_topic),
                              cache_threshold=cache_threshold, balance_window=balance_window,
-                             rehash=kv_events_rehash, clock=clock)
+                             rehash=kv_events_rehash, clock=clock,
+                             tier_weights=TierWeights.parse(kv_tier_weights))
     if name == "consistent_hash":
         from prefixkv.router.chwbl import ConsistentHashPolicy
 

@@ -46,7 +46,17 @@ recorded in that policy's approximate trees, so the fallback always has its hist
 **Event streams.** Each worker's endpoint is given (``--kv-events``) or discovered from its
 ``GET /kv_events``; a worker that comes back into rotation, or whose stats show a restart, is
 re-discovered (a restarted worker may publish on another port) and its index forgotten until its
-new stream speaks. Streams run as tasks on the router's loop (:mod:`prefixkv.router.kv_stream`).
+new stream speaks. Streams run as tasks on the router's loop (:mod:`prefixkv.router.kv_stream`);
+workers sharing one ``bind:`` address (llm-d's ``kv@<ip>:<port>@<model>`` topics) share one task.
+
+**Tiers.** A worker's exact match counts its leading blocks held in any tier, each weighted by
+the tier (``tier_weights``: pool 1.0, host 0.8, disk and remote 0.25, as llm-d weighs a CPU-tier
+block against a GPU one), so a worker holding a prompt in its pool beats one that must load it
+from disk, and one holding it on disk still beats one that holds nothing.
+
+**Salted prompts.** The prompt's hashes are computed under its ``cache_salt`` / ``extra_key``
+(:func:`~prefixkv.router.keys.body_salt`), as the worker hashed them: prefixkv workers publish
+a salted request's hashes without its tokens, and the router needs no more.
 """
 
 from __future__ import annotations
@@ -66,8 +76,8 @@ import zmq.asyncio
 from prefixkv.kv_events import block_hashes
 from prefixkv.router.cache_aware import CacheAwarePolicy
 from prefixkv.router.keys import RouteKey, body_salt
-from prefixkv.router.kv_index import ExactIndex
-from prefixkv.router.kv_stream import EventSource, EventStream, discover_source
+from prefixkv.router.kv_index import ExactIndex, TierWeights
+from prefixkv.router.kv_stream import EventSource, EventStream, SharedEventStream, discover_source
 from prefixkv.router.policies import Decision, check_candidates
 
 if TYPE_CHECKING:
@@ -91,7 +101,9 @@ class PrecisePolicy:
 
     ``sources``: per worker, its :class:`EventSource`, ``None`` (publishes nothing), or absent
     (discover it). ``rehash``: the workers' hashes are not prefixkv's (vLLM workers): derive
-    them from the events' tokens (:class:`~prefixkv.router.kv_index.ExactIndex`). Used from the router's event loop only.
+    them from the events' tokens (:class:`~prefixkv.router.kv_index.ExactIndex`).
+    ``tier_weights``: what a block is worth by the tier holding it. Used from the router's event
+    loop only.
     """
 
     name = "precise"
@@ -100,10 +112,11 @@ class PrecisePolicy:
                  sources: Mapping[str, EventSource | None] | None = None,
                  cache_threshold: float = 0.5, balance_window: int = 128,
                  tokenize_timeout: float = 5.0, rehash: bool = False, pending_ttl: float = 5.0,
-                 tie_blocks: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+                 tie_blocks: int = 1, clock: Callable[[], float] = time.monotonic,
+                 tier_weights: TierWeights | None = None) -> None:
         self.urls = list(urls)
         self.fallback = fallback
-        self.index = ExactIndex(self.urls, rehash=rehash)
+        self.index = ExactIndex(self.urls, rehash=rehash, weights=tier_weights)
         self.sources = dict(sources or {})
         self.cache_threshold = cache_threshold
         self.tokenize_timeout = tokenize_timeout
@@ -127,8 +140,26 @@ class PrecisePolicy:
         """Open every worker's stream (discovering endpoints as needed)."""
         self._client = client
         self._ctx = zmq.asyncio.Context()
+        shared: dict[str, dict[str, EventStream]] = {}
         for url in self.urls:
-            self._follow(url)
+            source = self.sources.get(url)
+            if source is not None and source.shared:
+                shared.setdefault(source.endpoint, {})[url] = EventStream(
+                    url, source, self.index, self._ctx)
+            else:
+                self._follow(url)
+        loop = asyncio.get_running_loop()
+        for endpoint, streams in shared.items():
+            source = next(iter(streams.values())).source
+            self._tasks[endpoint] = loop.create_task(self._shared(source, streams))
+
+    async def _shared(self, source: EventSource, streams: dict[str, EventStream]) -> None:
+        if self._ctx is None:
+            return
+        try:
+            await SharedEventStream(source, streams, self._ctx).run()
+        except zmq.ZMQError as exc:
+            log.warning("KV events on %s stopped: %s", source.endpoint, exc)
 
     async def stop(self) -> None:
         """Cancel the streams and close the ZMQ context."""
@@ -211,8 +242,9 @@ class PrecisePolicy:
         return TokenRouteKey(key.namespace, key.chunks, key.size, key.unit, tuple(ids), ns)
 
     # ---------------------------------------------------------------- choosing
-    def exact_matches(self, urls: Sequence[str], key: RouteKey) -> dict[str, int]:
-        """Per live candidate: its leading cached tokens of the prompt (empty without tokens)."""
+    def exact_matches(self, urls: Sequence[str], key: RouteKey) -> dict[str, float]:
+        """Per live candidate: its leading cached tokens of the prompt, weighted by the tiers
+        holding them (empty without tokens)."""
         if not isinstance(key, TokenRouteKey) or not key.tokens:
             return {}
         by_size: dict[int, list[str]] = {}
@@ -220,7 +252,7 @@ class PrecisePolicy:
             w = self.index.workers[u]
             if w.live and w.block_size:
                 by_size.setdefault(w.block_size, []).append(u)
-        out: dict[str, int] = {}
+        out: dict[str, float] = {}
         now = self._clock()
         for bs, group in by_size.items():
             try:
@@ -291,7 +323,7 @@ class PrecisePolicy:
         self._dispatches += 1
         return Decision(url, reason, ratio[url])
 
-    def _block_size(self, exact: Mapping[str, int]) -> int:
+    def _block_size(self, exact: Mapping[str, float]) -> int:
         """The largest block size among the publishing candidates (a near-tie's unit)."""
         return max((self.index.workers[u].block_size or 0 for u in exact), default=0)
 

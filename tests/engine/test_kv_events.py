@@ -1,8 +1,9 @@
 """KV events from a real engine (demo model) over a real ZMQ socket, decoded as vLLM decodes them.
 
-The subscriber below declares vLLM's event types (``vllm/distributed/kv_events.py``: msgspec
-array-like structs tagged by class name) on its own, so these tests check the wire format, not
-prefixkv's classes against themselves.
+The subscriber below declares vLLM 0.32's event types (``vllm/distributed/kv_events.py``: an
+array-like batch of msgspec structs encoded as maps tagged ``type`` = the class name) on its own,
+and the older array layout, so these tests check the wire format, not prefixkv's classes against
+themselves.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     data_parallel_rank: int | None = None
 
 
-class VEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class VEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -46,11 +47,17 @@ class BlockStored(VEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(VEvent):
     block_hashes: list[int | bytes]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(VEvent):
@@ -62,6 +69,36 @@ class VKVEventBatch(VEventBatch):
 
 
 DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
+
+
+class OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class OldBlockStored(OldEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class OldBlockRemoved(OldEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class OldAllBlocksCleared(OldEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class OldBatch(VEventBatch):
+    events: list[OldBlockStored | OldBlockRemoved | OldAllBlocksCleared]
+
+
+OLD_DECODER = msgspec.msgpack.Decoder(OldBatch)
+"""vLLM before its map encoding: each event an array ``[tag, field, ...]``."""
 EVENTS = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
           '"replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"}')
 
@@ -151,6 +188,62 @@ def test_a_shared_prefix_is_announced_once_and_salted_prompts_hash_apart(
         salted = [h for e in sub.drain() if isinstance(e, BlockStored) for h in e.block_hashes]
         assert salted[:5] == block_hashes(base, 4, ("tenant-a", None))
         assert not set(salted) & set(shared)
+    finally:
+        llm.engine.close()
+        sub.close()
+
+
+def test_a_salted_tenants_tokens_never_leave_the_worker(demo_model: Any) -> None:
+    """Issue 40.7: any subscriber sees a salted request's block hashes (the router needs them)
+    but neither its token ids nor its salt; an unsalted request's tokens are still published."""
+    llm, sub = make(demo_model, block_size=4, num_kv_blocks=64)
+    try:
+        secret = [(13 * i) % 200 + 5 for i in range(21)]
+        for salt in ("tenant-a", json_salt()):
+            llm.engine.add_request(secret, greedy(), cache_salt=salt)
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+            stored = [e for e in sub.drain() if isinstance(e, BlockStored)]
+            assert [h for e in stored for h in e.block_hashes][:5] == \
+                block_hashes(secret, 4, (salt, None))
+            assert all(e.token_ids == [] and not e.extra_keys for e in stored)
+        raw = b"".join(msgspec.msgpack.encode(b) for _, b in sub.got)
+        assert b"tenant-a" not in raw
+        llm.generate([secret], greedy())  # the same prompt unsalted: its tokens are published
+        open_ = [e for e in sub.drain() if isinstance(e, BlockStored)]
+        assert open_[0].token_ids[:20] == secret[:20]
+    finally:
+        llm.engine.close()
+        sub.close()
+
+
+def json_salt() -> str:
+    """The salt of an SGLang ``extra_key`` request, as the server derives it."""
+    from prefixkv.kv_events import request_salt
+
+    salt = request_salt(None, "team-b")
+    assert salt is not None
+    return salt
+
+
+def test_the_array_encoding_serves_old_consumers(demo_model: Any) -> None:
+    """``"encoding": "array"``: vLLM's pre-map layout, readable with the old structs."""
+    llm = LLM(demo_model, block_size=4, kv_events_config=EVENTS.replace(
+        '"topic"', '"encoding": "array", "topic"'))
+    sink = llm.engine.kv.events
+    assert sink is not None
+    sub = Subscriber(sink.publisher.endpoint)
+    try:
+        prompt = list(range(3, 20))
+        llm.generate([prompt], greedy())
+        assert sub.sock.poll(2000)
+        _, _, payload = sub.sock.recv_multipart()
+        with pytest.raises(msgspec.ValidationError):
+            DECODER.decode(payload)
+        events = OLD_DECODER.decode(payload).events
+        assert isinstance(events[0], OldBlockStored)
+        assert events[0].block_hashes == block_hashes(prompt, 4)[: len(events[0].block_hashes)]
+        assert events[0].medium == "GPU"
     finally:
         llm.engine.close()
         sub.close()
@@ -269,6 +362,25 @@ def test_config_defaults_follow_vllm() -> None:
                                     ).enabled
     with pytest.raises(OSError, match="cannot open"):
         ZmqEventPublisher(KVEventsConfig.parse('{"endpoint": "tcp://*:notaport"}'))
+    with pytest.raises(ValueError, match="encoding"):
+        KVEventsConfig.parse('{"encoding": "json"}')
+
+
+def test_the_default_endpoint_binds_loopback_only() -> None:
+    """Issue 40.7: with no endpoint the PUB socket binds 127.0.0.1:5557, not every interface;
+    ``tcp://*:PORT`` still binds every interface (deliberate), a host address still connects."""
+    config = KVEventsConfig.parse('{"enable_kv_cache_events": true}')
+    assert config.address == ("tcp://127.0.0.1:5557", True)
+    assert KVEventsConfig.parse('{"endpoint": "tcp://*:5557"}').address == ("tcp://*:5557", True)
+    assert KVEventsConfig.parse('{"endpoint": "tcp://10.0.0.2:5557"}').address[1] is False
+    try:
+        pub = ZmqEventPublisher(config)
+    except OSError:
+        pytest.skip("port 5557 is taken on this machine")
+    try:
+        assert pub.endpoint == "tcp://127.0.0.1:5557"
+    finally:
+        pub.close()
 
 
 def test_a_dropped_llm_publishes_what_it_queued_then_frees_its_thread_and_sockets(

@@ -37,7 +37,7 @@ ENC = msgspec.msgpack.Encoder()
 
 def stored(tokens: list[int], bs: int = 4) -> KVEventBatch:
     hashes = block_hashes(tokens, bs)
-    return KVEventBatch(0.0, [BlockStored(hashes, None, tokens, bs, None, "GPU")], 0)
+    return KVEventBatch(0.0, [BlockStored(hashes, None, tokens, bs, None, "GPU", None)], 0)
 
 
 def test_index_tracks_stores_removals_and_clears() -> None:
@@ -163,13 +163,13 @@ def test_rehash_maps_a_foreign_workers_hashes_onto_prefixkv_hashes() -> None:
     index = ExactIndex([A], rehash=True)
     toks = list(range(12))
     theirs: list[int | bytes] = [b"h0", b"h1"]
-    index.apply(A, KVEventBatch(0.0, [BlockStored(theirs, None, toks[:8], 4, None, "GPU")]))
-    index.apply(A, KVEventBatch(0.0, [BlockStored([b"h2"], b"h1", toks[8:], 4, None, "GPU")]))
+    index.apply(A, KVEventBatch(0.0, [BlockStored(theirs, None, toks[:8], 4, None, "GPU", None)]))
+    index.apply(A, KVEventBatch(0.0, [BlockStored([b"h2"], b"h1", toks[8:], 4, None, "GPU", None)]))
     ours = block_hashes(toks, 4)
     assert index.match(ours, [A]) == {A: 3}
     index.apply(A, KVEventBatch(0.0, [BlockRemoved([b"h1"], "GPU")]))
     assert index.match(ours, [A]) == {A: 1}
-    orphan = BlockStored([b"x"], b"never-seen", toks[:4], 4, None, "GPU")
+    orphan = BlockStored([b"x"], b"never-seen", toks[:4], 4, None, "GPU", None)
     index.apply(A, KVEventBatch(0.0, [orphan]))
     assert len(index.workers[A].blocks) == 2  # skipped: its parent is unknown
     # the same batches decoded from the wire (bytes hashes survive the schema)
