@@ -84,6 +84,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kv-events-rehash", action="store_true",
                    help="precise: the workers' block hashes are not prefixkv's (vLLM workers): "
                    "derive them from each event's tokens and parent")
+    p.add_argument("--kv-tier-weights", default="", metavar="TIER=W,...",
+                   help="precise: what a cached block is worth by the tier holding it "
+                   "(default pool=1,host=0.8,disk=0.25,remote=0.25; any subset)")
     p.add_argument("--peer-urls", nargs="+", default=[], metavar="URL",
                    help="the other router replicas behind the same load balancer: each routing "
                    "decision is shared with them, so N replicas route as one (cache_aware, and "
@@ -181,6 +184,7 @@ def run_route(args: argparse.Namespace) -> int:
             timeout_keep_alive=args.timeout_keep_alive,
             admin_api_key=args.admin_api_key, kv_events=tuple(args.kv_events),
             kv_events_topic=args.kv_events_topic, kv_events_rehash=args.kv_events_rehash,
+            kv_tier_weights=args.kv_tier_weights,
             peer_urls=tuple(args.peer_urls), replica_index=args.replica_index,
             epp_port=args.epp_port if args.epp else None,
         )

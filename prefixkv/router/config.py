@@ -33,7 +33,10 @@ class RouterConfig:
     sent on to the workers (and with the stats reads); see :mod:`prefixkv.router.admin`.
     ``kv_events`` / ``kv_events_topic``: the ``precise`` policy's event endpoints, one per worker
     (``auto``: discovered, the default; ``none``; ``ENDPOINT[|REPLAY]``); ``kv_events_rehash``:
-    derive prefixkv's block hashes from the events' tokens (workers with other hashes: vLLM).
+    derive prefixkv's block hashes from the events' tokens (workers with other hashes: vLLM);
+    ``kv_tier_weights``: what a block held in a lower tier is worth to ``precise``
+    (``"pool=1,host=0.8,disk=0.25,remote=0.25"``, any subset;
+    :class:`~prefixkv.router.kv_index.TierWeights`).
     ``peer_urls``: the other router replicas, told every routing decision every
     ``peer_sync_interval`` seconds (:mod:`prefixkv.router.replicas`); ``replica_index``: this
     replica's position among them (0..N-1, e.g. a StatefulSet ordinal), so new sessions arriving
@@ -67,6 +70,7 @@ class RouterConfig:
     kv_events: tuple[str, ...] = ()
     kv_events_topic: str = ""
     kv_events_rehash: bool = False
+    kv_tier_weights: str = ""
     peer_urls: tuple[str, ...] = ()
     peer_sync_interval: float = 0.01
     replica_index: int = 0
@@ -98,6 +102,9 @@ class RouterConfig:
 
             object.__setattr__(self, "kv_events", tuple(self.kv_events))
             parse_sources(urls, self.kv_events, self.kv_events_topic)  # ValueError if bad
+        from prefixkv.router.kv_index import TierWeights
+
+        TierWeights.parse(self.kv_tier_weights)  # ValueError if bad
         object.__setattr__(self, "peer_urls", tuple(normalize_worker_url(u)
                                                     for u in self.peer_urls))
         if not isinstance(self.replica_index, int) or self.replica_index < 0:

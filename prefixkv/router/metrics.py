@@ -2,7 +2,8 @@
 
 Names carry a ``prefixkv:router_`` prefix. Per worker: requests routed (by decision reason),
 the estimated match ratio of each routed request, failures (by kind), requests in flight,
-health, and the approximate tree size; plus retries and requests that found no worker.
+health, and the approximate tree size; for ``precise``, the KV event batches applied and those
+that could not be read; plus retries and requests that found no worker.
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ class RouterMetrics:
             ["worker"], registry=r,
         )
 
+        self.event_batches = Gauge(
+            "prefixkv:router_kv_event_batches",
+            "KV event batches from the worker applied to the exact index (precise only).",
+            ["worker"], registry=r,
+        )
+        self.event_undecodable = Gauge(
+            "prefixkv:router_kv_event_undecodable",
+            "KV event batches from the worker that could not be decoded (precise only).",
+            ["worker"], registry=r,
+        )
+
     def observe_dispatch(self, url: str, reason: str, match_ratio: float | None) -> None:
         """One request sent to ``url`` (``match_ratio`` is None for policies without trees)."""
         self.requests.labels(url, reason).inc()
@@ -83,4 +95,7 @@ class RouterMetrics:
         for url, state in policy_state.items():
             if "tree_size" in state:
                 self.tree_size.labels(url).set(state["tree_size"])
+            if "event_batches" in state:
+                self.event_batches.labels(url).set(state["event_batches"])
+                self.event_undecodable.labels(url).set(state["event_undecodable"])
         return generate_latest(self.registry)

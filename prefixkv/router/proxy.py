@@ -91,7 +91,7 @@ class Router:
             worker_eviction_policy=config.worker_eviction_policy,
             hash_prefix_chunks=config.hash_prefix_chunks, hash_replicas=config.hash_replicas,
             kv_events=config.kv_events, kv_events_topic=config.kv_events_topic,
-            kv_events_rehash=config.kv_events_rehash,
+            kv_events_rehash=config.kv_events_rehash, kv_tier_weights=config.kv_tier_weights,
         )
         self.metrics = RouterMetrics()
         self._client: httpx.AsyncClient | None = None
