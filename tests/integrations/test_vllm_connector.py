@@ -94,6 +94,32 @@ def test_two_processes_share_blocks_through_valkey_with_chunked_prefill(
     assert _cached(other_ns[0]) == [0]
 
 
+def test_requests_go_on_when_valkey_dies(
+        vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]],
+        valkey_server: Any) -> None:
+    runs = vllm_run([
+        {"prompts": [prompt_ids[0]]},  # stored in Valkey; then the server is killed
+        {"prompts": [prompt_ids[0]], "reset": True},
+        {"prompts": [prompt_ids[1]]},
+    ], kv={"kv_remote": valkey_server.url}, kill_after={0: valkey_server.proc.pid})
+    assert valkey_server.proc.wait(10) is not None
+    assert _tokens(runs[0]) == [baseline[0]]
+    assert _tokens(runs[1]) == [baseline[0]] and _cached(runs[1]) == [0]  # recomputed
+    assert _tokens(runs[2]) == [baseline[1]]
+
+
+def test_a_preempted_request_gives_the_same_tokens(
+        vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]]) -> None:
+    # 10 KV blocks of 128: both 600-token prompts fit (5 blocks each) until their 641st token
+    # needs a sixth block; then vLLM preempts one and resumes it later (its prompt blocks from
+    # vLLM's own cache or the host tier, whichever still holds them)
+    runs = vllm_run([{"prompts": prompt_ids, "batch": True, "max_tokens": 48}],
+                    kv={"kv_offload_size": "256MiB"}, num_blocks=10, max_model_len=1024,
+                    stats=True)
+    assert sum(o["preemptions"] for o in runs[0]["outputs"]) >= 1
+    assert [t[:16] for t in _tokens(runs[0])] == baseline
+
+
 def _post(url: str, body: dict[str, Any] | None = None) -> Any:
     req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})

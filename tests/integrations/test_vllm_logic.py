@@ -205,6 +205,9 @@ def test_worker_round_trips_blocks_through_host_and_disk(tmp_path: Path) -> None
     worker.run_loads(StepPlan(loads=[LoadBlock(4, b"k0" * 16, HOST, 2),
                                             LoadBlock(5, b"k1" * 16, DISK)]))
     assert worker.take_failed() == set()
+    counts = worker.take_counts()
+    assert (counts["host_blocks"], counts["disk_blocks"], counts["saved_host_blocks"]) == (1, 1, 1)
+    assert counts["disk_bytes"] == worker.block_nbytes and counts.get("failed_blocks", 0) == 0
     for src, dst in ((0, 4), (1, 5)):
         for t, expect in zip(kv.values(), want[src]):
             assert torch.equal(t[dst], expect)
@@ -232,6 +235,7 @@ def test_worker_never_loads_wrong_kv(tmp_path: Path) -> None:
         LoadBlock(1, b"z" * 32, GONE)]))
     worker.save([SaveBlock(3, b"x" * 32, slot=1)])  # a failed block is never stored
     assert worker.take_failed() == {3, 4, 5, 1}
+    assert worker.take_counts()["failed_blocks"] == 4
     assert torch.equal(kv["layer.0"][3], before)
     assert worker.slot_keys[1] is None
     worker.close()

@@ -6,8 +6,11 @@ spec: ``model`` (HF directory), ``kv`` (``kv_connector_extra_config`` of PrefixK
 null: no connector), ``example_dir`` (use vLLM's ExampleConnector there instead), ``runs``: a
 list of ``{"prompts": [[token ids], ...], "salts": [str|null, ...], "max_tokens": n,
 "reset": bool}`` (``reset``: ``reset_prefix_cache()`` before the run, so hits can only come from
-the connector), ``max_num_batched_tokens`` (chunked prefill), ``dtype`` (default float32: a
-bfloat16 run's greedy ids can flip with the batch's shape). Prompts run one at a time. Prints
+the connector), ``kill_after`` (``{run index: pid}``: SIGKILL that process after the run),
+``max_num_batched_tokens`` (chunked prefill), ``num_blocks`` (vLLM's KV blocks), ``stats``
+(report each request's preemptions), a run's
+``batch`` (its prompts in one ``generate``; else one at a time), ``dtype`` (default float32: a
+bfloat16 run's greedy ids can flip with the batch's shape). Prints
 one JSON line: per run, per prompt, the greedy token ids and ``num_cached_tokens``, and each
 run's seconds.
 """
@@ -15,6 +18,8 @@ run's seconds.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,13 +40,18 @@ def main() -> None:
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": spec["example_dir"]})
     extra = {}
+    if spec.get("stats"):  # per-request stats: RequestOutput.metrics.num_preemptions
+        extra["disable_log_stats"] = False
+    if spec.get("num_blocks"):
+        extra["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("max_num_batched_tokens"):
         extra["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         extra["enable_chunked_prefill"] = True
     llm = LLM(spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 4096),
               dtype=spec.get("dtype", "float32"), kv_transfer_config=kv, seed=0, **extra)
     results = []
-    for run in spec["runs"]:
+    kill = {int(k): v for k, v in (spec.get("kill_after") or {}).items()}
+    for i, run in enumerate(spec["runs"]):
         if run.get("reset"):
             llm.reset_prefix_cache()
         salts = run.get("salts") or [None] * len(run["prompts"])
@@ -53,10 +63,16 @@ def main() -> None:
             prompts.append(p)
         params = SamplingParams(max_tokens=run.get("max_tokens", 16), temperature=0.0)
         t0 = time.perf_counter()
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one at a time:
-        secs = time.perf_counter() - t0  # greedy ids then never depend on the batch's shape
+        if run.get("batch"):  # together (to make vLLM preempt one when blocks run out)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        else:  # one at a time: greedy ids then never depend on the batch's shape
+            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        secs = time.perf_counter() - t0
         results.append({"seconds": secs, "outputs": [
-            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs]})
+            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+             "preemptions": getattr(o.metrics, "num_preemptions", None)} for o in outs]})
+        if i in kill:  # e.g. the Valkey server, to see requests go on without it
+            os.kill(kill[i], signal.SIGKILL)
     print("RESULT " + json.dumps(results), flush=True)
 
 

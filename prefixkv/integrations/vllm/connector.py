@@ -24,6 +24,7 @@ from prefixkv.integrations.vllm.config import ConnectorConfig
 from prefixkv.integrations.vllm.identity import KVGeometry, make_keyer, weights_fingerprint
 from prefixkv.integrations.vllm.plan import StepPlan
 from prefixkv.integrations.vllm.scheduler_side import SchedulerSide
+from prefixkv.integrations.vllm.stats import PrefixKVStats, stats_from
 from prefixkv.integrations.vllm.worker_side import WorkerSide
 from prefixkv.tiers.codec import secret_id
 from prefixkv.tiers.remote import RemoteTier
@@ -149,6 +150,18 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of this step whose load failed (vLLM recomputes them)."""
         return self.worker.take_failed() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> PrefixKVStats | None:
+        """This worker's counters since the last call (loads per tier, failures, saves)."""
+        if self.worker is None:
+            return None
+        counts = self.worker.take_counts()
+        return PrefixKVStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PrefixKVStats:
+        """vLLM rebuilds the workers' stats in the logger with this."""
+        return stats_from(data)
 
     def shutdown(self) -> None:
         """Flush queued writes and stop the writer threads."""

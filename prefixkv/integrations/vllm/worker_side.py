@@ -15,6 +15,8 @@ it) and that block is not saved from this step.
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -45,6 +47,9 @@ class WorkerSide:
         self.disk: DiskTier | None = None
         self.remote: RemoteTier | None = None
         self.failed: set[int] = set()
+        self.counts: defaultdict[str, float] = defaultdict(float)
+        """Since :meth:`take_counts`: ``<tier>_blocks`` / ``_bytes`` / ``_seconds`` loaded,
+        ``failed_blocks``, ``saved_<host|lower>_blocks``."""
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         """Take vLLM's per-layer KV tensors (``num_blocks`` blocks each) and open the tiers."""
@@ -99,6 +104,7 @@ class WorkerSide:
     def load(self, loads: Sequence[LoadBlock]) -> None:
         """Copy ``loads`` into vLLM's blocks; the ones that cannot be read go to :attr:`failed`."""
         rows: list[tuple[int, torch.Tensor]] = []
+        t0 = time.perf_counter()
         host = [ld for ld in loads if ld.tier == HOST]
         if host and self.arena is not None:
             good = [ld for ld in host if ld.slot is not None and self.slot_keys[ld.slot] == ld.key]
@@ -106,20 +112,25 @@ class WorkerSide:
             if good:
                 slots = torch.tensor([ld.slot for ld in good], dtype=torch.long)
                 self.scatter([ld.block_id for ld in good], self.arena.index_select(0, slots))
+                self._count(HOST, len(good), t0)
         else:
             self.failed.update(ld.block_id for ld in host)
         payloads: list[tuple[int, bytes | None]] = []
+        t0 = time.perf_counter()
         for ld in loads:
             if ld.tier == DISK:
                 payloads.append((ld.block_id, self.disk.read(ld.key) if self.disk else None))
             elif ld.tier not in (HOST, REMOTE):
                 payloads.append((ld.block_id, None))
+        self._count(DISK, sum(p is not None for _, p in payloads), t0)
+        t0 = time.perf_counter()
         remote = [ld for ld in loads if ld.tier == REMOTE]
         for i in range(0, len(remote), REMOTE_BATCH):
             batch = remote[i : i + REMOTE_BATCH]
             got = self.remote.read_many([ld.key for ld in batch]) if self.remote else \
                 [None] * len(batch)
             payloads.extend((ld.block_id, p) for ld, p in zip(batch, got))
+        self._count(REMOTE, sum(p is not None for _, p in payloads[len(payloads) - len(remote):]), t0)
         for block_id, payload in payloads:
             if payload is None or len(payload) != self.block_nbytes:
                 self.failed.add(block_id)
@@ -127,6 +138,13 @@ class WorkerSide:
                 rows.append((block_id, torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
         if rows:
             self.scatter([b for b, _ in rows], torch.stack([r for _, r in rows]))
+        self.counts["failed_blocks"] += len(self.failed)
+
+    def _count(self, tier: str, blocks: int, since: float) -> None:
+        if blocks:
+            self.counts[f"{tier}_blocks"] += blocks
+            self.counts[f"{tier}_bytes"] += blocks * self.block_nbytes
+            self.counts[f"{tier}_seconds"] += time.perf_counter() - since
 
     def save(self, saves: Sequence[SaveBlock]) -> None:
         """Store ``saves`` (blocks computed by now): host rows at once, disk and remote
@@ -147,6 +165,8 @@ class WorkerSide:
             self.arena.index_copy_(0, slots, data[[row[s.block_id] for s in host]])
             for s in host:
                 self.slot_keys[s.slot] = s.key  # type: ignore[index]
+            self.counts["saved_host_blocks"] += len(host)
+        self.counts["saved_lower_blocks"] += len(lower)
         for s in lower:
             payload = data[row[s.block_id]].numpy().tobytes()
             if disk is not None:
@@ -159,6 +179,11 @@ class WorkerSide:
         self.failed = set()
         if plan.loads:
             self.load(plan.loads)
+
+    def take_counts(self) -> dict[str, float]:
+        """The counters since the last call (then reset)."""
+        out, self.counts = dict(self.counts), defaultdict(float)
+        return out
 
     def take_failed(self) -> set[int]:
         """Block ids that failed to load this step (reported once)."""
