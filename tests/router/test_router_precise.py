@@ -114,6 +114,28 @@ def test_chat_prompts_are_tokenized_by_a_worker_and_matched_exactly(
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_a_salted_prompt_goes_to_the_worker_holding_it_without_its_tokens_published(
+    workers: LocalWorkers, router: RouterServer
+) -> None:
+    """Issue 40.7: a salted request's blocks are published as hashes only, and the router,
+    re-hashing the prompt it proxies under the same salt, still finds the worker holding it."""
+    policy = router.router.policy
+    assert isinstance(policy, PrecisePolicy)
+    url = workers.urls[1]
+    prompt = "A tenant's private prompt, cached under its own salt only. " * 4
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0, "cache_salt": "tenant-7"}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    salted = block_hashes(ids, 8, ("tenant-7", None))
+    wait_for(lambda: policy.index.match(salted, workers.urls)[url] >= len(salted) - 1,
+             "the salted blocks in the index")
+    assert policy.index.match(block_hashes(ids, 8), workers.urls)[url] == 0  # not unsalted
+    for _ in range(2):
+        again = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+        assert again.headers[WORKER_HEADER] == url
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_a_restarted_worker_is_forgotten_and_followed_again(
     workers: LocalWorkers, router: RouterServer
 ) -> None:
