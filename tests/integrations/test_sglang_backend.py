@@ -277,8 +277,12 @@ def test_clear_and_stats(tmp_path: Path, valkey_url: str) -> None:
     assert backend.batch_exists(keys(3)) == 3  # still on Valkey
     assert backend.batch_get_v1(keys(3), pool.alloc(3 * PAGE)) == [True] * 3
     assert backend.tier_stats()[1].hits == 3
+    backend.disk.flush()  # the Valkey hits were copied back to the disk
+    assert len(list((tmp_path / "kv").glob("*.kvb"))) == 3
     wiper = make_backend(pool, {**extra, "kv_clear_remote": True})
-    wiper.clear()
+    wiper.clear()  # its disk (the same directory) and every prefixkv block on the server
+    assert not list((tmp_path / "kv").glob("*.kvb"))
+    assert backend.batch_get_v1(keys(3), pool.alloc(3 * PAGE)) == [False] * 3
     assert backend.batch_exists(keys(3)) == 0
     assert make_backend(pool, extra).get_stats() is None  # SGLang's metrics off
 

@@ -65,7 +65,7 @@ class StorageSettings:
 
     disk_dir: str | None = None
     disk_size: int | str = DEFAULT_DISK_SIZE
-    remote: str | None = None
+    remote: str | None = field(default=None, repr=False)  # may carry a password
     remote_timeout: float = 0.5
     remote_ttl: float | None = None
     namespace: str = ""
