@@ -168,9 +168,10 @@ class CacheSettings:
         "most blocks one cache_salt may keep pinned", shown="only the global budget",
         kind="int"))
     kv_events_config: KVEventsConfig | None = field(default=None, metadata=_meta(
-        "vLLM's KV events JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
-        "\"endpoint\": \"tcp://*:5557\"}': publish BlockStored / BlockRemoved / AllBlocksCleared "
-        "over ZMQ (the router's precise policy subscribes)", shown="off", kind="str",
+        "vLLM's KV events JSON, e.g. '{\"enable_kv_cache_events\": true}': publish BlockStored / "
+        "BlockRemoved / AllBlocksCleared over ZMQ (the router's precise policy subscribes); "
+        "bound on tcp://127.0.0.1:5557 unless \"endpoint\" says otherwise (\"tcp://*:5557\" "
+        "exposes it on every interface)", shown="off", kind="str",
         group="vllm", metavar="JSON"))
 
     def __post_init__(self) -> None:
