@@ -20,6 +20,7 @@ from prefixkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, R
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.sequence import Request
 from prefixkv.engine.sequence import Sequence as Seq
+from prefixkv.engine.stop_regex import StepBudget
 
 
 class TextStream(Protocol):
@@ -66,6 +67,7 @@ class OutputProcessor:
         self._eos = eos_token_ids
         self._max_model_len = max_model_len
         self._samples: dict[str, list[SampleOutput]] = {}
+        self._regex_budgets: dict[str, StepBudget] = {}  # this step's, per request using one
 
     def add(self, req: Request) -> None:
         """Start tracking ``req`` (its sequences are built); one :class:`SampleOutput` each."""
@@ -85,8 +87,8 @@ class OutputProcessor:
         stop string found in the text of the first ``min_tokens`` tokens; the text of a stop
         id or EOS (and a matched stop string) is left out unless ``include_stop_str_in_output``.
         A ``stop_regex`` match (checked after the stop strings, under the same ``min_tokens``
-        rule) keeps the text; its ``ValueError`` on a search past its time limit fails the
-        request (the engine's isolation).
+        rule) keeps the text; its ``ValueError`` when the request's searches pass their time
+        budget for this step (reset by :meth:`report`) fails the request (the engine's isolation).
         """
         out = self.sample(seq)
         seq.append_token(token_id)
@@ -114,10 +116,12 @@ class OutputProcessor:
         elif seq.finish_reason is None:
             if params.stop_strings and _check_stop_strings(seq, out, old_len):
                 return
-            for rx in params.stop_regexes:  # in order; the text is kept (SGLang's rule)
-                if rx.found(out.text, out.stop_check_from, old_len):
-                    seq.finish_reason, out.stop_reason = "stop", rx.pattern
-                    break
+            if params.stop_regexes:
+                budget = self._regex_budgets.setdefault(seq.request.request_id, StepBudget())
+                for rx in params.stop_regexes:  # in order; the text is kept (SGLang's rule)
+                    if rx.found(out.text, out.stop_check_from, old_len, budget):
+                        seq.finish_reason, out.stop_reason = "stop", rx.pattern
+                        break
         if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_done():
             seq.finish_reason = "stop"  # complete (only a stop token could follow) or failed
         if seq.finish_reason is None and (
@@ -142,13 +146,16 @@ class OutputProcessor:
         return self._build(req, advance=False)
 
     def report(self, req: Request) -> RequestOutput:
-        """:meth:`snapshot`, then advance the delta cursors: the next output's deltas start here."""
+        """:meth:`snapshot`, then advance the delta cursors: the next output's deltas start here
+        (the engine reports each changed request once per step: its stop-regex budget restarts)."""
+        self._regex_budgets.pop(req.request_id, None)
         return self._build(req, advance=True)
 
     def finish(self, req: Request) -> RequestOutput:
         """The last :meth:`report` of ``req``; its output state is dropped."""
         out = self._build(req, advance=True)
         del self._samples[req.request_id]
+        self._regex_budgets.pop(req.request_id, None)
         return out
 
     def _build(self, req: Request, *, advance: bool) -> RequestOutput:

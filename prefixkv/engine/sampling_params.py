@@ -19,6 +19,14 @@ MAX_LOGPROB_TOKEN_IDS = 128
 """Most ``logprob_token_ids`` a request may give (vLLM's limit)."""
 MAX_LOGIT_BIAS = 100.0
 """``logit_bias`` values are clamped to ``[-100, 100]`` (OpenAI's range)."""
+MAX_STOP_STRINGS = 64
+"""Most ``stop`` strings one request may give (OpenAI allows 4; each is searched every step)."""
+MAX_STOP_CHARS = 4096
+"""Most characters all of one request's ``stop`` strings may hold together."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``stop_token_ids`` one request may give."""
+MAX_LOGIT_BIAS_TOKENS = 1024
+"""Most ``logit_bias`` entries one request may give."""
 
 
 def _is_int(x: object) -> bool:
@@ -47,8 +55,11 @@ class SamplingParams:
             ``stop``, the text keeps everything up to the end of the token that completed the
             match, and ``stop_reason`` is the pattern (SGLang's ``matched``). At most
             :data:`MAX_STOP_REGEX` patterns of :data:`MAX_STOP_REGEX_LEN` characters each; a
-            search slower than :data:`STOP_REGEX_TIMEOUT_S` fails the request alone.
-        stop_token_ids: token ids that end generation (the id stays in ``token_ids``).
+            request whose searches take longer than :data:`STOP_REGEX_STEP_BUDGET_S` in one
+            engine step (all its samples and patterns together) fails alone.
+        stop_token_ids: token ids that end generation (the id stays in ``token_ids``); at most
+            :data:`MAX_STOP_TOKEN_IDS`. ``stop`` holds at most :data:`MAX_STOP_STRINGS` strings
+            of :data:`MAX_STOP_CHARS` characters together.
         ignore_eos: keep generating past the EOS token.
         skip_special_tokens: leave special tokens out of the decoded text.
         presence_penalty: subtracted once from the logit of every token already generated
@@ -57,7 +68,8 @@ class SamplingParams:
             (in ``[-2, 2]``).
         repetition_penalty: > 0; tokens seen in the prompt or the output have positive logits
             divided by it and negative ones multiplied (1 disables it).
-        logit_bias: ``{token_id: bias}`` added to the logits (biases clamped to [-100, 100]).
+        logit_bias: ``{token_id: bias}`` added to the logits (biases clamped to [-100, 100]; at
+            most :data:`MAX_LOGIT_BIAS_TOKENS` entries).
         allowed_token_ids: only these ids may be sampled (vLLM's field; every other logit is
             set to -inf before the other processing).
         min_p: in ``[0, 1]``: drop tokens less likely than ``min_p`` times the most likely one
@@ -152,6 +164,10 @@ class SamplingParams:
             stops = tuple(stop)
         else:
             raise ValueError(f"stop must be a str, a list of str or None, got {stop!r}")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        if sum(len(s) if isinstance(s, str) else 0 for s in stops) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings hold at most {MAX_STOP_CHARS} characters together")
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must hold non-empty strings, got {stop!r}")
         ids = self.stop_token_ids
@@ -161,6 +177,8 @@ class SamplingParams:
             stop_ids = tuple(ids)
         else:
             raise ValueError(f"stop_token_ids must be a list of ints or None, got {ids!r}")
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
         if not all(_is_int(t) and t >= 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must hold ints >= 0, got {ids!r}")
         object.__setattr__(self, "_stop", stops)
@@ -222,7 +240,9 @@ class SamplingParams:
         if bias is None:
             return
         if not isinstance(bias, Mapping):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")  # noqa: TRY004
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")  # noqa: TRY004
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(bias)}")
         pairs = []
         for tok, b in bias.items():
             if not _is_int(tok) or tok < 0:

@@ -1,9 +1,11 @@
 """Stop regexes (SGLang's ``stop_regex``): compiled once per request, searched in new output.
 
 A pattern is Python ``re`` syntax, compiled by the ``regex`` package (``re``-compatible): its
-searches take a timeout, so a pattern that backtracks catastrophically fails its own request
-after :data:`STOP_REGEX_TIMEOUT_S` (the engine's failure isolation ends that request alone)
-instead of stalling the one engine thread every other request waits on.
+searches take a timeout. One request's searches in one engine step, over all its patterns and
+samples together, may take :data:`STOP_REGEX_STEP_BUDGET_S` (a :class:`StepBudget`); a request
+past it fails alone (the engine's failure isolation) instead of stalling the one engine thread
+every other request waits on, whether one pattern backtracks catastrophically or many are each
+merely slow.
 
 Each step searches only where a *new* match can be: a match of at most ``width`` characters
 that takes in some of the new token's text starts no earlier than ``width - 1`` characters
@@ -15,6 +17,7 @@ of the checked text every step: still correct, linear in the output per step.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +30,9 @@ MAX_STOP_REGEX = 32
 MAX_STOP_REGEX_LEN = 256
 """Longest pattern, in characters (SGLang allows 256 bytes)."""
 
-STOP_REGEX_TIMEOUT_S = 0.05
-"""Longest one search may take before its request is failed."""
+STOP_REGEX_STEP_BUDGET_S = 0.02
+"""Longest one request's stop-regex searches may take in one engine step, all patterns and
+samples together, before the request is failed."""
 
 _MAX_WIDTH = 4096  # a longer bounded match is searched like an unbounded one
 
@@ -42,18 +46,42 @@ class StopRegex:
     compiled: regex.Pattern[str]
     width: int | None
 
-    def found(self, text: str, check_from: int, new_from: int) -> bool:
+    def found(self, text: str, check_from: int, new_from: int, budget: StepBudget) -> bool:
         """Whether ``text`` holds a match that was not there before its characters from
-        ``new_from`` on arrived, looking no earlier than ``check_from``; ``ValueError`` when the
-        search runs past :data:`STOP_REGEX_TIMEOUT_S`."""
+        ``new_from`` on arrived, looking no earlier than ``check_from``; the search's time is
+        taken from ``budget`` (``ValueError`` once it is spent)."""
         start = check_from if self.width is None else max(check_from, new_from - self.width + 1)
+        left = budget.left
+        if left <= 0:
+            raise budget.spent_error(self.pattern)
+        t0 = time.perf_counter()
         try:
-            return self.compiled.search(text, start, timeout=STOP_REGEX_TIMEOUT_S) is not None
+            return self.compiled.search(text, start, timeout=left) is not None
         except TimeoutError as exc:
-            raise ValueError(
-                f"stop_regex {self.pattern!r} took longer than {STOP_REGEX_TIMEOUT_S * 1000:.0f} ms "
-                "to search the output (catastrophic backtracking?)"
-            ) from exc
+            raise budget.spent_error(self.pattern) from exc
+        finally:
+            budget.used += time.perf_counter() - t0
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """The search time one request may still spend on stop regexes in the current step."""
+
+    used: float = 0.0
+    limit: float = STOP_REGEX_STEP_BUDGET_S
+
+    @property
+    def left(self) -> float:
+        """Seconds left in this step."""
+        return self.limit - self.used
+
+    def spent_error(self, pattern: str) -> ValueError:
+        """The error that fails the request (names the pattern being searched)."""
+        shown = pattern if len(pattern) <= 64 else pattern[:61] + "..."
+        return ValueError(
+            f"stop_regex searches took longer than {self.limit * 1000:.0f} ms in one step (all "
+            f"patterns and samples together; last searched: {shown!r}; catastrophic backtracking?)"
+        )
 
 
 def compile_stop_regex(value: str | Sequence[str] | None) -> tuple[StopRegex, ...]:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import regex
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefixkv.engine.sampling_params import SamplingParams
-from prefixkv.engine.stop_regex import MAX_STOP_REGEX, MAX_STOP_REGEX_LEN, compile_stop_regex
+from prefixkv.engine.stop_regex import (
+    MAX_STOP_REGEX,
+    MAX_STOP_REGEX_LEN,
+    STOP_REGEX_STEP_BUDGET_S,
+    StepBudget,
+    compile_stop_regex,
+)
 
 
 @pytest.mark.parametrize("value, says", [
@@ -63,15 +72,67 @@ def test_the_windowed_search_stops_where_a_full_search_first_matches(
             continue
         if expected is None and whole.search(text, check_from) is not None:
             expected = i
-        if fired is None and rx.found(text, check_from, old):
+        if fired is None and rx.found(text, check_from, old, StepBudget()):
             fired = i
         if fired is not None or expected is not None:
             break
     assert fired == expected
 
 
-def test_a_search_past_its_time_limit_is_a_value_error_naming_the_pattern() -> None:
+def test_a_search_past_the_step_budget_is_a_value_error_naming_the_pattern() -> None:
     rx = compile_stop_regex(r"^(a|aa)+\d")[0]  # exponential backtracking on a run of a's
-    assert rx.width is None and not rx.found("aaaa", 0, 3)
-    with pytest.raises(ValueError, match=r"stop_regex '\^\(a\|aa\)\+\\\\d' took longer than"):
-        rx.found("a" * 40, 0, 39)
+    assert rx.width is None and not rx.found("aaaa", 0, 3, StepBudget())
+    with pytest.raises(ValueError, match=r"stop_regex searches took longer than .*'\^\(a\|aa\)\+\\\\d'"):
+        rx.found("a" * 40, 0, 39, StepBudget())
+
+
+def test_the_budget_is_shared_by_all_patterns_of_a_step() -> None:
+    """Many patterns each well under the budget fail the request together (issue 40: 32
+    patterns each just under the old 50 ms per-search limit held every step for 1.6 s)."""
+    slow = [rf"^(a|aa)+{d}" for d in "0123456789"]  # each backtracks on a run of a's
+    patterns = compile_stop_regex(slow)
+    text = "a" * 18  # one search takes about a millisecond: far under the budget alone
+    t = StepBudget()
+    patterns[0].found(text, 0, 17, t)
+    assert 0 < t.used < STOP_REGEX_STEP_BUDGET_S / 4
+    budget, t0 = StepBudget(), time.perf_counter()
+    with pytest.raises(ValueError, match="in one step"):
+        for _ in range(100):
+            for rx in patterns:
+                rx.found(text, 0, 17, budget)
+    assert time.perf_counter() - t0 < STOP_REGEX_STEP_BUDGET_S * 10  # bounded, not 100 x 10 searches
+    assert budget.left <= 0.001
+
+
+A = ord("a")  # the demo model's byte tokens: its output forced to a run of a's
+
+
+def test_many_slow_patterns_fail_their_request_alone_within_one_step_budget(make_llm: Any, helpers: Any) -> None:
+    """32 patterns x 4 samples, each search far under the budget alone: the request fails once
+    a step's searches together pass it (the old code let each search take 50 ms: 6.4 s a step),
+    and the greedy request beside it is unchanged."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    good = helpers.tokens(1, 20)
+    reference = make_llm().generate(good, greedy)[0]
+    slow = SamplingParams(n=4, temperature=0.0, max_tokens=40, ignore_eos=True, allowed_token_ids=[A],
+                          stop_regex=[rf"^(a|aa)+{c}" for c in "0123456789bcdefghijklmnopqrstuvw"])
+    llm = make_llm()
+    t0 = time.perf_counter()
+    outs = llm.generate([good, helpers.tokens(5, 8)], [greedy, slow])
+    assert time.perf_counter() - t0 < 30
+    failed = outs[1]
+    assert failed.error is not None and "in one step" in failed.error
+    assert {o.finish_reason for o in failed.outputs} == {"error"}
+    assert len(failed.outputs[0].token_ids) < 22  # one pattern alone ran to ~22 a's before
+    assert outs[0].outputs[0].token_ids == reference.outputs[0].token_ids
+    helpers.assert_no_leak(llm)
+
+
+def test_the_budget_restarts_each_step(make_llm: Any) -> None:
+    """Cheap searches over a long output add up past one step's budget over the request's life
+    (256 a step x 200 steps); each step alone is far under it, so the request finishes."""
+    params = SamplingParams(n=8, temperature=0.0, max_tokens=200, ignore_eos=True, allowed_token_ids=[A],
+                            stop_regex=[rf"z{i}.*q" for i in range(32)])
+    out = make_llm().generate([[1, 2, 3]], params)[0]
+    assert out.error is None
+    assert [o.finish_reason for o in out.outputs] == ["length"] * 8
