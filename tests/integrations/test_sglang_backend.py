@@ -297,6 +297,57 @@ def test_hybrid_models_are_refused_at_attach(tmp_path: Path) -> None:
         backend.on_host_pools_registered()
 
 
+class _Prefetch:
+    """What SGLang's page-get functions read of a prefetch operation."""
+
+    request_id = "r1"
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_sglang_controller_io_functions_move_pages_through_it(tmp_path: Path,
+                                                            zero_copy: bool) -> None:
+    """SGLang's own HiCacheController page functions (zero copy with ``interface_v1``, the
+    value forms without) run against the backend, as its prefetch and backup threads call them."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.cache_controller import HiCacheController as C
+
+    src, dst = host_pool(), host_pool()
+    idx = fill(src, 4, seed=11)
+    extra = {"kv_disk_dir": str(tmp_path / "kv")}
+    get, put = ((C._page_get_zero_copy, C._page_set_zero_copy) if zero_copy
+                else (C._generic_page_get, C._generic_page_set))
+    writer = SimpleNamespace(storage_backend=make_backend(src, extra), storage_host_pool=src,
+                             page_size=PAGE)
+    assert put(writer, keys(4), idx) is True
+    reader = SimpleNamespace(storage_backend=make_backend(dst, extra), storage_host_pool=dst,
+                             page_size=PAGE)
+    slots = dst.alloc(5 * PAGE)
+    assert get(reader, _Prefetch(), keys(5), slots) == 4  # the leading run of loaded pages
+    assert all(torch.equal(a, b) for a, b in zip(pages(dst, slots[: 4 * PAGE]), pages(src, idx)))
+
+
+def test_valkey_down_is_a_miss_and_the_disk_still_serves(tmp_path: Path,
+                                                        valkey_server: Any) -> None:
+    pool = host_pool()
+    idx = fill(pool, 2, seed=12)
+    remote_only = make_backend(pool, {"kv_remote": valkey_server.url, "kv_remote_timeout": 0.2})
+    both = make_backend(pool, {"kv_remote": valkey_server.url, "kv_remote_timeout": 0.2,
+                               "kv_disk_dir": str(tmp_path / "kv")})
+    assert both.batch_set_v1(keys(2), idx) == [True, True]
+    valkey_server.kill()
+    assert remote_only.batch_exists(keys(2)) == 0
+    assert remote_only.batch_get_v1(keys(2), pool.alloc(2 * PAGE)) == [False, False]
+    assert remote_only.batch_set_v1(keys(2, "new"), idx) == [False, False]
+    assert remote_only.tier_stats()[0].errors >= 1
+    assert both.batch_exists(keys(2)) == 2
+    assert both.batch_get_v1(keys(2), pool.alloc(2 * PAGE)) == [True, True]
+    assert both.batch_set_v1(keys(2, "new"), idx) == [True, True]  # the disk took them
+
+
 CHILD = """
 import json, sys, importlib.util
 spec = importlib.util.spec_from_file_location("sglang_backend_test", sys.argv[1])
