@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 ERROR_CAUSE_HEADER = "X-Prefixkv-Error-Cause"
 """Set to ``"request"`` on a 5xx caused by the request itself (do not retry it elsewhere)."""
+MAX_ERROR_MESSAGE_CHARS = 2048
+"""Longest error message sent (longer ones are cut: an error never echoes a whole request)."""
 
 _TYPES = {
     400: "invalid_request_error",
@@ -87,7 +89,13 @@ def error_body(
     message: str, *, type: str = "invalid_request_error", param: str | None = None,
     code: int | str | None = 400,
 ) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}``."""
+    """``{"error": {"message", "type", "param", "code"}}``; a message (which may echo the
+    request's values) longer than :data:`MAX_ERROR_MESSAGE_CHARS` is cut there, so every error
+    body stays small whatever the request held."""
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = message[:MAX_ERROR_MESSAGE_CHARS - 32] + f"... ({len(message):,} characters)"
+    if param is not None and len(param) > 256:
+        param = param[:256]
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

@@ -4,17 +4,21 @@
 ``BodySizeLimit`` is the ASGI middleware that enforces ``max_body_bytes`` before the body is
 parsed: a declared ``Content-Length`` over the limit is answered 413 without reading the
 body, and a chunked body is cut off (413) as soon as it passes the limit.
+:func:`check_prompt_chars` is the length guard every prompt-taking route runs on the raw text
+of its prompt fields before any templating, tokenizing or re-encoding.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import HTTPException
+from pydantic import BaseModel
 
-from prefixkv.server.errors import error_body
+from prefixkv.server.errors import APIError, error_body
 
 Scope = dict[str, Any]
 ASGIApp = Any
@@ -94,3 +98,62 @@ class BodySizeLimit:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+PROMPT_CHARS_PER_TOKEN = 32
+"""Characters one token may cover in the length guard: far above any tokenizer's average (3-5
+for text, rarely over 16 even for runs of spaces), so a prompt that could fit the context is
+never refused by the guard; what passes it is still checked exactly after tokenizing."""
+
+
+def check_prompt_chars(max_model_len: int, fields: Mapping[str, Any]) -> None:
+    """The length guard: :class:`APIError` (400) naming the largest of ``fields`` (``{name:
+    value}``, values as parsed: strings, lists, dicts, pydantic models) when their text holds
+    more than ``max_model_len * PROMPT_CHARS_PER_TOKEN`` characters together: such a prompt can
+    never fit the context, and refusing it costs one walk over the parsed body, not seconds of
+    templating and tokenizing (issue 40: 10 MB bodies held the server for 16-56 s). Then a
+    400 naming the field if its text is not valid Unicode (a lone surrogate such as
+    ``"\\ud800"``, which the tokenizer cannot encode)."""
+    limit = max_model_len * PROMPT_CHARS_PER_TOKEN
+    sizes = {name: text_chars(value, limit + 1) for name, value in fields.items()}
+    if sum(sizes.values()) > limit:
+        name = max(sizes, key=lambda n: sizes[n])
+        raise APIError(
+            f"{name} holds over {limit:,} characters: far more than the model's context of "
+            f"{max_model_len:,} tokens can hold", param=name, code="context_length_exceeded")
+    for name, value in fields.items():
+        for text in _strings(value):
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise APIError(f"{name} is not valid Unicode: {exc.reason} at character "
+                                   f"{exc.start} of a string", param=name) from None
+
+
+def text_chars(value: Any, stop_after: int) -> int:
+    """The characters of every string inside ``value`` (dict keys too), counted until the count
+    passes ``stop_after`` (then the count so far)."""
+    total = 0
+    for text in _strings(value):
+        total += len(text)
+        if total > stop_after:
+            break
+    return total
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside ``value`` (dict keys too); iterative, so any nesting is fine."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, BaseModel):
+            stack.extend(getattr(item, name) for name in type(item).model_fields)
+            stack.extend((item.model_extra or {}).values())
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)

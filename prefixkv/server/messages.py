@@ -96,6 +96,10 @@ class MessagesRequest(_Body):
     service_tier: str | None = None
     mcp_servers: Any = None
     container: Any = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    """vLLM's tenant key (requests with different salts never share cached KV)."""
+    extra_key: Annotated[str, Field(min_length=1)] | None = None
+    """SGLang's cache-isolation key (combined with ``cache_salt``)."""
 
 
 class CountTokensRequest(_Body):
@@ -148,7 +152,7 @@ def chat_body(req: MessagesRequest) -> dict[str, Any]:
                             "stream": req.stream}
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "cache_salt", "extra_key"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.tools:

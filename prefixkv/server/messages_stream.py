@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.limits import check_prompt_chars
 from prefixkv.server.messages import (
     CountTokensRequest,
     MessagesRequest,
@@ -46,6 +47,7 @@ def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
 
     @router.post("/messages", response_model=None)
     async def create(body: MessagesRequest, request: Request) -> Response:
+        check_prompt_chars(serving.engine.max_model_len, _prompt_fields(body))
         policy.check(body)
         check_model(body.model)
         try:
@@ -67,6 +69,7 @@ def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
 
     @router.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        check_prompt_chars(serving.engine.max_model_len, _prompt_fields(body))
         policy.check(body)
         check_model(body.model)
         messages, tools = count_body(body)
@@ -78,6 +81,11 @@ def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
         return {"input_tokens": len(prompt["prompt_token_ids"])}
 
     return router
+
+
+def _prompt_fields(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """The fields whose text the prompt is made of (the length guard's input)."""
+    return {"messages": body.messages, "system": body.system, "tools": body.tools}
 
 
 def _event(kind: str, **fields: Any) -> bytes:

@@ -24,6 +24,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from prefixkv.engine.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from prefixkv.engine.stop_regex import compile_stop_regex
 from prefixkv.kv_events import request_salt
 
@@ -97,7 +103,7 @@ class SamplingRequest(_Body):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(strict=True)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
@@ -140,6 +146,10 @@ class SamplingRequest(_Body):
     @classmethod
     def _stop_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        if sum(map(len, stops)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings hold at most {MAX_STOP_CHARS} characters together")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
         return value
@@ -160,9 +170,11 @@ class SamplingRequest(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(value)}")
         for key in value or {}:
             if not key.strip().isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (as strings), got {key!r}")
+                raise ValueError(f"logit_bias keys must be token ids (as strings), got {key[:32]!r}")
         return value
 
     @model_validator(mode="after")

@@ -135,6 +135,10 @@ class ResponsesRequest(_Body):
     truncation: Literal["disabled", "auto"] | None = None
     conversation: Any = None
     prompt: Any = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    """vLLM's tenant key (requests with different salts never share cached KV)."""
+    extra_key: Annotated[str, Field(min_length=1)] | None = None
+    """SGLang's cache-isolation key (combined with ``cache_salt``)."""
 
     def refused(self) -> tuple[str, str] | None:
         """``(param, message)`` for a setting this server does not implement."""
@@ -170,7 +174,7 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
                             "max_tokens": req.max_output_tokens}
-    for name in ("temperature", "top_p", "user"):
+    for name in ("temperature", "top_p", "user", "cache_salt", "extra_key"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     fmt = req.text.format if req.text is not None else None

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.limits import check_prompt_chars
 from prefixkv.server.protocol import ChatCompletionRequest
 from prefixkv.server.responses import (
     RESPONSE_ID_HEADER,
@@ -53,6 +54,8 @@ def build_responses_router(serving: OpenAIServing, policy: FieldPolicy,
 
     @router.post("/responses", response_model=None)
     async def create(body: ResponsesRequest, request: Request) -> Response:
+        check_prompt_chars(serving.engine.max_model_len, {
+            "input": body.input, "instructions": body.instructions, "tools": body.tools})
         policy.check(body)
         check_model(body.model)
         refused = body.refused()

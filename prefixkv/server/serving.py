@@ -29,7 +29,7 @@ from prefixkv.engine.outputs import RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import template_options
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, nested_too_deeply
-from prefixkv.server.limits import ServerLimits
+from prefixkv.server.limits import ServerLimits, check_prompt_chars
 from prefixkv.server.lora_routes import adapter_of
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -192,6 +192,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest,
                    is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
         """``POST /v1/chat/completions``."""
+        check_prompt_chars(self.engine.max_model_len, {"messages": req.messages, "tools": req.tools})
         self._check_limits(req, 1)
         structured, tool_mode = await output_constraint(self.engine, req)
         try:

@@ -23,6 +23,7 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.prompts import template_options
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.limits import check_prompt_chars
 from prefixkv.server.protocol import ChatMessage, TokenId, _Body
 
 
@@ -69,6 +70,7 @@ def build_tokenizer_router(engine: AsyncEngine, check_model: Callable[[str | Non
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_prompt_chars(engine.max_model_len, {"prompt": body.prompt, "messages": body.messages})
         policy.check(body)
         check_model(body.model)
         if body.messages is not None:
