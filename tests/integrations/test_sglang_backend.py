@@ -93,6 +93,23 @@ def host_pool(layout: str = "page_first", dtype: torch.dtype = torch.float32) ->
                                 device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS)
 
 
+def mla_pool(layout: str = "page_first") -> Any:
+    """SGLang's MLA host pool on CPU (one latent row per token and layer)."""
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    rank, rope = 16, 4
+    bufs = tuple(torch.zeros(TOKENS, 1, rank + rope) for _ in range(LAYERS))
+    info = MLABufferInfo(
+        buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+        layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
+        kv_lora_rank=rank, qk_rope_head_dim=rope, kv_cache_dim=rank + rope, dtype=torch.float32,
+        device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS,
+                                target_layer_num=LAYERS)
+
+
 def make_backend(pool: Any, extra: dict[str, Any], *, model: str = "smollm2", tp_rank: int = 0,
                  tp_size: int = 1, mla: bool = False, metrics: bool = False) -> Any:
     """The backend as SGLang's controller makes it: factory, then the host pool registration."""
@@ -149,7 +166,7 @@ def test_sglang_factory_builds_it_and_nothing_is_abstract(tmp_path: Path) -> Non
         make_backend(host_pool(), {"kv_disk_dirr": str(tmp_path)})
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_zero_copy_round_trip_into_a_fresh_pool(tiers: dict[str, Any], layout: str) -> None:
     src = host_pool(layout)
     idx = fill(src, 5, seed=1)
@@ -200,6 +217,23 @@ def test_batch_exists_is_the_leading_run(tmp_path: Path, valkey_url: str) -> Non
     assert remote_only.batch_exists(ks[2:]) == 2 and both.batch_exists([]) == 0
     for b in (disk_only, remote_only, both):
         b.close()
+
+
+def test_mla_ranks_share_one_copy_written_while_both_run(tmp_path: Path) -> None:
+    """With MLA only TP rank 0 writes (SGLang's ``is_storage_writer``) and every rank must see
+    the page (the ranks' hit counts are reduced to their minimum): rank 1, started before the
+    write, finds rank 0's files on the shared directory."""
+    extra = {"kv_disk_dir": str(tmp_path / "kv")}
+    pool0, pool1 = mla_pool(), mla_pool()
+    rank0 = make_backend(pool0, extra, mla=True, tp_rank=0, tp_size=2)
+    rank1 = make_backend(pool1, extra, mla=True, tp_rank=1, tp_size=2)
+    idx = fill(pool0, 3, seed=13)
+    assert rank1.batch_exists(keys(3)) == 0
+    assert rank0.batch_set_v1(keys(3), idx) == [True] * 3
+    assert rank1.batch_exists(keys(3)) == 3
+    slots = pool1.alloc(3 * PAGE)
+    assert rank1.batch_get_v1(keys(3), slots) == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(pages(pool1, slots), pages(pool0, idx)))
 
 
 def _corrupt_disk(directory: Path, how: str) -> None:
@@ -285,6 +319,13 @@ def test_clear_and_stats(tmp_path: Path, valkey_url: str) -> None:
     assert backend.batch_get_v1(keys(3), pool.alloc(3 * PAGE)) == [False] * 3
     assert backend.batch_exists(keys(3)) == 0
     assert make_backend(pool, extra).get_stats() is None  # SGLang's metrics off
+
+
+def test_a_pool_without_flat_pages_is_refused_at_attach(tmp_path: Path) -> None:
+    pool = host_pool()
+    pool.layout = "page_first_kv_split"  # SGLang's MHA host pool has no flat page in it
+    with pytest.raises(ValueError, match="page_first_kv_split"):
+        make_backend(pool, {"kv_disk_dir": str(tmp_path)})
 
 
 def test_hybrid_models_are_refused_at_attach(tmp_path: Path) -> None:

@@ -110,11 +110,11 @@ def test_requests_go_on_when_valkey_dies(
 
 def test_a_preempted_request_gives_the_same_tokens(
         vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]]) -> None:
-    # 10 KV blocks of 128: both 600-token prompts fit (5 blocks each) until their 641st token
+    # 11 KV blocks of 128: both 600-token prompts fit (5 blocks each) until their 641st token
     # needs a sixth block; then vLLM preempts one and resumes it later (its prompt blocks from
     # vLLM's own cache or the host tier, whichever still holds them)
     runs = vllm_run([{"prompts": prompt_ids, "batch": True, "max_tokens": 48}],
-                    kv={"kv_offload_size": "256MiB"}, num_blocks=10, max_model_len=1024,
+                    kv={"kv_offload_size": "256MiB"}, num_blocks=11, max_model_len=1024,
                     stats=True)
     assert sum(o["preemptions"] for o in runs[0]["outputs"]) >= 1
     assert [t[:16] for t in _tokens(runs[0])] == baseline

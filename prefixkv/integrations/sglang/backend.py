@@ -58,7 +58,13 @@ class PrefixKVStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untype
         constructing the backend)."""
         super().register_mem_pool_host(mem_pool_host)
         self.close()
-        sample = mem_pool_host.get_dummy_flat_data_page()
+        try:  # a pool without flat pages (e.g. head_dim != v_head_dim) fails SGLang's attach here
+            sample = mem_pool_host.get_dummy_flat_data_page()
+            mem_pool_host.get_data_page(0, flat=True)
+        except (ValueError, NotImplementedError) as exc:
+            raise ValueError(f"prefixkv's SGLang backend stores flat pages, which this host pool "
+                             f"({type(mem_pool_host).__name__}, layout "
+                             f"{mem_pool_host.layout!r}) has not: {exc}") from exc
         self._dtype = sample.dtype
         self._nbytes = sample.numel() * sample.element_size()
         layout = page_layout(str(sample.dtype).removeprefix("torch."), mem_pool_host.layout,

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.prefixkv")  # under vLLM's handlers, with its log lines
 
 
 class PrefixKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
