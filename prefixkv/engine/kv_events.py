@@ -11,6 +11,12 @@ record is dropped and the thread then sends :class:`AllBlocksCleared` and forget
 subscribers then know less than the worker holds (they under-estimate, which is safe), never
 more.
 
+**Tiers.** A block evicted from the pool that the host tier kept is announced again as stored
+with ``medium`` ``"CPU"`` (vLLM's offloading connector's name; hashes only), and a host-tier key
+that is evicted or cleared as removed from ``"CPU"`` (:meth:`KVEventSink.host_dropped`, the host
+tier's hook). The disk and remote tiers are not announced: the remote one is shared and evicted
+by its server, which tells no one.
+
 **Tenants.** A salted request's blocks (``cache_salt`` / ``extra_key``) go out with their hashes
 only: ``token_ids`` empty (see :mod:`prefixkv.kv_events`, "Salted requests"). Their prompts
 never leave the worker; the router re-hashes the prompt it proxies with its salt.
@@ -27,6 +33,7 @@ from typing import Any, Protocol
 
 from prefixkv.kv_events import (
     EVENT_FINGERPRINT,
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -86,6 +93,7 @@ class KVEventSink:
         self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=max_queue_size)
         self._overflow = threading.Event()
         self._hashes: dict[int, bytes] = {}  # cached block id -> digest (thread-owned)
+        self._host: dict[bytes, bytes] = {}  # host tier key -> digest (thread-owned)
         self.published = 0
         self.dropped = 0
         self._stopping = threading.Event()
@@ -108,10 +116,18 @@ class KVEventSink:
         cached (another sequence stored them first) are not announced again."""
         self._put(("stored", list(block_ids), parent_id, list(token_ids), namespace))
 
-    def removed(self, block_ids: Sequence[int]) -> None:
-        """``block_ids`` left the index (evicted); ids never announced are ignored."""
+    def removed(self, block_ids: Sequence[int],
+                to_host: Sequence[tuple[int, bytes]] = ()) -> None:
+        """``block_ids`` left the index (evicted); ids never announced are ignored. ``to_host``:
+        the ``(block id, host tier key)`` pairs of them the host tier now holds."""
         if block_ids:
-            self._put(("removed", list(block_ids)))
+            self._put(("removed", list(block_ids), list(to_host)))
+
+    def host_dropped(self, keys: list[bytes]) -> None:
+        """The host tier evicted or cleared ``keys`` (its hook; keys never announced are
+        ignored)."""
+        if keys:
+            self._put(("host_dropped", list(keys)))
 
     def reset(self, block_ids: Sequence[int], num_cached_left: int) -> None:
         """A cache reset freed ``block_ids``; ``num_cached_left`` blocks (in use) stayed cached.
@@ -180,17 +196,33 @@ class KVEventSink:
         if self._overflow.is_set():
             self._overflow.clear()
             self._hashes.clear()
+            self._host.clear()
             events.append(AllBlocksCleared())
+        bs = self.block_size
         for record in records:
             kind = record[0]
             if kind == "stored":
                 events.extend(self._stored(*record[1:]))
-            elif kind == "removed" or (kind == "reset" and record[2] > 0):
+            elif kind == "removed":
+                kept = [(k, self._hashes[b]) for b, k in record[2] if b in self._hashes]
+                if kept:
+                    self._host.update(kept)
+                    events.append(BlockStored([hash_int(d) for _, d in kept], None, [], bs,
+                                              None, MEDIUM_CPU, None))
                 gone = [self._hashes.pop(b) for b in record[1] if b in self._hashes]
                 if gone:
                     events.append(BlockRemoved([hash_int(d) for d in gone], MEDIUM_GPU))
-            elif kind == "reset":
+            elif kind == "host_dropped":
+                left = [self._host.pop(k) for k in record[1] if k in self._host]
+                if left:
+                    events.append(BlockRemoved([hash_int(d) for d in left], MEDIUM_CPU))
+            elif kind == "reset" and record[2] > 0:
+                gone = [self._hashes.pop(b) for b in record[1] if b in self._hashes]
+                if gone:
+                    events.append(BlockRemoved([hash_int(d) for d in gone], MEDIUM_GPU))
+            elif kind == "reset":  # (subscribers forget every tier: the host map too)
                 self._hashes.clear()
+                self._host.clear()
                 events.append(AllBlocksCleared())
         return events
 

@@ -67,7 +67,19 @@ class KVManager:
         self._chains: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading blocks
         self._pinned_keys: dict[tuple[Hashable | None, tuple[int, ...]], list[bytes]] = {}
         self._pool_counters = TierCounters("pool", num_blocks)
-        self.events: KVEventSink | None = None  # KV events (BlockStored / BlockRemoved) sink
+        self._events: KVEventSink | None = None
+
+    @property
+    def events(self) -> KVEventSink | None:
+        """The KV events (BlockStored / BlockRemoved) sink, if any; setting it also lets it hear
+        the host tier's evictions."""
+        return self._events
+
+    @events.setter
+    def events(self, sink: KVEventSink | None) -> None:
+        self._events = sink
+        if self.tiers is not None and self.tiers.host is not None:
+            self.tiers.host.on_drop = None if sink is None else sink.host_dropped
 
     @property
     def num_blocks(self) -> int:
@@ -193,12 +205,13 @@ class KVManager:
             if self.cache is None or self.cache.num_evictable_blocks < short:
                 return None
             freed = self.cache.evict(short)
-            if self.events is not None:
-                self.events.removed(freed)
+            kept: list[tuple[int, bytes]] = []
             if self.tiers is not None:
                 pairs = [(b, self._keys.pop(b)) for b in freed if b in self._keys]
                 self._pooled.difference_update(k for _, k in pairs)
-                self.tiers.offload(pairs)
+                kept = self.tiers.offload(pairs)
+            if self.events is not None:
+                self.events.removed(freed, kept)
             self.pool.free(freed)
         return self.pool.allocate(n)
 

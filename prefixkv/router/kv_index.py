@@ -167,7 +167,7 @@ class ExactIndex:
         if not self.rehash:
             return [h for h in event.block_hashes if isinstance(h, int)]
         if (not event.token_ids or event.lora_name is not None
-                or any(k is not None for k in event.extra_keys or ())):
+                or any(event.extra_keys or ())):  # (None / empty per block: plain)
             return []  # another namespace (or withheld tokens): not re-derivable
         parent = None
         if event.parent_block_hash is not None:

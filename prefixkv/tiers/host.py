@@ -6,13 +6,13 @@ Ownership: a slot is either free or holds exactly one key. :meth:`reserve` takes
 new key, evicting the least recently used key that is neither *held* nor *pinned*: a held key
 (a request is about to copy it into the pool) is never evicted until :meth:`release`, and a
 pinned key (:class:`~prefixkv.tiers.pins.PinnedKeys`, a pinned prefix's block) not until it is
-unpinned.
+unpinned. ``on_drop`` (set by the engine's KV event sink) hears every key that leaves the tier.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.stats import TierCounters
@@ -30,6 +30,7 @@ class HostTier:
         self._held: dict[bytes, int] = {}
         self.pinned = pinned if pinned is not None else PinnedKeys()
         self.counters = TierCounters("host", capacity)
+        self.on_drop: Callable[[list[bytes]], None] | None = None  # keys evicted or cleared
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -57,6 +58,8 @@ class HostTier:
                 return None
             self._free.append(self._slots.pop(victim))
             self.counters.add(evictions=1)
+            if self.on_drop is not None:
+                self.on_drop([victim])
         slot = self._free.pop()
         self._slots[key] = slot
         return slot
@@ -97,4 +100,6 @@ class HostTier:
         drop = [k for k in self._slots if k not in self._held and k not in pinned]
         for k in drop:
             self._free.append(self._slots.pop(k))
+        if drop and self.on_drop is not None:
+            self.on_drop(drop)
         return len(drop)

@@ -150,20 +150,23 @@ class TieredStore:
         return cls(keyer, transfer, host=host, disk=disk, remote=remote, prefetcher=prefetcher)
 
     # ------------------------------------------------------------------ into the tiers
-    def offload(self, pairs: Sequence[tuple[int, bytes]]) -> None:
-        """Copy ``(pool block id, key)`` blocks leaving the pool into the host tier."""
+    def offload(self, pairs: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        """Copy ``(pool block id, key)`` blocks leaving the pool into the host tier; returns the
+        pairs the host tier holds afterwards (newly stored ones, not those it had already)."""
         if self.host is None or not pairs:
-            return
-        ids, slots = [], []
+            return []
+        ids, slots, kept = [], [], []
         for block_id, key in pairs:
             slot = self.host.reserve(key)
             if slot is not None:
                 ids.append(block_id)
                 slots.append(slot)
+                kept.append((block_id, key))
         if ids:
             self.transfer.to_host(ids, slots)
             self.host.counters.add(stored_blocks=len(ids),
                                    stored_bytes=len(ids) * self.transfer.block_nbytes)
+        return [(b, k) for b, k in kept if k in self.host]  # (a tiny tier may drop its own)
 
     def publish(self, pairs: Sequence[tuple[int, bytes]], chain: Sequence[bytes] = ()) -> None:
         """Queue newly computed ``(pool block id, key)`` blocks for the disk and remote tiers;

@@ -217,6 +217,38 @@ def test_a_salted_tenants_tokens_never_leave_the_worker(demo_model: Any) -> None
         sub.close()
 
 
+def test_the_host_tier_announces_what_it_keeps_and_drops_as_cpu(demo_model: Any) -> None:
+    """Issue 42.2: a pool eviction the host tier keeps is a ``BlockStored`` on ``"CPU"`` (hashes
+    only) beside the ``"GPU"`` removal; a host-tier eviction is a ``BlockRemoved`` on ``"CPU"``."""
+    llm, sub = make(demo_model, block_size=4, num_kv_blocks=12, kv_offload_size=6)
+    try:
+        prompt = [(7 * i) % 200 + 3 for i in range(21)]
+        ours = block_hashes(prompt, 4)
+        llm.generate([prompt], greedy())
+        sub.drain()
+        for s in range(2):  # other prompts evict the first one's blocks from the pool
+            llm.generate([[(11 * i + s) % 200 + 3 for i in range(21)]], greedy())
+        events = sub.drain()
+        to_cpu = {h for e in events if isinstance(e, BlockStored) and e.medium == "CPU"
+                  for h in e.block_hashes}
+        off_gpu = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU"
+                   for h in e.block_hashes}
+        assert set(ours) & to_cpu and set(ours) & off_gpu
+        assert all(e.token_ids == [] for e in events
+                   if isinstance(e, BlockStored) and e.medium == "CPU")
+        for s in range(4):  # more evictions overflow the 6-block host tier: it drops some
+            llm.generate([[(17 * i + s) % 200 + 3 for i in range(21)]], greedy())
+        events = sub.drain()
+        off_cpu = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"
+                   for h in e.block_hashes}
+        assert set(ours) & to_cpu & off_cpu
+        host = llm.engine.kv.tiers.host  # type: ignore[union-attr]
+        assert host is not None and host.on_drop is not None
+    finally:
+        llm.engine.close()
+        sub.close()
+
+
 def json_salt() -> str:
     """The salt of an SGLang ``extra_key`` request, as the server derives it."""
     from prefixkv.kv_events import request_salt
