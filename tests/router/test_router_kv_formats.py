@@ -30,6 +30,8 @@ from prefixkv.kv_events import (
     decode_batch,
     encode_batch,
 )
+from prefixkv.router.cache_aware import CacheAwarePolicy
+from prefixkv.router.keys import text_key
 from prefixkv.router.kv_index import ExactIndex, TierWeights, tier_of
 from prefixkv.router.kv_stream import (
     EventSource,
@@ -39,6 +41,7 @@ from prefixkv.router.kv_stream import (
     topic_worker,
 )
 from prefixkv.router.metrics import RouterMetrics
+from prefixkv.router.precise import PrecisePolicy, TokenRouteKey
 from prefixkv.router.workers import WorkerRegistry
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -271,6 +274,25 @@ def test_tiers_are_weighted_and_removed_one_at_a_time() -> None:
     for bad in ("gpu=1", "host=2", "host", "disk=x"):
         with pytest.raises(ValueError, match="kv_tier_weights"):
             TierWeights.parse(bad)
+
+
+def test_precise_prefers_the_pool_holder_then_any_tier_over_nothing() -> None:
+    """A worker with the prompt in its pool beats one with it on disk, which beats one with
+    nothing; the ratio is the tier-weighted share (disk 0.25 by default)."""
+    C = "http://127.0.0.1:8003"
+    urls = [A, B, C]
+    p = PrecisePolicy(urls, CacheAwarePolicy(urls, eviction_interval=0), cache_threshold=0.2)
+    toks = list(range(64))
+    k = text_key("t", None)
+    key = TokenRouteKey(k.namespace, k.chunks, k.size, k.unit, tuple(toks))
+    hashes = block_hashes(toks, 16)
+    p.index.apply(A, KVEventBatch(0.0, [BlockStored(hashes, None, toks, 16, None, "DISK", None)]))
+    p.index.apply(B, KVEventBatch(0.0, [BlockStored(hashes, None, toks, 16, None, "GPU", None)]))
+    p.index.apply(C, KVEventBatch(0.0, []))
+    d = p.select(urls, {A: 0, B: 0, C: 0}, key)
+    assert (d.url, d.reason, d.match_ratio) == (B, "exact_hit", 1.0)
+    d = p.select([A, C], {A: 0, C: 0}, key)
+    assert (d.url, d.reason, d.match_ratio) == (A, "exact_hit", 0.25)
 
 
 def test_an_unreadable_stream_is_counted_warned_once_and_shown_in_metrics(
