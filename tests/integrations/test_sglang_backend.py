@@ -123,13 +123,14 @@ def make_backend(pool: Any, extra: dict[str, Any], *, model: str = "smollm2", tp
     return backend
 
 
-def fill(pool: Any, pages: int, seed: int) -> torch.Tensor:
-    """Allocate ``pages`` host pages holding seeded values; their slot indices."""
-    idx = pool.alloc(pages * PAGE)
+def fill(pool: Any, count: int, seed: int) -> torch.Tensor:
+    """Allocate ``count`` host pages holding seeded values; their slot indices."""
+    idx = pool.alloc(count * PAGE)
     gen = torch.Generator().manual_seed(seed)
     for slot in idx[::PAGE].tolist():
         page = pool.get_dummy_flat_data_page()
         pool.set_from_flat_data_page(slot, torch.randn(page.shape, generator=gen).to(page.dtype))
+    assert all(bool(p.abs().sum() > 0) for p in pages(pool, idx))  # comparisons are not vacuous
     return idx
 
 
@@ -336,6 +337,41 @@ def test_hybrid_models_are_refused_at_attach(tmp_path: Path) -> None:
     backend.register_mem_host_pool_v2(pool, "mamba")
     with pytest.raises(ValueError, match="mamba"):
         backend.on_host_pools_registered()
+
+
+def test_prefetch_and_backup_threads_at_once(tmp_path: Path, valkey_url: str) -> None:
+    """SGLang's backup thread writes while its prefetch thread queries and reads: every page
+    read is a page written, never a mix."""
+    import threading
+
+    pool = host_pool()  # one backend, one host pool: reads fill other slots of it
+    backend = make_backend(pool, {"kv_disk_dir": str(tmp_path / "kv"), "kv_remote": valkey_url})
+    batches = [(keys(3, f"t{i}-"), fill(pool, 3, seed=100 + i)) for i in range(6)]
+    want = {k: p for ks, idx in batches for k, p in zip(ks, pages(pool, idx))}
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        try:
+            for ks, idx in batches:
+                assert backend.batch_set_v1(ks, idx) == [True] * 3
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    writer = threading.Thread(target=backup)
+    writer.start()
+    seen = 0
+    while writer.is_alive() or seen < len(batches):
+        for ks, _ in batches:
+            n = backend.batch_exists(ks)
+            slots = pool.alloc(n * PAGE) if n else None
+            if slots is not None:
+                loaded = backend.batch_get_v1(ks[:n], slots)
+                for k, ok, got in zip(ks, loaded, pages(pool, slots)):
+                    assert ok and torch.equal(got, want[k])
+                pool.free(slots)
+        seen = sum(backend.batch_exists(ks) == 3 for ks, _ in batches)
+    writer.join()
+    assert not errors
 
 
 class _Prefetch:
