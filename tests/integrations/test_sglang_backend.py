@@ -64,7 +64,11 @@ if importlib.util.find_spec("torchvision") is None:
     sys.meta_path.insert(0, _TorchvisionStandIn())
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo  # noqa: E402
+from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
@@ -288,7 +292,8 @@ def test_other_shards_models_and_layouts_never_share_pages(tmp_path: Path) -> No
     assert make_backend(pool, extra, tp_rank=0, tp_size=2, model="other").batch_exists(keys(2)) == 0
     assert make_backend(host_pool("layer_first"), extra, tp_size=2).batch_exists(keys(2)) == 0
     assert make_backend(pool, {**extra, "kv_namespace": "b"}, tp_size=2).batch_exists(keys(2)) == 0
-    make_backend(pool, extra, mla=True, tp_rank=0, tp_size=2).batch_set_v1(keys(1), fill(pool, 1, 7))
+    mla_rank0 = make_backend(pool, extra, mla=True, tp_rank=0, tp_size=2)
+    mla_rank0.batch_set_v1(keys(1), fill(pool, 1, 7))
     assert make_backend(pool, extra, mla=True, tp_rank=1, tp_size=2).batch_exists(keys(1)) == 1
 
 
@@ -306,6 +311,8 @@ def test_clear_and_stats(tmp_path: Path, valkey_url: str) -> None:
     assert backend.get_stats().prefetch_pgs == []  # drained, as SGLang's histograms expect
     disk, remote = backend.tier_stats()
     assert (disk.tier, disk.stored_blocks, disk.hits, disk.occupancy_blocks) == ("disk", 3, 3, 3)
+    page_bytes = pool.get_dummy_flat_data_page().nbytes
+    assert disk.hit_tokens == 3 * PAGE and disk.loaded_bytes == 3 * page_bytes
     assert (remote.tier, remote.stored_blocks, remote.hits) == ("remote", 3, 0)
     backend.clear()  # the disk only: the shared server is other instances' too
     assert not list((tmp_path / "kv").glob("*.kvb"))

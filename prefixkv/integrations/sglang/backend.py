@@ -2,9 +2,10 @@
 disk and Valkey tiers. Loaded by ``--hicache-storage-backend dynamic`` (docs/sglang.md).
 
 One SGLang page (``get_data_page(index, flat=True)`` of the host pool: every layer's K and V of
-``page_size`` tokens) is one tier record under :class:`~prefixkv.integrations.sglang.config.PageKeys`'
-key: checksummed (an HMAC with a secret), so a truncated, damaged, foreign or forged record is
-a miss (deleted and counted), never wrong KV. Writes go to both tiers (write-through) and return
+``page_size`` tokens) is one tier record under the key
+:class:`~prefixkv.integrations.sglang.config.PageKeys` gives it: checksummed (an HMAC with a
+secret), so a truncated, damaged, foreign or forged record is a miss (deleted and counted),
+never wrong KV. Writes go to both tiers (write-through) and return
 once written: SGLang calls ``batch_set*`` from its backup thread, off the request path. Reads try
 the disk, then the shared server for the rest in one round trip; a page found only on the server
 is copied to the disk in the background.
@@ -48,6 +49,7 @@ class PrefixKVStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untype
         self._keys: PageKeys | None = None
         self._dtype = torch.uint8
         self._nbytes = 0
+        self._tokens = 0  # per page
         self._metrics_lock = threading.Lock()
         self._metrics: dict[str, list[float]] = {
             "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
@@ -67,6 +69,7 @@ class PrefixKVStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untype
                              f"{mem_pool_host.layout!r}) has not: {exc}") from exc
         self._dtype = sample.dtype
         self._nbytes = sample.numel() * sample.element_size()
+        self._tokens = int(mem_pool_host.page_size)
         layout = page_layout(str(sample.dtype).removeprefix("torch."), mem_pool_host.layout,
                              sample.numel())
         self._keys = PageKeys(self.settings, self.shard, layout)
@@ -247,15 +250,15 @@ class PrefixKVStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untype
             t0 = time.perf_counter()
             out = [disk.read(k) for k in keys]
             hits = [p for p in out if p is not None]
-            disk.counters.add_load(len(hits), 0, len(hits) * self._nbytes,
+            disk.counters.add_load(len(hits), len(hits) * self._tokens, len(hits) * self._nbytes,
                                    time.perf_counter() - t0)
         missing = [i for i, p in enumerate(out) if p is None]
         if remote is not None and missing:
             t0 = time.perf_counter()
             got = remote.read_many([keys[i] for i in missing])
             hits = [p for p in got if p is not None]
-            remote.counters.add_load(len(hits), 0, len(hits) * self._nbytes,
-                                     time.perf_counter() - t0)
+            remote.counters.add_load(len(hits), len(hits) * self._tokens,
+                                     len(hits) * self._nbytes, time.perf_counter() - t0)
             for i, payload in zip(missing, got):
                 out[i] = payload
                 if payload is not None and disk is not None:
@@ -272,8 +275,8 @@ class PrefixKVStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untype
         for tier in (disk, remote):
             if tier is not None:
                 tier.flush()
-        return [(disk is not None and disk.contains(k)) or (remote is not None and remote.is_known(k))
-                for k in keys]
+        return [(disk is not None and disk.contains(k))
+                or (remote is not None and remote.is_known(k)) for k in keys]
 
     def _tensor(self, payload: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(payload), dtype=self._dtype)

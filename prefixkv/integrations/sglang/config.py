@@ -95,7 +95,8 @@ class StorageSettings:
         disk_size = DEFAULT_DISK_SIZE if disk_size is None else disk_size
         parse_size(disk_size, 1, "kv_disk_size")
         remote = extra.get("kv_remote")
-        if remote is not None and not (isinstance(remote, str) and remote.startswith(REMOTE_SCHEMES)):
+        if remote is not None and not (
+                isinstance(remote, str) and remote.startswith(REMOTE_SCHEMES)):
             scheme = remote.partition("://")[0] if isinstance(remote, str) else remote
             raise ValueError(f"kv_remote must be a URL starting {' / '.join(REMOTE_SCHEMES)}, "
                              f"got {scheme!r}")  # the URL is not echoed: it may carry a password
