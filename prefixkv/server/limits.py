@@ -100,6 +100,11 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+MAX_MESSAGES = 4096
+"""Most messages (or Responses ``input`` items) one request may hold: pydantic validates the
+body on the event loop before any route code runs, ~40 us a message, so 100k tiny messages
+(a 13 MB body) held every client for 1.5 s; past the cap validation stops at once (a 400)."""
+
 PROMPT_CHARS_PER_TOKEN = 32
 """Characters one token may cover in the length guard: far above any tokenizer's average (3-5
 for text, rarely over 16 even for runs of spaces), so a prompt that could fit the context is

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from prefixkv.server.errors import APIError
+from prefixkv.server.limits import MAX_MESSAGES
 from prefixkv.server.protocol import PositiveInt, _Body
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -81,7 +82,7 @@ class MessagesRequest(_Body):
     """``POST /v1/messages``."""
 
     model: str | None = None
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: PositiveInt
     system: str | list[Block] | None = None
     stop_sequences: list[str] | None = None
@@ -106,7 +107,7 @@ class CountTokensRequest(_Body):
     """``POST /v1/messages/count_tokens``: the prompt part of a request."""
 
     model: str | None = None
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
 

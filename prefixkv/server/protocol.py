@@ -32,6 +32,7 @@ from prefixkv.engine.sampling_params import (
 )
 from prefixkv.engine.stop_regex import compile_stop_regex
 from prefixkv.kv_events import request_salt
+from prefixkv.server.limits import MAX_MESSAGES
 
 MAX_LOGPROBS = 20
 """Most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
@@ -338,7 +339,7 @@ class ChatCompletionRequest(SamplingRequest):
     arguments and return ``tool_calls``, as vLLM does.
     """
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool = False
     top_logprobs: NumLogprobs | None = None
@@ -385,7 +386,7 @@ class PrefixSpec(_Strict):
 
     token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     text: Annotated[str, Field(min_length=1)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")

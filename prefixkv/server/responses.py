@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, ValidationError
 
 from prefixkv.server.errors import APIError
+from prefixkv.server.limits import MAX_MESSAGES
 from prefixkv.server.protocol import NumLogprobs, PositiveInt, _Body
 
 RESPONSE_ID_HEADER = "x-prefixkv-response-id"
@@ -113,7 +114,8 @@ class ResponsesRequest(_Body):
     """``POST /v1/responses``."""
 
     model: str | None = None
-    input: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem]
+    input: str | Annotated[list[MessageItem | FunctionCallItem | FunctionCallOutputItem],
+                           Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

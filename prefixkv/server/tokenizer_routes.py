@@ -23,7 +23,7 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.prompts import template_options
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
-from prefixkv.server.limits import check_prompt_chars
+from prefixkv.server.limits import MAX_MESSAGES, check_prompt_chars
 from prefixkv.server.protocol import ChatMessage, TokenId, _Body
 
 
@@ -32,7 +32,7 @@ class TokenizeRequest(_Body):
 
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -96,3 +96,19 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(http: httpx.Client, path: st
     err = _error(r)
     assert err["param"] == field and "not valid Unicode" in err["message"]
     assert http.post("/tokenize", json={"prompt": "still serving"}).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w"}] * 100_000}, "messages"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "w"}] * 100_000, "max_tokens": 1}, "messages"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "w"}] * 100_000}, "input"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "w"}] * 100_000}, "messages"),
+])
+def test_a_body_of_many_tiny_messages_is_refused_early(
+    http: httpx.Client, path: str, body: dict[str, Any], field: str
+) -> None:
+    r = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    err = _error(r)
+    assert err["param"].startswith(field)
+    if path != "/v1/responses":  # (a union field: its 400 says which shapes it accepts)
+        assert "at most 4096" in err["message"]
