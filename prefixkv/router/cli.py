@@ -108,6 +108,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--failure-threshold", type=int, default=3,
                    help="failed requests in a row that take a worker out of rotation")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--quarantine-ttl", type=float, default=600.0, metavar="SECONDS",
+                   help="how long requests with the same body as one that workers died serving "
+                        "are refused (503 request_quarantined; default %(default)s)")
+    p.add_argument("--quarantine-size", type=int, default=4096, metavar="N",
+                   help="request bodies remembered as suspected of killing workers "
+                        "(default %(default)s)")
     p.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
                    metavar="SECONDS", help="close a client's idle connection after this long "
                    "(default %(default)s; longer than clients keep theirs)")
@@ -182,6 +188,7 @@ def run_route(args: argparse.Namespace) -> int:
             health_check_timeout=args.health_check_timeout,
             failure_threshold=args.failure_threshold, request_timeout=args.request_timeout,
             timeout_keep_alive=args.timeout_keep_alive,
+            quarantine_ttl=args.quarantine_ttl, quarantine_size=args.quarantine_size,
             admin_api_key=args.admin_api_key, kv_events=tuple(args.kv_events),
             kv_events_topic=args.kv_events_topic, kv_events_rehash=args.kv_events_rehash,
             kv_tier_weights=args.kv_tier_weights,

@@ -41,6 +41,9 @@ class RouterConfig:
     ``peer_sync_interval`` seconds (:mod:`prefixkv.router.replicas`); ``replica_index``: this
     replica's position among them (0..N-1, e.g. a StatefulSet ordinal), so new sessions arriving
     at several replicas at once start on different workers.
+    ``quarantine_ttl`` / ``quarantine_size``: how long (seconds) requests with the body of one
+    that workers died serving are refused, and how many such bodies are remembered
+    (:mod:`prefixkv.router.quarantine`).
     ``epp_port``: also serve the Gateway API Inference Extension's endpoint picker (Envoy
     ext_proc gRPC) on this port (0: a free one; ``None``: not at all; :mod:`prefixkv.router.epp`).
     """
@@ -75,6 +78,8 @@ class RouterConfig:
     peer_sync_interval: float = 0.01
     replica_index: int = 0
     epp_port: int | None = None
+    quarantine_ttl: float = 600.0
+    quarantine_size: int = 4096
 
     def __post_init__(self) -> None:
         urls = tuple(normalize_worker_url(u) for u in self.worker_urls)
@@ -115,8 +120,10 @@ class RouterConfig:
             raise ValueError(f"epp_port must be in [0, 65535], got {self.epp_port!r}")
         if self.failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {self.failure_threshold!r}")
+        if not isinstance(self.quarantine_size, int) or self.quarantine_size < 1:
+            raise ValueError(f"quarantine_size must be an int >= 1, got {self.quarantine_size!r}")
         for name in ("health_check_interval", "health_check_timeout", "request_timeout",
-                     "timeout_keep_alive"):
+                     "timeout_keep_alive", "quarantine_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

@@ -3,7 +3,8 @@
 Names carry a ``prefixkv:router_`` prefix. Per worker: requests routed (by decision reason),
 the estimated match ratio of each routed request, failures (by kind), requests in flight,
 health, and the approximate tree size; for ``precise``, the KV event batches applied and those
-that could not be read; plus retries and requests that found no worker.
+that could not be read; plus retries, requests that found no worker, worker deaths pinned on a
+request and the requests refused for it (quarantined).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class RouterMetrics:
         )
         self.failures = Counter(
             "prefixkv:router_failures",
-            "Failed dispatches and probes: kind is connect, status_5xx, abandoned, stream or probe.",
+            "Failed dispatches and probes: kind is connect, status_5xx, abandoned, stream, probe or "
+            "died (the worker died with the request in flight).",
             ["worker", "kind"], registry=r,
         )
         self.retries = Counter(
@@ -51,6 +53,16 @@ class RouterMetrics:
         self.unroutable = Counter(
             "prefixkv:router_no_worker", "Requests answered 503 because no worker was healthy.",
             registry=r,
+        )
+        self.quarantined = Counter(
+            "prefixkv:router_quarantined_requests",
+            "Requests refused (503 request_quarantined) or not retried because workers died "
+            "serving requests with the same body.", registry=r,
+        )
+        self.request_deaths = Counter(
+            "prefixkv:router_request_caused_deaths",
+            "Worker deaths pinned on the request in flight (its body was then quarantined).",
+            ["worker"], registry=r,
         )
         self.in_flight = Gauge(
             "prefixkv:router_in_flight", "Requests in flight per worker.", ["worker"], registry=r

@@ -15,7 +15,14 @@ answering (connection refused, reset or dropped: the worker died) or that gets a
 (e.g. 503 from a dead engine) is sent again to another healthy worker, each worker at most once
 per request; nothing has reached the client yet, so streamed requests are retried too. Such a
 failure counts towards the worker's circuit breaker and triggers an immediate ``/health`` probe
-(see :mod:`prefixkv.router.workers`); requests still waiting on a worker that leaves the
+(see :mod:`prefixkv.router.workers`). A connection cut after the request was sent is probed at
+once: if the worker is gone it died under the request, which may have killed it (a query of
+death); the request is retried once only when the worker had other requests in flight, and its
+body fingerprint gets a strike; when it was alone, or its fingerprint was in flight at another
+death, it is not retried (502) and its fingerprint is quarantined: identical requests are
+answered 503 ``request_quarantined`` for ``quarantine_ttl`` seconds
+(:mod:`prefixkv.router.quarantine`). So a lone poison request costs one worker, and never more
+than two. Requests still waiting on a worker that leaves the
 rotation (it stopped answering its probes) are abandoned there and sent elsewhere. A stream that
 breaks midway (or whose worker leaves the rotation) ends with an SSE error event. Only when every
 healthy worker failed does the client see the error (503 if none was left).
@@ -56,6 +63,7 @@ from prefixkv.router.health import WorkerCacheStats, fetch_cache_stats, health_l
 from prefixkv.router.keys import RouteKey
 from prefixkv.router.metrics import RouterMetrics
 from prefixkv.router.policies import Policy, make_policy
+from prefixkv.router.quarantine import Quarantine, fingerprint
 from prefixkv.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse, WorkerGone
 from prefixkv.router.workers import WorkerRegistry
 
@@ -94,6 +102,7 @@ class Router:
             kv_events_rehash=config.kv_events_rehash, kv_tier_weights=config.kv_tier_weights,
         )
         self.metrics = RouterMetrics()
+        self.quarantine = Quarantine(config.quarantine_ttl, config.quarantine_size)
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._probing: dict[str, asyncio.Task[None]] = {}
@@ -192,6 +201,32 @@ class Router:
             task = asyncio.create_task(self._probe_now(url))
             self._probing[url] = task
 
+    async def _worker_died(self, url: str, fp: str, error: str, alone: bool) -> bool | None:
+        """A request with fingerprint ``fp`` was cut after it was sent to ``url``: probe it.
+        ``None``: the worker answers (one dropped connection). Else it died under the request
+        and leaves the rotation; ``True`` when the death is pinned on the request (it was
+        ``alone`` on the worker, or it was the one request there whose body had a strike from
+        an earlier death): ``fp`` is quarantined and the request must not be retried.
+        ``False``: the worker had other requests in flight; ``fp`` gets a strike, and the
+        request is retried (as a suspect: one per worker at a time)."""
+        if await probe(self.client, url, self.config.health_check_timeout) is None:
+            return None
+        self.metrics.observe_failure(url, "died")
+        forget = getattr(self.policy, "on_dispatch_failed", None)
+        if forget is not None:
+            forget(url)
+        if self.workers.mark_down(url, f"died serving a request ({error})"):
+            self._on_health_change(url, False)
+        if alone or self.quarantine.held_on(url) == fp:
+            self.quarantine.condemn(fp)
+            self.metrics.request_deaths.labels(url).inc()
+            log.error("worker %s died serving request %s (%s); requests with that body are "
+                      "quarantined for %g s", url, fp, "alone" if alone else "second death",
+                      self.config.quarantine_ttl)
+            return True
+        self.quarantine.suspect(fp)
+        return False
+
     async def _probe_now(self, url: str) -> None:
         try:
             error = await probe(self.client, url, self.config.health_check_timeout)
@@ -217,12 +252,24 @@ class Router:
         ``after``: the stored response a Responses API request continues
         (``previous_response_id``); it goes to the worker that answered it while that one is
         healthy (only it holds the conversation), bypassing the policy."""
+        fp = fingerprint("POST", path, raw)
         fwd = {h: headers[h] for h in _FORWARDED_HEADERS if h in headers}
         fwd["content-type"] = "application/json"
         tried: list[str] = []
         last_5xx: Answer | None = None
         holder = self._stored.get(after) if after is not None else None
         while urls := self.workers.healthy(exclude=tried):
+            left = self.quarantine.refused_for(fp)
+            if left is not None:
+                self.metrics.quarantined.inc()
+                return _quarantined(503, "request quarantined: a worker died serving a request "
+                                    "with the same method, path and body; refused for another "
+                                    f"{left:.0f} s")
+            suspect = self.quarantine.has_strike(fp)
+            if suspect:  # one per worker at a time, so a death with one in flight names it
+                if not (urls := self.quarantine.without_suspects(urls)):
+                    await self.quarantine.wait_for_room(self.config.health_check_interval)
+                    continue
             ratio: float | None = None
             if holder in urls:
                 url, reason = holder, "conversation"
@@ -234,6 +281,8 @@ class Router:
             tried.append(url)
             self.metrics.observe_dispatch(url, reason, ratio)
             self.workers.begin(url)
+            if suspect:
+                self.quarantine.hold(url, fp)
             relayed = False  # once True, the answer's stream owns resp and the in-flight count
             try:
                 resp = await self.pool.post(url, path, raw, fwd)
@@ -242,10 +291,20 @@ class Router:
                 if stream and not retry:
                     relayed = True
                     self.workers.record_success(url)
-                    return self._relay(resp, url)
+                    return self._relay(resp, url, fp, suspect)
                 content = await resp.read()
             except UpstreamError as exc:
-                self._dispatch_failed(url, "connect", f"{type(exc).__name__}: {exc}")
+                error = f"{type(exc).__name__}: {exc}"
+                alone = self.workers[url].in_flight <= 1  # before the probe: others still count
+                died = await self._worker_died(url, fp, error, alone) if exc.cut else None
+                if died is None:
+                    self._dispatch_failed(url, "connect", error)
+                elif died:
+                    self.metrics.quarantined.inc()
+                    return _quarantined(502, f"worker {url} died while serving this request; it "
+                                        "was not retried, and requests with the same method, path "
+                                        f"and body are refused for {self.config.quarantine_ttl:g} "
+                                        "s (quarantined)")
                 continue
             except WorkerGone:
                 self.metrics.observe_failure(url, "abandoned")
@@ -256,6 +315,8 @@ class Router:
             finally:
                 if not relayed:
                     self.workers.end(url)
+                    if suspect:
+                        self.quarantine.release(url)
             answer = Answer(resp.status, _answer_headers(resp, url), content)
             if not retry:
                 self.workers.record_success(url)
@@ -296,7 +357,7 @@ class Router:
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type"))
 
-    def _relay(self, resp: UpstreamResponse, url: str) -> Answer:
+    def _relay(self, resp: UpstreamResponse, url: str, fp: str, suspect: bool) -> Answer:
         """A streamed answer passing the worker's pieces through; it owns ``resp`` and the
         worker's in-flight count (released once, by the stream's end or the answer's close)."""
         ended = False
@@ -306,6 +367,8 @@ class Router:
             if not ended:
                 ended = True
                 self.workers.end(url)
+                if suspect:
+                    self.quarantine.release(url)
                 resp.close()
 
         async def relay() -> AsyncGenerator[bytes, None]:
@@ -314,12 +377,20 @@ class Router:
                 async for piece in pieces:
                     yield piece
             except (UpstreamError, WorkerGone) as exc:
+                message = f"worker {url} failed mid-stream: {exc}"
                 if isinstance(exc, UpstreamError):
-                    self._dispatch_failed(url, "stream", f"{type(exc).__name__}: {exc}")
+                    error = f"{type(exc).__name__}: {exc}"
+                    alone = self.workers[url].in_flight <= 1
+                    died = await self._worker_died(url, fp, error, alone) if exc.cut else None
+                    if died is None:
+                        self._dispatch_failed(url, "stream", error)
+                    elif died:
+                        message = (f"worker {url} died while serving this request; requests with "
+                                   "the same method, path and body are refused for "
+                                   f"{self.config.quarantine_ttl:g} s (quarantined)")
                 else:
                     self.metrics.observe_failure(url, "stream")
-                err = error_body(f"worker {url} failed mid-stream: {exc}", type_="worker_error",
-                                 code="worker_failed")
+                err = error_body(message, type_="worker_error", code="worker_failed")
                 yield f"data: {json.dumps(err)}\n\n".encode()
             finally:
                 end()
@@ -347,6 +418,14 @@ class Router:
              **extra.get(w.url, {})}
             for w in self.workers.all()
         ]
+
+
+def _quarantined(status: int, message: str) -> Answer:
+    """The answer for a request whose body is quarantined (blamed on the request: a router in
+    front of this one does not retry it either)."""
+    answer = error_answer(status, message, type_="service_unavailable", code="request_quarantined")
+    answer.headers[ERROR_CAUSE_HEADER] = "request"
+    return answer
 
 
 def _worker_caused(resp: UpstreamResponse) -> bool:

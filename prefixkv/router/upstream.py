@@ -32,7 +32,15 @@ _PAUSE_AT = 1 << 20  # buffered answer bytes before reading from the socket paus
 
 
 class UpstreamError(Exception):
-    """The worker could not be reached or broke its answer off (a transport failure)."""
+    """The worker could not be reached or broke its answer off (a transport failure).
+
+    ``cut``: the worker's side closed or reset the connection after the request was written
+    (what a worker dying under the request looks like); ``False`` for a refused or failed
+    connect, a timeout or a malformed answer."""
+
+    def __init__(self, message: str, *, cut: bool = False) -> None:
+        super().__init__(message)
+        self.cut = cut
 
 
 class WorkerGone(Exception):
@@ -98,7 +106,7 @@ class _Conn(asyncio.Protocol):
         if self.failure is not None:
             raise self.failure
         if self.closed:
-            raise UpstreamError(f"{self.base} closed the connection mid-answer")
+            raise UpstreamError(f"{self.base} closed the connection mid-answer", cut=True)
         if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
@@ -264,26 +272,35 @@ class UpstreamPool:
                 head += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
         head += [b"\r\n", body]
         message = b"".join(head)
+        written_and_cut = False  # the first try, on an idle connection, was cut after writing
         for attempt in range(2):
             idle = self._idle.get(base)
             reused = bool(idle) and attempt == 0
-            conn = idle.pop() if reused and idle else await self._connect(base, host, port)
+            try:
+                conn = idle.pop() if reused and idle else await self._connect(base, host, port)
+            except UpstreamError as exc:
+                if written_and_cut:  # the worker may have taken the request, then died
+                    raise UpstreamError(str(exc), cut=True) from exc
+                raise
             if base in self._gone:
                 self._put(conn, reuse=True)
                 raise WorkerGone(base)
             self._busy.setdefault(base, set()).add(conn)
             conn.received = False
             assert conn.transport is not None
+            wrote = False
             try:
                 if conn.closed or conn.transport.is_closing():  # lost since it was connected or
                     # idle (uvloop's write would raise RuntimeError; asyncio's drops the bytes)
                     raise UpstreamError(f"{base} closed the connection before the request")
                 conn.transport.write(message)
+                wrote = True
                 status, answer_headers = await self._head(conn)
                 return UpstreamResponse(conn, status, answer_headers, self.timeout)
             except UpstreamError:
                 self._put(conn, reuse=False)
                 if reused and not conn.received and conn.failure is None:
+                    written_and_cut = wrote
                     continue
                 raise
             except BaseException:
