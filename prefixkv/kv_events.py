@@ -44,7 +44,7 @@ import msgspec
 
 from prefixkv.tiers.keys import BlockKeyer
 
-__all__ = ["DEFAULT_ENDPOINT", "ENCODINGS", "EVENT_FINGERPRINT", "MEDIUM_CPU", "MEDIUM_GPU", "AllBlocksCleared",
+__all__ = ["DEFAULT_ENDPOINT", "ENCODINGS", "EVENT_FINGERPRINT", "MEDIUM_CPU", "MEDIUM_DISK", "MEDIUM_GPU", "AllBlocksCleared",
            "BlockRemoved", "BlockStored", "KVEvent", "KVEventBatch", "KVEventsConfig",
            "block_hashes", "continue_chain", "decode_batch", "encode_batch", "hash_int",
            "request_salt", "salted"]
@@ -54,6 +54,7 @@ EVENT_FINGERPRINT = "prefixkv/kv-events/v1"
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the device pool (prefixkv's pool, on CPU or GPU)
 MEDIUM_CPU = "CPU"  # vLLM's offloading connector's name for host memory (prefixkv's host tier)
+MEDIUM_DISK = "DISK"  # prefixkv's disk tier
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 """Where events go when no endpoint is given: bound on loopback only (vLLM binds ``tcp://*:5557``,
 every interface, which shows every tenant's prompts to the network)."""

@@ -14,8 +14,11 @@ more.
 **Tiers.** A block evicted from the pool that the host tier kept is announced again as stored
 with ``medium`` ``"CPU"`` (vLLM's offloading connector's name; hashes only), and a host-tier key
 that is evicted or cleared as removed from ``"CPU"`` (:meth:`KVEventSink.host_dropped`, the host
-tier's hook). The disk and remote tiers are not announced: the remote one is shared and evicted
-by its server, which tells no one.
+tier's hook). A block the disk tier's writer wrote is stored on ``"DISK"``, one it evicted,
+cleared or found corrupt removed from it (:meth:`KVEventSink.disk_stored` / ``disk_dropped``,
+called from the writer thread; the block's tier key is mapped to its hash when the pool stored
+it, for the last :data:`KEYED` blocks). The remote tier is not announced: it is shared and
+evicted by its server, which tells no one.
 
 **Tenants.** A salted request's blocks (``cache_salt`` / ``extra_key``) go out with their hashes
 only: ``token_ids`` empty (see :mod:`prefixkv.kv_events`, "Salted requests"). Their prompts
@@ -28,12 +31,14 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 from prefixkv.kv_events import (
     EVENT_FINGERPRINT,
     MEDIUM_CPU,
+    MEDIUM_DISK,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -72,6 +77,8 @@ class BatchPublisher(Protocol):
 
 
 _STOP = ("stop",)
+KEYED = 65_536
+"""Recently stored blocks whose tier key the sink remembers, to announce their disk write."""
 
 
 class KVEventSink:
@@ -94,6 +101,8 @@ class KVEventSink:
         self._overflow = threading.Event()
         self._hashes: dict[int, bytes] = {}  # cached block id -> digest (thread-owned)
         self._host: dict[bytes, bytes] = {}  # host tier key -> digest (thread-owned)
+        self._disk: dict[bytes, bytes] = {}  # announced disk tier key -> digest (thread-owned)
+        self._keyed: OrderedDict[bytes, bytes] = OrderedDict()  # recent tier key -> digest
         self.published = 0
         self.dropped = 0
         self._stopping = threading.Event()
@@ -110,11 +119,14 @@ class KVEventSink:
             self._overflow.set()
 
     def stored(self, block_ids: Sequence[int], parent_id: int | None,
-               token_ids: Sequence[int], namespace: Hashable | None) -> None:
+               token_ids: Sequence[int], namespace: Hashable | None,
+               tier_keys: Sequence[bytes] = ()) -> None:
         """``block_ids`` (holding ``token_ids``, whole blocks) are cached now, continuing the
         cached block ``parent_id`` (``None``: they start the prompt). Ids already known as
-        cached (another sequence stored them first) are not announced again."""
-        self._put(("stored", list(block_ids), parent_id, list(token_ids), namespace))
+        cached (another sequence stored them first) are not announced again. ``tier_keys``:
+        the blocks' lower-tier keys, one per block (empty without tiers)."""
+        self._put(("stored", list(block_ids), parent_id, list(token_ids), namespace,
+                   list(tier_keys)))
 
     def removed(self, block_ids: Sequence[int],
                 to_host: Sequence[tuple[int, bytes]] = ()) -> None:
@@ -122,6 +134,16 @@ class KVEventSink:
         the ``(block id, host tier key)`` pairs of them the host tier now holds."""
         if block_ids:
             self._put(("removed", list(block_ids), list(to_host)))
+
+    def disk_stored(self, keys: list[bytes]) -> None:
+        """The disk tier wrote ``keys`` (its hook, on its writer thread)."""
+        if keys:
+            self._put(("disk_stored", list(keys)))
+
+    def disk_dropped(self, keys: list[bytes]) -> None:
+        """The disk tier evicted, cleared or lost ``keys`` (its hook, any thread)."""
+        if keys:
+            self._put(("disk_dropped", list(keys)))
 
     def host_dropped(self, keys: list[bytes]) -> None:
         """The host tier evicted or cleared ``keys`` (its hook; keys never announced are
@@ -197,12 +219,16 @@ class KVEventSink:
             self._overflow.clear()
             self._hashes.clear()
             self._host.clear()
+            self._disk.clear()
             events.append(AllBlocksCleared())
         bs = self.block_size
         for record in records:
             kind = record[0]
             if kind == "stored":
-                events.extend(self._stored(*record[1:]))
+                events.extend(self._stored(*record[1:5]))
+                self._remember(record[1], record[5])
+            elif kind in ("disk_stored", "disk_dropped"):
+                events.extend(self._disk_event(kind == "disk_stored", record[1]))
             elif kind == "removed":
                 kept = [(k, self._hashes[b]) for b, k in record[2] if b in self._hashes]
                 if kept:
@@ -220,11 +246,37 @@ class KVEventSink:
                 gone = [self._hashes.pop(b) for b in record[1] if b in self._hashes]
                 if gone:
                     events.append(BlockRemoved([hash_int(d) for d in gone], MEDIUM_GPU))
-            elif kind == "reset":  # (subscribers forget every tier: the host map too)
+            elif kind == "reset":  # (subscribers forget every tier: the tier maps too)
                 self._hashes.clear()
                 self._host.clear()
+                self._disk.clear()
                 events.append(AllBlocksCleared())
         return events
+
+    def _remember(self, ids: list[int], keys: list[bytes]) -> None:
+        """Map the tier keys of just-stored blocks to their digests (the last :data:`KEYED`)."""
+        for block, key in zip(ids, keys):
+            digest = self._hashes.get(block)
+            if digest is not None:
+                self._keyed[key] = digest
+                self._keyed.move_to_end(key)
+        while len(self._keyed) > KEYED:
+            self._keyed.popitem(last=False)
+
+    def _disk_event(self, stored: bool, keys: list[bytes]) -> list[Any]:
+        """``BlockStored`` / ``BlockRemoved`` on ``"DISK"`` for the keys it can name."""
+        if stored:
+            new = [(k, self._keyed[k]) for k in keys if k in self._keyed and k not in self._disk]
+            self._disk.update(new)
+            digests = [d for _, d in new]
+        else:
+            digests = [self._disk.pop(k) for k in keys if k in self._disk]
+        if not digests:
+            return []
+        hashes: list[int | bytes] = [hash_int(d) for d in digests]
+        if stored:
+            return [BlockStored(hashes, None, [], self.block_size, None, MEDIUM_DISK, None)]
+        return [BlockRemoved(hashes, MEDIUM_DISK)]
 
     def _stored(self, ids: list[int], parent_id: int | None, tokens: list[int],
                 namespace: Hashable | None) -> list[BlockStored]:

@@ -78,8 +78,12 @@ class KVManager:
     @events.setter
     def events(self, sink: KVEventSink | None) -> None:
         self._events = sink
-        if self.tiers is not None and self.tiers.host is not None:
-            self.tiers.host.on_drop = None if sink is None else sink.host_dropped
+        tiers = self.tiers
+        if tiers is not None and tiers.host is not None:
+            tiers.host.on_drop = None if sink is None else sink.host_dropped
+        if tiers is not None and tiers.disk is not None:
+            tiers.disk.on_stored = None if sink is None else sink.disk_stored
+            tiers.disk.on_drop = None if sink is None else sink.disk_dropped
 
     @property
     def num_blocks(self) -> int:
@@ -266,18 +270,24 @@ class KVManager:
         # normally k; fewer only if a (verified) hash collision stopped the insert early: the
         # blocks past it stay private to the sequence and are freed on release
         seq.num_indexed_blocks = len(node.kv_block_ids)
+        pairs: list[tuple[int, bytes]] = []
+        chain: list[bytes] = []
         if self.tiers is not None and seq.num_indexed_blocks > first:
             chain = self._chain(seq, seq.num_indexed_blocks)
             if chain:
                 pairs = [(table[i], chain[i]) for i in range(first, seq.num_indexed_blocks)]
                 self._keys.update(pairs)
                 self._pooled.update(k for _, k in pairs)
-                self.tiers.publish(pairs, chain[: seq.num_indexed_blocks])
         if self.events is not None and seq.num_indexed_blocks > first:
+            # before the tiers see the blocks: the sink must know their keys when the disk
+            # tier's writer reports them written
             self.events.stored(table[first : seq.num_indexed_blocks],
                                table[first - 1] if first else None,
                                seq.token_ids[first * self.block_size : seq.num_indexed_blocks
-                                             * self.block_size], seq.request.namespace)
+                                             * self.block_size], seq.request.namespace,
+                               [k for _, k in pairs])
+        if pairs and self.tiers is not None:
+            self.tiers.publish(pairs, chain[: seq.num_indexed_blocks])
         if old is not None:
             self.cache.unlock(old)
         self.pool.free(duplicates)

@@ -94,6 +94,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first; pending keys too
         self._pending: set[bytes] = set()  # submitted, not written yet (never evicted)
+        # the KV event sink's hooks: keys written / keys that left (any thread may call them)
+        self.on_stored: Callable[[list[bytes]], None] | None = None
+        self.on_drop: Callable[[list[bytes]], None] | None = None
         self._scan()
         self._writer: BackgroundWriter[tuple[bytes, bytes | None]] = BackgroundWriter(
             "prefixkv-disk-writer", self._job, self._write_failed)
@@ -208,6 +211,8 @@ class DiskTier:
                 del self._index[k]
         for k in drop:
             _unlink(self.path(k))
+        if drop and self.on_drop is not None:
+            self.on_drop(drop)
         return len(drop)
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -222,6 +227,8 @@ class DiskTier:
     def _forget(self, key: bytes) -> None:
         with self._lock:
             self._index.pop(key, None)
+        if self.on_drop is not None:
+            self.on_drop([key])
 
     def _job(self, item: tuple[bytes, bytes | None]) -> None:
         key, payload = item
@@ -271,6 +278,11 @@ class DiskTier:
                           evictions=len(victims) - (not kept), dropped=int(not kept))
         for v in victims:
             _unlink(self.path(v))
+        if kept and self.on_stored is not None:
+            self.on_stored([key])
+        gone = [v for v in victims if v != key]
+        if gone and self.on_drop is not None:
+            self.on_drop(gone)
 
     def _write_failed(self, exc: BaseException) -> None:
         """Count a failed write and warn (throttled: a full or read-only disk fails every block)."""

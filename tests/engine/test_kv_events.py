@@ -249,6 +249,40 @@ def test_the_host_tier_announces_what_it_keeps_and_drops_as_cpu(demo_model: Any)
         sub.close()
 
 
+def test_the_disk_tier_announces_what_its_writer_wrote_and_dropped(demo_model: Any,
+                                                                   tmp_path: Any) -> None:
+    """Issue 42.2: a block the disk tier wrote is a ``BlockStored`` on ``"DISK"`` (hashes
+    only); one it evicted (capacity) or cleared is a ``BlockRemoved`` on ``"DISK"``."""
+    llm, sub = make(demo_model, block_size=4, num_kv_blocks=64, kv_disk_dir=str(tmp_path),
+                    kv_disk_size=8)
+    tiers = llm.engine.kv.tiers
+    assert tiers is not None
+    try:
+        prompt = [(5 * i) % 200 + 3 for i in range(21)]
+        ours = block_hashes(prompt, 4)
+        llm.generate([prompt], greedy())
+        assert tiers.flush()
+        events = sub.drain()
+        on_disk = {h for e in events if isinstance(e, BlockStored) and e.medium == "DISK"
+                   for h in e.block_hashes}
+        assert set(ours) <= on_disk
+        assert all(e.token_ids == [] for e in events
+                   if isinstance(e, BlockStored) and e.medium == "DISK")
+        for s in range(2):  # more prompts overflow the 8-block disk tier: it evicts some
+            llm.generate([[(9 * i + s) % 200 + 3 for i in range(21)]], greedy())
+        assert tiers.flush()
+        gone = {h for e in sub.drain() if isinstance(e, BlockRemoved) and e.medium == "DISK"
+                for h in e.block_hashes}
+        assert set(ours) & gone
+        tiers.clear(["disk"])
+        cleared = {h for e in sub.drain() if isinstance(e, BlockRemoved) and e.medium == "DISK"
+                   for h in e.block_hashes}
+        assert cleared and not cleared & gone  # what was left, each announced once
+    finally:
+        llm.engine.close()
+        sub.close()
+
+
 def json_salt() -> str:
     """The salt of an SGLang ``extra_key`` request, as the server derives it."""
     from prefixkv.kv_events import request_salt
