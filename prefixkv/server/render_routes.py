@@ -31,6 +31,7 @@ from prefixkv.engine.prompts import template_options
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.limits import check_prompt_chars
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from prefixkv.server.request_params import sampling_params
 from prefixkv.server.serving import COMPLETIONS_DEFAULT_MAX_TOKENS, OpenAIServing
@@ -43,6 +44,7 @@ async def chat_prompt(serving: OpenAIServing, req: ChatCompletionRequest) -> dic
     """The engine prompt of a chat body: its messages through the chat template (with its
     ``chat_template_kwargs`` and tools) as ``{"prompt_token_ids": [...], ...}``; 400s name the
     field."""
+    check_prompt_chars(serving.engine.max_model_len, {"messages": req.messages, "tools": req.tools})
     try:
         options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
                                    req.continue_final_message)
@@ -129,6 +131,8 @@ def build_render_router(serving: OpenAIServing, policy: FieldPolicy,
                                  logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
                                  structured=structured)
         special = body.add_special_tokens
+        for prompt in prompts:  # the length guard, before any tokenizing
+            check_prompt_chars(engine.max_model_len, {"prompt": prompt})
         out = []
         for prompt in prompts:
             ids = (list(prompt) if not isinstance(prompt, str) else await asyncio.to_thread(

@@ -68,6 +68,8 @@ HUGE = [
     ("/v1/responses", {"input": "hi", "instructions": BIG}, "instructions"),
     ("/tokenize", {"prompt": BIG}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": BIG}]}, "messages"),
+    ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": BIG}]}, "messages"),
+    ("/v1/completions/render", {"prompt": BIG}, "prompt"),
 ]
 
 
