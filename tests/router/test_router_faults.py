@@ -24,7 +24,8 @@ from prefixkv.router.local import free_port
 class Scripted(ThreadingHTTPServer):
     """A worker whose POST answers follow ``script`` (then ``ok``); ``/health`` is always 200.
 
-    ``ok`` 200 JSON; ``bad`` 400; ``req500`` 500 blamed on the request; ``500`` a plain 500;
+    ``ok`` 200 JSON; ``bad`` 400; ``req500`` 500 blamed on the request; ``req503`` 503 blamed on
+    the request (a worker whose ``/health`` says it is fine); ``500`` a plain 500;
     ``drop`` closes the connection without answering.
     """
 
@@ -69,8 +70,8 @@ class Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)
         elif step == "bad":
             self._send(400, err)
-        elif step == "req500":
-            self._send(500, err, {"X-Prefixkv-Error-Cause": "request"})
+        elif step in ("req500", "req503"):
+            self._send(int(step[3:]), err, {"X-Prefixkv-Error-Cause": "request"})
         elif step == "500":
             self._send(500, err)
         else:
@@ -94,14 +95,16 @@ def post(server: RouterServer) -> httpx.Response:
 
 
 def test_request_caused_errors_pass_through_once_and_do_not_count(pair) -> None:
+    """Issue 40 item 3: request-caused errors, many more than --failure-threshold of them (4
+    request-caused 503s used to open every breaker), never count against a worker."""
     a, b, server = pair
-    for step, status in (("bad", 400), ("req500", 500)):
+    for step, status in [("bad", 400), ("req500", 500), ("req503", 503)] * 4:
         a.script, b.script = [step], [step]
         before = a.posts + b.posts
         r = post(server)
         assert r.status_code == status and r.json()["error"]["message"] == step
         assert a.posts + b.posts == before + 1  # never retried
-        if step == "req500":
+        if step != "bad":
             assert r.headers["x-prefixkv-error-cause"] == "request"
     states = httpx.get(f"{server.url}/workers").json()["workers"]
     assert all(w["failures"] == 0 and w["breaker"] == "closed" for w in states)
