@@ -16,13 +16,12 @@ answering (connection refused, reset or dropped: the worker died) or that gets a
 per request; nothing has reached the client yet, so streamed requests are retried too. Such a
 failure counts towards the worker's circuit breaker and triggers an immediate ``/health`` probe
 (see :mod:`prefixkv.router.workers`). A connection cut after the request was sent is probed at
-once: if the worker is gone it died under the request, which may have killed it (a query of
-death); the request is retried once only when the worker had other requests in flight, and its
-body fingerprint gets a strike; when it was alone, or its fingerprint was in flight at another
-death, it is not retried (502) and its fingerprint is quarantined: identical requests are
-answered 503 ``request_quarantined`` for ``quarantine_ttl`` seconds
-(:mod:`prefixkv.router.quarantine`). So a lone poison request costs one worker, and never more
-than two. Requests still waiting on a worker that leaves the
+once: a worker gone died under the request, which may have killed it (a query of death). Alone
+there, or the one request there whose body had a strike, it is pinned: not retried (502), its
+body fingerprint quarantined (identical requests answered 503 ``request_quarantined`` for
+``quarantine_ttl`` s); else it is retried once with a strike, one struck request per worker
+(:mod:`prefixkv.router.quarantine`): a poison request costs one worker alone, at most two
+among others. Requests still waiting on a worker that leaves the
 rotation (it stopped answering its probes) are abandoned there and sent elsewhere. A stream that
 breaks midway (or whose worker leaves the rotation) ends with an SSE error event. Only when every
 healthy worker failed does the client see the error (503 if none was left).
