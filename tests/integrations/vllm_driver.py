@@ -10,9 +10,9 @@ the connector), ``kill_after`` (``{run index: pid}``: SIGKILL that process after
 ``max_num_batched_tokens`` (chunked prefill), ``num_blocks`` (vLLM's KV blocks), ``stats``
 (report each request's preemptions), a run's
 ``batch`` (its prompts in one ``generate``; else one at a time), ``dtype`` (default float32: a
-bfloat16 run's greedy ids can flip with the batch's shape). Prints
-one JSON line: per run, per prompt, the greedy token ids and ``num_cached_tokens``, and each
-run's seconds.
+bfloat16 run's greedy ids can flip with the batch's shape), ``out``: the file that receives,
+as JSON, per run, per prompt, the greedy token ids, ``num_cached_tokens`` and preemptions, and
+each run's seconds.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
              "preemptions": getattr(o.metrics, "num_preemptions", None)} for o in outs]})
         if i in kill:  # e.g. the Valkey server, to see requests go on without it
             os.kill(kill[i], signal.SIGKILL)
-    print("RESULT " + json.dumps(results), flush=True)
+    Path(spec["out"]).write_text(json.dumps(results))  # not stdout: vLLM's workers log there
 
 
 if __name__ == "__main__":

@@ -25,12 +25,13 @@ Outputs = list[dict[str, Any]]
 def run_vllm(python: str, spec: dict[str, Any], log: Path) -> Outputs:
     """Start one ``LLM`` in a fresh process (tests/integrations/vllm_driver.py), run ``spec``;
     its log goes to ``log``."""
+    result_file = log.with_suffix(".json")
     with open(log, "w") as out:
-        done = subprocess.run([python, str(HERE / "vllm_driver.py"), json.dumps(spec)],
-                              env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=out,
-                              text=True, timeout=RUN_TIMEOUT_S, check=False)
-        out.write(done.stdout)  # vLLM logs to stdout
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"vLLM run failed (rc {done.returncode}), see {log}"
-    result: Outputs = json.loads(lines[-1][len("RESULT "):])
+        done = subprocess.run(
+            [python, str(HERE / "vllm_driver.py"), json.dumps({**spec, "out": str(result_file)})],
+            env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
+            check=False)
+    assert done.returncode == 0 and result_file.is_file(), \
+        f"vLLM run failed (rc {done.returncode}), see {log}"
+    result: Outputs = json.loads(result_file.read_text())
     return result

@@ -63,19 +63,21 @@ def child(spec: dict[str, Any]) -> None:
         out = llm.generate([prompt], one, use_tqdm=False)
         times.append(time.perf_counter() - t0)
         cached.append(out[0].num_cached_tokens)
-    print("RESULT " + json.dumps({"times": times, "cached": cached}), flush=True)
+    Path(spec["out"]).write_text(json.dumps({"times": times, "cached": cached}))
 
 
-def _run(python: str, spec: dict[str, Any], threads: int) -> dict[str, Any]:
+def _run(python: str, spec: dict[str, Any], threads: int, out: Path) -> dict[str, Any]:
+    """One child; its result comes back in the file ``out`` (vLLM's workers share stdout)."""
     done = subprocess.run(
-        [python, "-m", "prefixkv.integrations.vllm.bench_ttft", "--child", json.dumps(spec)],
+        [python, "-m", "prefixkv.integrations.vllm.bench_ttft", "--child",
+         json.dumps({**spec, "out": str(out)})],
         env={**os.environ, **ENV, "OMP_NUM_THREADS": str(threads)}, capture_output=True,
         text=True, timeout=1200, check=False)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
+    if done.returncode != 0 or not out.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         raise RuntimeError(f"vLLM child failed ({spec['connector']}): " + " | ".join(tail))
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    result: dict[str, Any] = json.loads(out.read_text())
+    print(f"  done: {spec['connector']} {result}", flush=True)
     return result
 
 
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                                            "prime": True}),
             ]
             results = [(name, _run(args.python, {**base, **spec, "rounds": 1 if name.startswith(
-                "(") else args.rounds}, args.threads)) for name, spec in runs]
+                "(") else args.rounds}, args.threads, Path(tmp, f"result-{i}.json")))
+                for i, (name, spec) in enumerate(runs)]
         finally:
             server.stop()
     ref = statistics.median(results[0][1]["times"])
