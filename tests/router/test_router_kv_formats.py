@@ -303,13 +303,13 @@ def test_an_unreadable_stream_is_counted_warned_once_and_shown_in_metrics(
 
     async def scenario() -> ExactIndex:
         ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
+        pub = ctx.socket(zmq.XPUB)  # a PUB that hears the subscription arrive
         port = pub.bind_to_random_port("tcp://127.0.0.1")
         index = ExactIndex([A], rehash=True)
         stream = EventStream(A, EventSource(f"tcp://127.0.0.1:{port}"), index, ctx)
         task = asyncio.create_task(stream.run())
         try:
-            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            assert (await asyncio.wait_for(pub.recv(), 30))[:1] == b"\x01"  # subscribed
             frames = [b"not msgpack", msgspec.msgpack.encode([1.0, [["BlockMoved"]]]),
                       fixture("vllm-0.32-map.msgpack")]
             for seq, payload in enumerate(frames):
@@ -366,10 +366,11 @@ def test_one_bound_socket_serves_workers_publishing_under_llm_d_topics() -> None
         try:
             await asyncio.sleep(0.2)
             for url, prompt in ((A, list(range(16))), (B, list(range(50, 66)))):
-                pub = ctx.socket(zmq.PUB)
+                pub = ctx.socket(zmq.XPUB)  # hears the router's subscription arrive
                 pub.connect(endpoint)
                 pubs.append((pub, url, prompt))
-            await asyncio.sleep(0.3)
+            for pub, _, _ in pubs:
+                assert (await asyncio.wait_for(pub.recv(), 30))[:1] == b"\x01"
             for pub, url, prompt in pubs:
                 batch = KVEventBatch(0.0, [BlockStored(block_hashes(prompt, 8), None, prompt, 8,
                                                        None, "GPU", None)], 0)
