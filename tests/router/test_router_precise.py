@@ -134,6 +134,9 @@ def test_a_salted_prompt_goes_to_the_worker_holding_it_without_its_tokens_publis
         again = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
         assert again.headers[WORKER_HEADER] == url
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    metrics = httpx.get(f"{router.url}/metrics").text  # the stream's health, per worker
+    assert f'prefixkv:router_kv_event_undecodable{{worker="{url}"}} 0.0' in metrics
+    assert f'prefixkv:router_kv_event_batches{{worker="{url}"}}' in metrics
 
 
 def test_a_restarted_worker_is_forgotten_and_followed_again(
