@@ -234,6 +234,13 @@ def test_prefixkv_encodes_both_layouts_and_reads_them_back() -> None:
     assert as_map[1][0]["type"] == "BlockStored" and as_map[1][0]["lora_name"] is None
     with pytest.raises(ValueError, match="encoding"):
         encode_batch(batch, "json")
+    # byte for byte what vLLM 0.32's structs encode, and what its older structs encoded
+    theirs = VBatch(2.0, [VStored([1, 2], None, list(range(8)), 4, None, "GPU", None),
+                          VRemoved([1], "GPU"), VCleared()], 0)
+    assert encode_batch(batch) == msgspec.msgpack.encode(theirs)
+    old = VBatch(2.0, [OldStored([1, 2], None, list(range(8)), 4, None, "GPU"),
+                       OldRemoved([1], "GPU"), SgCleared()], 0)
+    assert encode_batch(batch, "array") == msgspec.msgpack.encode(old)
 
 
 def test_vllm_and_sglang_batches_route_exactly_when_rehashed() -> None:
