@@ -31,8 +31,12 @@ MAX_STOP_REGEX_LEN = 256
 """Longest pattern, in characters (SGLang allows 256 bytes)."""
 
 STOP_REGEX_STEP_BUDGET_S = 0.02
-"""Longest one request's stop-regex searches may take in one engine step, all patterns and
+"""CPU time one request's stop-regex searches may take in one engine step, all patterns and
 samples together, before the request is failed."""
+
+_PREEMPTION_SLACK_S = 0.03
+"""Added to a search's wall-clock timeout: the budget counts the engine thread's CPU time, so a
+search the OS paused on a busy machine is not failed for the pause."""
 
 _MAX_WIDTH = 4096  # a longer bounded match is searched like an unbounded one
 
@@ -54,18 +58,19 @@ class StopRegex:
         left = budget.left
         if left <= 0:
             raise budget.spent_error(self.pattern)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         try:
-            return self.compiled.search(text, start, timeout=left) is not None
+            return self.compiled.search(text, start, timeout=left + _PREEMPTION_SLACK_S) is not None
         except TimeoutError as exc:
             raise budget.spent_error(self.pattern) from exc
         finally:
-            budget.used += time.perf_counter() - t0
+            budget.used += time.thread_time() - t0
 
 
 @dataclass(slots=True)
 class StepBudget:
-    """The search time one request may still spend on stop regexes in the current step."""
+    """The search time (the engine thread's CPU time) one request may still spend on stop
+    regexes in the current step."""
 
     used: float = 0.0
     limit: float = STOP_REGEX_STEP_BUDGET_S
