@@ -26,6 +26,9 @@ from prefixkv.router.quarantine import Quarantine, fingerprint
 
 CRASH_PREFIX = [3, 1, 4]
 POISON = {"prompt": [*CRASH_PREFIX, 1, 5, 9, 2, 6], "max_tokens": 2}
+LATE_PREFIX = [2, 7, 1]  # crashes after its 4th generated token (mid-stream)
+LATE_POISON = {"prompt": [*LATE_PREFIX, 8, 2, 8, 1, 8], "max_tokens": 64, "ignore_eos": True,
+               "stream": True}
 
 
 def _serve_crashing_worker(port: int) -> None:  # runs in the worker process
@@ -40,8 +43,10 @@ def _serve_crashing_worker(port: int) -> None:  # runs in the worker process
     engine = AsyncEngine.from_args(None, block_size=16, num_kv_blocks=128)
 
     def hook(phase: str, seqs: object) -> None:
-        if any(s.token_ids[:3] == CRASH_PREFIX for s in seqs):  # type: ignore[attr-defined]
-            os.abort()
+        for s in seqs:  # type: ignore[attr-defined]
+            if s.token_ids[:3] == CRASH_PREFIX or (s.token_ids[:3] == LATE_PREFIX
+                                                   and len(s.token_ids) >= 8 + 4):
+                os.abort()
 
     engine.engine.fault_hook = hook
     uvicorn.run(create_app(engine), host="127.0.0.1", port=port, log_level="warning")
@@ -175,6 +180,26 @@ def test_a_killer_among_other_requests_costs_at_most_two_workers(
           f"{len(answers)} others served")
     assert complete(router, {"prompt": "after the storm", "max_tokens": 2}).status_code == 200
     assert complete(router, POISON).status_code == 503
+
+
+def test_a_stream_that_kills_its_worker_ends_with_an_error_and_is_quarantined(
+    workers: CrashingWorkers, router: RouterServer
+) -> None:
+    """A stream is never retried once its answer started; its death is judged all the same, so
+    the client's resend does not take a second worker."""
+    body = LATE_POISON
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+        status = r.status_code
+        events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    print(f"stream poison: status {status}, last event {events[-1] if events else None}")
+    time.sleep(0.5)
+    assert len(workers.dead()) == 1, f"dead workers: {workers.dead()}"
+    assert status == 200 and len(events) >= 2  # tokens reached the client, then the cut
+    assert "worker_failed" in events[-1] and "quarantined" in events[-1], events
+    again = complete(router, body)
+    assert again.status_code == 503 and again.json()["error"]["code"] == "request_quarantined"
+    assert len(workers.dead()) == 1
+    assert complete(router, {"prompt": "served", "max_tokens": 2}).status_code == 200
 
 
 def test_bad_requests_never_open_a_breaker(workers: CrashingWorkers,
