@@ -29,7 +29,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # vLLM's: another prompt, P/D or encoder transfer, logits-processor args, early stops, marks
     "prompt_embeds": _SET, "kv_transfer_params": _SET, "ec_transfer_params": _SET,
     "vllm_xargs": _SET, "repetition_detection": _SET, "watermarking": _SET,
-    # SGLang's: an adapter, a custom logits processor, a watermark, /generate's media inputs
+    # SGLang's: an adapter (served on /generate only), a custom logits processor, a watermark,
+    # /generate's media inputs
     "lora_path": _SET, "custom_logit_processor": _SET, "watermark": _SET,
     "image_data": _SET, "video_data": _SET, "audio_data": _SET,
     # vLLM's chat: special tokens on top of the template's (completions declares its own)

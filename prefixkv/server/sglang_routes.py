@@ -40,6 +40,7 @@ from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import TokenId, _Body
+from prefixkv.server.lora_routes import adapter_names, adapter_of
 from prefixkv.server.serving import EngineStreamingResponse, engine_failure, finish_unless_gone, sse
 from prefixkv.server.sglang_logprobs import LogprobFormatter, LogprobOptions
 from prefixkv.server.tools import compile_constraint
@@ -113,6 +114,7 @@ class GenerateRequest(LogprobOptions):
     rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     extra_key: Annotated[str, Field(min_length=1)] | None = None
+    lora_path: str | list[str | None] | None = None  # SGLang's: a loaded adapter's name, per prompt
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -130,6 +132,21 @@ class GenerateRequest(LogprobOptions):
         if ids and isinstance(ids[0], list):
             return list(ids), True
         return [ids], False
+
+
+def _adapters(engine: AsyncEngine, lora_path: str | list[str | None] | None,
+              n: int) -> list[str | None]:
+    """Each prompt's adapter from SGLang's ``lora_path`` (one name for all, or one per prompt;
+    ``None``: the base model); a 400 naming ``lora_path`` for an unknown name or a wrong count."""
+    names = lora_path if isinstance(lora_path, list) else [lora_path] * n
+    if len(names) != n:
+        raise APIError(f"lora_path has {len(names)} entries for {n} prompts", param="lora_path")
+    for name in names:
+        if name is not None and adapter_of(engine, name) is None:
+            raise APIError(f"lora_path names {name!r}, not a loaded adapter (known: "
+                           f"{adapter_names(engine)}; serve with --enable-lora --lora-modules)",
+                           param="lora_path")
+    return names
 
 
 def _finish(o: CompletionOutput) -> dict[str, Any] | None:
@@ -205,9 +222,11 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
         shape = _Shape(time.perf_counter(), body.sampling_params.max_new_tokens == 0, None if not
                        body.return_logprob else LogprobFormatter(body, lambda t: str(
                            engine.tokenizer.decode([t], skip_special_tokens=False))))
+        loras = _adapters(engine, body.lora_path, len(prompts))
         streams = [engine.generate(p, params, request_id=f"{base}-{uuid.uuid4().hex[:8]}",
-                                   cache_salt=request_salt(body.cache_salt, body.extra_key))
-                   for p in prompts]
+                                   cache_salt=request_salt(body.cache_salt, body.extra_key),
+                                   lora_request=lora)
+                   for p, lora in zip(prompts, loras)]
         try:  # the first output of each: a bad prompt is a 400 before anything is sent
             firsts = [await s.__anext__() for s in streams]
         except ValueError as exc:  # a bad prompt, or a grammar that does not compile

@@ -153,3 +153,22 @@ def test_metrics_export_vllms_lora_requests_info(
         t.join()
     idle = httpx.get(f"{live.url}/metrics").text
     assert 'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""}' in idle
+
+
+def test_sglang_generate_takes_lora_path_per_prompt(
+        lora_server: tuple[LiveServer, dict[str, Path]]) -> None:
+    live, paths = lora_server
+    prompt = "SELECT id FROM t WHERE " * 4
+    body = {"text": [prompt, prompt], "lora_path": ["sql", None],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    r = httpx.post(f"{live.url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    ids = [row["output_ids"] for row in r.json()]
+    assert ids[0] == offline(live, prompt, LoRARequest("sql", 1, str(paths["sql"])))
+    assert ids[1] == offline(live, prompt, None)
+    for bad in ({**body, "lora_path": "nope"}, {**body, "lora_path": ["sql"]}):
+        r = httpx.post(f"{live.url}/generate", json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    chat = httpx.post(f"{live.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "lora_path": "sql"})
+    assert chat.status_code == 400  # the OpenAI routes pick adapters by model name
