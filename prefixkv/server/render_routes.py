@@ -27,35 +27,15 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from prefixkv.engine.prompts import template_options
 from prefixkv.engine.sampling_params import SamplingParams
-from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import check_prompt_chars
 from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from prefixkv.server.request_params import sampling_params
 from prefixkv.server.serving import COMPLETIONS_DEFAULT_MAX_TOKENS, OpenAIServing
-from prefixkv.server.tools import structured_outputs
+from prefixkv.server.tools import output_constraint
 
-__all__ = ["build_render_router", "chat_prompt", "plain_sampling_params"]
-
-
-async def chat_prompt(serving: OpenAIServing, req: ChatCompletionRequest) -> dict[str, Any]:
-    """The engine prompt of a chat body: its messages through the chat template (with its
-    ``chat_template_kwargs`` and tools) as ``{"prompt_token_ids": [...], ...}``; 400s name the
-    field."""
-    check_prompt_chars(serving.engine.max_model_len, {"messages": req.messages, "tools": req.tools})
-    try:
-        options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
-                                   req.continue_final_message)
-    except ValueError as exc:
-        raise APIError(str(exc), param=str(exc).split(".")[0].split()[0]) from exc
-    if req.tools:
-        options.setdefault("tools", [t.model_dump(exclude_none=True) for t in req.tools])
-    try:
-        return await serving.engine.chat_prompt_async(req.plain_messages(), **options)
-    except ValueError as exc:
-        raise APIError(f"cannot render messages: {exc}", param="messages") from exc
+__all__ = ["build_render_router", "plain_sampling_params"]
 
 
 def _plain(value: Any) -> Any:
@@ -107,13 +87,14 @@ def build_render_router(serving: OpenAIServing, policy: FieldPolicy,
     async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
         policy.check(body)
         check_model(body.model)
-        serving._check_limits(body, 1)
-        structured, _ = structured_outputs(body)
-        prompt = await chat_prompt(serving, body)
+        check_prompt_chars(engine.max_model_len, {"messages": body.messages, "tools": body.tools})
+        serving.check_limits(body, 1)
+        structured, _ = await output_constraint(engine, body)
+        prompt = await serving.chat_prompt(body)
         ids = _truncate(list(prompt["prompt_token_ids"]), body, engine.max_model_len)
         max_tokens = body.effective_max_tokens
         if max_tokens is None:  # the chat route's default: the room the prompt leaves
-            room = await serving._room_left(len(ids))
+            room = await serving.room_left(len(ids))
             max_tokens = None if room is None else min(room, serving.limits.default_chat_max_tokens)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, logprobs=num_logprobs,
@@ -125,8 +106,8 @@ def build_render_router(serving: OpenAIServing, policy: FieldPolicy,
         policy.check(body)
         check_model(body.model)
         prompts = body.prompts()
-        serving._check_limits(body, len(prompts))
-        structured, _ = structured_outputs(body)
+        serving.check_limits(body, len(prompts))
+        structured, _ = await output_constraint(engine, body)
         params = sampling_params(body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                  logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
                                  structured=structured)

@@ -150,7 +150,7 @@ class OpenAIServing:
         self.limits = limits if limits is not None else ServerLimits()
         self._pool_tokens: int | None = None
 
-    def _check_limits(self, req: SamplingRequest, num_prompts: int) -> None:
+    def check_limits(self, req: SamplingRequest, num_prompts: int) -> None:
         problems = req.problems()
         if problems:
             raise APIError(problems[0][1], param=problems[0][0])
@@ -166,7 +166,7 @@ class OpenAIServing:
         """``POST /v1/completions``."""
         prompts = [req.prompt_options(p, self.engine.max_model_len, req.add_special_tokens)
                    for p in req.prompts()]
-        self._check_limits(req, len(prompts))
+        self.check_limits(req, len(prompts))
         structured, _ = await output_constraint(self.engine, req)
         echo_only = req.max_tokens == 0  # echo the prompt (and its logprobs) only
         prompt_lp = req.prompt_logprobs
@@ -193,8 +193,25 @@ class OpenAIServing:
                    is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
         """``POST /v1/chat/completions``."""
         check_prompt_chars(self.engine.max_model_len, {"messages": req.messages, "tools": req.tools})
-        self._check_limits(req, 1)
+        self.check_limits(req, 1)
         structured, tool_mode = await output_constraint(self.engine, req)
+        prompt = req.prompt_options(await self.chat_prompt(req), self.engine.max_model_len)
+        keep = prompt.get("truncate_prompt_tokens")
+        max_tokens = req.effective_max_tokens
+        if max_tokens is None:
+            num = len(prompt["prompt_token_ids"])
+            room = await self.room_left(num if keep is None else min(num, keep))
+            max_tokens = None if room is None else min(room, self.limits.default_chat_max_tokens)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(req, max_tokens, logprobs=num_logprobs,
+                                 prompt_logprobs=req.prompt_logprobs, structured=structured)
+        view = self._renderer(req, chat=True, num_logprobs=num_logprobs, tool_mode=tool_mode)
+        return await self._run("chatcmpl", [prompt], params, req, is_disconnected, view)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """A chat body's messages through the chat template (with its ``chat_template_kwargs``
+        and tools): ``{"prompt", "prompt_token_ids"}``; 400s name the field. (The engine
+        truncates later, by the request's ``truncate_prompt_tokens``.)"""
         try:
             options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
                                        req.continue_final_message)
@@ -203,23 +220,11 @@ class OpenAIServing:
         if req.tools:
             options.setdefault("tools", [t.model_dump(exclude_none=True) for t in req.tools])
         try:
-            prompt = await self.engine.chat_prompt_async(req.plain_messages(), **options)
+            return await self.engine.chat_prompt_async(req.plain_messages(), **options)
         except ValueError as exc:
             raise APIError(f"cannot render messages: {exc}", param="messages") from exc
-        prompt = req.prompt_options(prompt, self.engine.max_model_len)  # the engine truncates
-        keep = prompt.get("truncate_prompt_tokens")
-        max_tokens = req.effective_max_tokens
-        if max_tokens is None:
-            num = len(prompt["prompt_token_ids"])
-            room = await self._room_left(num if keep is None else min(num, keep))
-            max_tokens = None if room is None else min(room, self.limits.default_chat_max_tokens)
-        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, max_tokens, logprobs=num_logprobs,
-                                 prompt_logprobs=req.prompt_logprobs, structured=structured)
-        view = self._renderer(req, chat=True, num_logprobs=num_logprobs, tool_mode=tool_mode)
-        return await self._run("chatcmpl", [prompt], params, req, is_disconnected, view)
 
-    async def _room_left(self, prompt_tokens: int) -> int | None:
+    async def room_left(self, prompt_tokens: int) -> int | None:
         """Chat's default ``max_tokens`` (vLLM's): the room the prompt leaves in the context,
         capped so the request fits the KV pool; ``None`` (the engine then explains) if none."""
         if self._pool_tokens is None:
