@@ -271,12 +271,14 @@ def metric(router: RouterServer, prefix: str) -> float:
 
 
 def send_while(router: RouterServer, victim: str, act: Callable[[], object],
-               n: int = 9) -> list[httpx.Response]:
-    """Send ``n`` distinct requests at once; call ``act()`` once one is in flight on ``victim``."""
+               n: int = 9, in_flight: int = 1) -> list[httpx.Response]:
+    """Send ``n`` distinct requests at once; call ``act()`` once ``in_flight`` of them are on
+    ``victim``."""
     prompts = [f"[user {i}] " + f"long history {i} " * 40 for i in range(n)]
     with ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(complete, router.url, p, max_tokens=16) for p in prompts]
-        wait_for(lambda: router.router.workers[victim].in_flight > 0, "victim got no request")
+        wait_for(lambda: router.router.workers[victim].in_flight >= in_flight,
+                 "victim got too few requests")
         act()
         return [f.result() for f in futures]
 
@@ -320,7 +322,9 @@ def test_killed_worker_loses_no_request_and_comes_back(
     workers: LocalWorkers, router: RouterServer
 ) -> None:
     victim = workers.urls[2]
-    answers = send_while(router, victim, workers.procs[2].kill, n=12)
+    # killed with several requests on it: an outside kill, which the router retries (a worker
+    # dying under one lone request blames that request: tests/router/test_router_quarantine.py)
+    answers = send_while(router, victim, workers.procs[2].kill, n=12, in_flight=3)
     assert [a.status_code for a in answers] == [200] * len(answers)
     assert all(a.headers[WORKER_HEADER] != victim for a in answers)
     state = router.router.workers[victim]
@@ -474,8 +478,9 @@ def test_chaos_kill_and_stop_workers_under_load(workers: LocalWorkers, router: R
                 body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0}
                 if turn % 3:
                     r = http.post(f"{router.url}/v1/completions", json=body)
+                    code = "" if r.status_code == 200 else r.json()["error"]["code"]
                     rec = ("plain", r.status_code, r.headers.get(WORKER_HEADER, ""),
-                           time.monotonic(), "")
+                           time.monotonic(), code)
                 else:
                     with http.stream("POST", f"{router.url}/v1/completions",
                                      json={**body, "max_tokens": 24, "stream": True}) as r:
@@ -526,7 +531,12 @@ def test_chaos_kill_and_stop_workers_under_load(workers: LocalWorkers, router: R
             t.join(timeout=60)
     plain = [r for r in results if r[0] == "plain"]
     streams = [r for r in results if r[0] == "stream"]
-    assert plain and all(r[1] == 200 for r in plain)  # no plain request lost
+    # no plain request lost, but one: a worker killed with a single request on it is taken to
+    # have died of that request, which is answered 502 request_quarantined and never retried
+    # (tests/router/test_router_quarantine.py); every other request cut there is retried
+    lost = [r for r in plain if r[1] != 200]
+    assert plain and len(lost) <= 1 and all(r[1:5:3] == (502, "request_quarantined")
+                                            for r in lost), lost
     assert streams and all(r[1] == 200 for r in streams)
     for r in streams:  # a stream either finished or says its worker failed
         assert r[4] == "data: [DONE]" or "worker_failed" in r[4], r
