@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
+from prefixkv.engine.lora import lora_name
 from prefixkv.kv_events import (
     EVENT_FINGERPRINT,
     MEDIUM_CPU,
@@ -302,6 +303,6 @@ class KVEventSink:
                     [hash_int(digests[j]) for j in run],
                     None if prev is None else hash_int(prev),
                     [] if hidden else tokens[start * bs : (run[-1] + 1) * bs], bs, None,
-                    MEDIUM_GPU, None))
+                    MEDIUM_GPU, lora_name(namespace)))
                 run = []
         return out

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from prefixkv.engine.sequence import Sequence
     from prefixkv.runner.model_runner import ModelRunner
 
-__all__ = ["LoRARegistry", "LoRARequest", "lora_namespace", "lora_requests_info", "make_registry",
+__all__ = ["LoRARegistry", "LoRARequest", "lora_name", "lora_namespace", "lora_requests_info", "make_registry",
            "parse_lora_modules", "request_lora"]
 
 
@@ -43,9 +43,17 @@ class LoRARequest:
     lora_path: str | None = None
 
 
-def lora_namespace(adapter: LoRAAdapter) -> tuple[str, str]:
-    """The prefix-index key part of ``adapter``'s blocks (a tuple: never a client's string)."""
-    return ("lora", adapter.digest)
+def lora_namespace(adapter: LoRAAdapter) -> tuple[str, str, str]:
+    """The prefix-index key part of ``adapter``'s blocks: ``("lora", name, weights digest)`` (a
+    tuple: never a client's string; the digest makes a reload with other weights a miss, the
+    name goes out in the KV events as ``lora_name``)."""
+    return ("lora", adapter.name, adapter.digest)
+
+
+def lora_name(namespace: object) -> str | None:
+    """The adapter name in an engine namespace ``(cache_salt, lora part)``, else ``None``."""
+    part = namespace[1] if isinstance(namespace, tuple) and len(namespace) == 2 else None
+    return part[1] if isinstance(part, tuple) and len(part) == 3 and part[0] == "lora" else None
 
 
 def parse_lora_modules(specs: Iterable[str]) -> dict[str, str]:

@@ -134,3 +134,38 @@ def test_the_registry_keeps_max_loras_loaded_and_reloads_the_rest(adapters: dict
     assert reg.remove("a") and not reg.remove("a")
     with pytest.raises(ValueError, match="not loaded"):
         reg.resolve("a")
+
+
+def test_kv_events_name_the_adapter_and_hash_its_blocks_apart(
+        demo_model: Path, adapters: dict[str, Path]) -> None:
+    zmq = pytest.importorskip("zmq")
+    msgspec = pytest.importorskip("msgspec")
+    events = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
+              '"topic": "kv"}')
+    prompt = PROMPT[:32]
+    with LLM(demo_model, dtype="float32", num_kv_blocks=64, block_size=16, enable_lora=True,
+             lora_modules=[f"a={adapters['a']}"], kv_events_config=events) as llm:
+        sink = llm.engine.kv.events
+        assert sink is not None
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.connect(sink.publisher.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        import time
+        time.sleep(0.3)  # ZMQ's slow joiner
+        try:
+            llm.generate(prompt, GREEDY, lora_request="a")
+            llm.generate(prompt, GREEDY)
+            stored: list[dict[str, Any]] = []
+            while sub.poll(1000):
+                _, _, payload = sub.recv_multipart()
+                stored += [e for e in msgspec.msgpack.decode(payload)[1]
+                           if e.get("type") == "BlockStored"]
+        finally:
+            sub.close(linger=0)
+            ctx.term()
+    names = [e.get("lora_name") for e in stored]
+    assert names[0] == "a" and None in names  # the adapter's blocks, then the base model's
+    ours = {h for e in stored if e.get("lora_name") == "a" for h in e["block_hashes"]}
+    base = {h for e in stored if e.get("lora_name") is None for h in e["block_hashes"]}
+    assert ours and base and not ours & base
