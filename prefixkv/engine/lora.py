@@ -123,6 +123,10 @@ class LoRARegistry:
         """Known adapter names, in the order they were added."""
         return list(self.paths)
 
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` is a known adapter."""
+        return name in self.paths
+
     def _trim(self) -> None:
         while len(self._loaded) > self.max_loras:
             self._loaded.popitem(last=False)

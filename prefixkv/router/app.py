@@ -58,8 +58,7 @@ from prefixkv.router.proxy import WORKER_HEADER, Router
 from prefixkv.router.replicas import (
     PeerLoads,
     ReplicaSync,
-    decode_entries,
-    decode_loads,
+    decode_learn,
     learning_policy,
 )
 
@@ -132,8 +131,7 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
             return refused
         body = await request.body()
         try:
-            entries = decode_entries(body)
-            replica, loads = decode_loads(body)
+            replica, loads, entries = decode_learn(body)
         except ValueError as exc:
             return error_response(400, f"router/learn: {exc}", type_="invalid_request_error",
                                   code="invalid_value")

@@ -40,7 +40,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalWorkers:
     """``n`` prefixkv servers started as subprocesses on free loopback ports.
 
-    ``python -m prefixkv.cli serve [MODEL] --host 127.0.0.1 --port P *extra_args``. The object
+    ``python -m prefixkv.cli serve [MODEL] --host 127.0.0.1 --port P *extra_args``; another
+    ``command`` replaces what comes before ``--host`` (a test's own server script). The object
     owns the processes: :meth:`stop` (or leaving the ``with`` block) terminates them all.
     """
 
@@ -53,6 +54,7 @@ class LocalWorkers:
         host: str = "127.0.0.1",
         log_dir: str | None = None,
         die_with_parent: bool = False,
+        command: Sequence[str] | None = None,
     ) -> None:
         if n <= 0:
             raise ValueError(f"n must be >= 1, got {n!r}")
@@ -63,8 +65,8 @@ class LocalWorkers:
         self._preexec = _die_with_parent if die_with_parent else None
         for _ in range(n):
             port = free_port(host)
-            cmd = [sys.executable, "-m", "prefixkv.cli", "serve"]
-            cmd += [model] if model else []
+            cmd = (list(command) if command is not None
+                   else [sys.executable, "-m", "prefixkv.cli", "serve", *([model] if model else [])])
             cmd += ["--host", host, "--port", str(port), *extra_args]
             self._commands.append(cmd)
             self.urls.append(f"http://{host}:{port}")

@@ -42,7 +42,7 @@ from prefixkv.router.keys import RouteKey
 if TYPE_CHECKING:
     from prefixkv.router.cache_aware import CacheAwarePolicy
 
-__all__ = ["MAX_BATCH", "PeerLoads", "ReplicaSync", "decode_entries", "encode_entries", "learning_policy"]
+__all__ = ["MAX_BATCH", "PeerLoads", "ReplicaSync", "decode_learn", "encode_entries", "learning_policy"]
 
 log = logging.getLogger("prefixkv.router")
 
@@ -87,18 +87,9 @@ def encode_entries(entries: Sequence[tuple[str, RouteKey]], *, replica: str = ""
                                      for url, k in entries]})
 
 
-def decode_loads(body: bytes) -> tuple[str, dict[str, int]]:
-    """The sender's id and in-flight loads of a learn body (empty when it sent none)."""
-    data = orjson.loads(body)
-    replica, loads = data.get("replica"), data.get("loads")
-    if not isinstance(replica, str) or not isinstance(loads, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in loads.items()):
-        raise ValueError("replica must be a string and loads an object of counts")
-    return replica, loads
-
-
-def decode_entries(body: bytes) -> list[tuple[str, RouteKey]]:
-    """Parse a learn body's entries (``ValueError`` naming what is wrong)."""
+def decode_learn(body: bytes) -> tuple[str, dict[str, int], list[tuple[str, RouteKey]]]:
+    """Parse a learn body once: the sender's id, its in-flight loads and the entries
+    (``ValueError`` naming what is wrong)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -116,7 +107,11 @@ def decode_entries(body: bytes) -> list[tuple[str, RouteKey]]:
         if not all(isinstance(c, int) and 0 <= c < 2**32 for c in chunks):
             raise ValueError(f"entries[{i}]: chunks must be ints in [0, 2**32)")
         out.append((row[0], RouteKey(_hashable(row[1]), tuple(chunks), row[3], max(1, row[4]))))
-    return out
+    replica, loads = data.get("replica"), data.get("loads")
+    if not isinstance(replica, str) or not isinstance(loads, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in loads.items()):
+        raise ValueError("replica must be a string and loads an object of counts")
+    return replica, loads, out
 
 
 class PeerLoads:

@@ -38,7 +38,8 @@ def adapter_names(engine: AsyncEngine) -> list[str]:
 
 def adapter_of(engine: AsyncEngine, model: str | None) -> str | None:
     """The adapter a request's ``model`` names, or ``None`` (the base model)."""
-    return model if model is not None and model in adapter_names(engine) else None
+    registry = engine.engine.lora
+    return model if registry is not None and model in registry else None
 
 
 class LoadLoRARequest(_Body):
@@ -72,7 +73,7 @@ def build_lora_router(engine: AsyncEngine, base_model: str) -> APIRouter:
         if body.lora_name == base_model:
             raise APIError(f"lora_name {body.lora_name!r} is the base model's name",
                            param="lora_name")
-        if body.lora_name in registry.names() and not body.load_inplace:
+        if body.lora_name in registry and not body.load_inplace:
             raise APIError(f"the lora adapter {body.lora_name!r} is already loaded (send "
                            "load_inplace: true to replace its weights)", param="lora_name")
         try:

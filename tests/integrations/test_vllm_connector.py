@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from vllm_live import ENV, RUN_TIMEOUT_S
+from vllm_live import ENV, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 128
@@ -145,16 +144,7 @@ def test_openai_server_loads_from_the_host_tier(
         env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while True:
-            assert server.poll() is None, f"server exited, see {tmp_path / 'server.log'}"
-            assert time.monotonic() < deadline, "server did not start"
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
+        wait_healthy(base, server, tmp_path / "server.log")
         p = prompt_ids[0]
         body = {"model": vllm_model, "prompt": p, "max_tokens": 16, "temperature": 0,
                 "return_token_ids": True}

@@ -10,14 +10,13 @@ import os
 import socket
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from vllm_live import ENV, RUN_TIMEOUT_S
+from vllm_live import ENV, wait_healthy
 
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
 
@@ -27,19 +26,6 @@ def _port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, f"vLLM exited, see {log}"
-        assert time.monotonic() < deadline, f"vLLM did not start, see {log}"
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +52,7 @@ def vllm_workers(vllm_python: str, vllm_model: str,
                         "events": f"tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}"})
     try:
         for w, proc in zip(workers, procs):
-            _wait_healthy(w["url"], proc, w["log"])
+            wait_healthy(w["url"], proc, w["log"])
         yield workers
     finally:
         for proc in procs:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +37,18 @@ def run_vllm(python: str, spec: dict[str, Any], log: Path) -> Outputs:
         f"vLLM run failed (rc {done.returncode}), see {log}"
     result: Outputs = json.loads(result_file.read_text())
     return result
+
+
+def wait_healthy(base: str, server: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait until the vLLM server at ``base`` answers ``/health`` (it must not exit first);
+    its log is ``log``."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        assert server.poll() is None, f"server exited, see {log}"
+        assert time.monotonic() < deadline, f"server did not start, see {log}"
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)

@@ -10,8 +10,8 @@ crash, SIGABRT, like a segfault in a native library) when a sequence's prompt st
 
 from __future__ import annotations
 
+import asyncio
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
-from prefixkv.router.local import free_port
+from prefixkv.router.bench import ready
+from prefixkv.router.local import LocalWorkers
 from prefixkv.router.quarantine import Quarantine, fingerprint
 
 CRASH_PREFIX = [3, 1, 4]
@@ -52,50 +53,24 @@ def _serve_crashing_worker(port: int) -> None:  # runs in the worker process
     uvicorn.run(create_app(engine), host="127.0.0.1", port=port, log_level="warning")
 
 
-class CrashingWorkers:
-    """Three worker processes on free loopback ports; :meth:`revive` restarts dead ones."""
+class CrashingWorkers(LocalWorkers):
+    """Three of this file's worker processes on free loopback ports; :meth:`revive` restarts
+    the dead ones."""
 
     def __init__(self, n: int = 3) -> None:
-        self.ports = [free_port() for _ in range(n)]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        self.procs = [self._spawn(p) for p in self.ports]
+        super().__init__(n, command=[sys.executable, __file__])
         self.wait_healthy()
 
-    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, __file__, str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
     def wait_healthy(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        for url, proc in zip(self.urls, self.procs):
-            while True:
-                assert proc.poll() is None, f"worker {url} exited {proc.returncode}"
-                assert time.monotonic() < deadline, f"worker {url} never answered /health"
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+        asyncio.run(ready(self.urls, timeout=timeout))
 
     def dead(self) -> list[int]:
         return [i for i, p in enumerate(self.procs) if p.poll() is not None]
 
     def revive(self) -> None:
         for i in self.dead():
-            self.procs[i] = self._spawn(self.ports[i])
+            self.restart(i)
         self.wait_healthy()
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 @pytest.fixture(scope="module")
@@ -239,5 +214,5 @@ def test_quarantine_strikes_condemns_expires_and_stays_bounded() -> None:
         RouterConfig(worker_urls=("http://127.0.0.1:1",), quarantine_size=0)
 
 
-if __name__ == "__main__":
-    _serve_crashing_worker(int(sys.argv[1]))
+if __name__ == "__main__":  # as LocalWorkers starts it: --host H --port P
+    _serve_crashing_worker(int(sys.argv[sys.argv.index("--port") + 1]))

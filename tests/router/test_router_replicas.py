@@ -22,8 +22,7 @@ from prefixkv.router.replicas import (
     MAX_BATCH,
     PeerLoads,
     ReplicaSync,
-    decode_entries,
-    decode_loads,
+    decode_learn,
     encode_entries,
     learning_policy,
 )
@@ -36,7 +35,7 @@ def test_entries_round_trip_with_their_namespaces() -> None:
                                       "messages": [{"role": "user", "content": "hi " * 50}]})),
             ("http://b:2", text_key("x" * 700, ("m", None))),
             ("http://b:2", RouteKey(("ids", ("m", ("s", "k"))), (1, 2**32 - 1), 8, 4))]
-    assert decode_entries(encode_entries(keys)) == keys
+    assert decode_learn(encode_entries(keys))[2] == keys
 
 
 @pytest.mark.parametrize("body, field", [
@@ -47,7 +46,7 @@ def test_entries_round_trip_with_their_namespaces() -> None:
 ])
 def test_bad_learn_bodies_are_value_errors_naming_the_part(body: bytes, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        decode_entries(body)
+        decode_learn(body)
 
 
 def test_learning_fills_the_tree_and_the_dispatch_window_but_not_the_share_rule() -> None:
@@ -96,9 +95,9 @@ def test_peer_loads_add_live_peers_only_and_the_ties_start_at_each_replicas_own_
         firsts.append(policy.select(urls, {}, text_key("new " * 40, (None, None))).url)
     assert firsts == urls
     body = encode_entries([], replica="r9", loads={"http://a:1": 4})
-    assert decode_loads(body) == ("r9", {"http://a:1": 4}) and decode_entries(body) == []
+    assert decode_learn(body) == ("r9", {"http://a:1": 4}, [])
     with pytest.raises(ValueError, match="loads"):
-        decode_loads(b'{"replica": "r", "loads": {"u": -1}}')
+        decode_learn(b'{"entries": [], "replica": "r", "loads": {"u": -1}}')
 
 
 def _config(urls: list[str], **extra: object) -> RouterConfig:
