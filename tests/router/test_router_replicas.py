@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,10 +124,19 @@ def test_a_session_follows_its_worker_across_replicas(workers: LocalWorkers) -> 
                         {"role": "user", "content": "first question"}]
             served = []
             for turn, replica in enumerate((a, b, a, b)):
-                r = httpx.post(f"{replica.url}/v1/chat/completions", timeout=120, json={
-                    "messages": messages, "max_tokens": 2, "temperature": 0})
+                body = {"messages": messages, "max_tokens": 2, "temperature": 0}
+                r = httpx.post(f"{replica.url}/v1/chat/completions", timeout=120, json=body)
                 assert r.status_code == 200, r.text
                 served.append(r.headers["x-prefixkv-worker"])
+                # the other replica hears of it within its 10 ms sync (a loaded machine may
+                # delay the post; a session's next turn comes later than that in practice)
+                other = (b if replica is a else a).router.policy
+                assert isinstance(other, CacheAwarePolicy)
+                key = chat_key(body)
+                deadline = time.monotonic() + 5
+                while other.trees[served[-1]].match(key) < len(key):
+                    assert time.monotonic() < deadline, "the peer never learned the turn"
+                    time.sleep(0.01)
                 if turn:
                     details = r.json()["usage"]["prompt_tokens_details"]
                     assert details["cached_tokens"] > 0, (n, turn)
