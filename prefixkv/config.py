@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixkv.cache import HASH_ALGOS, INDEXES, POLICIES, EvictionPolicy
-from prefixkv.kv_events import KVEventsConfig
+from prefixkv.wire.kv_events import KVEventsConfig
 from prefixkv.tiers.spec import TierSpec
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")  # = engine.schedule_policy's (a test checks)

@@ -4,8 +4,8 @@
 #   sglang-router 0.3.2 (SGLang Model Gateway) and vllm-router 0.1.17, prebuilt wheels from PyPI,
 #   each a Python entry point around a Rust core.
 # Usage: scripts/install-router-peers.sh [VENV]   (default /tmp/routerpeers/venv; also $ROUTER_PEERS_VENV)
-# Then:  python -m prefixkv.router.bench_peers --routers prefixkv sglang vllm --peers-venv VENV
-#        python -m prefixkv.router.bench_cost --peers sglang vllm --peers-venv VENV
+# Then:  python -m prefixkv.bench.route.peers --routers prefixkv sglang vllm --peers-venv VENV
+#        python -m prefixkv.bench.route.cost --peers sglang vllm --peers-venv VENV
 set -euo pipefail
 VENV=${1:-${ROUTER_PEERS_VENV:-/tmp/routerpeers/venv}}
 python3 -m venv "$VENV"

@@ -21,8 +21,9 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("ops", "prefixkv.bench.ops"),
     ("scenarios", "prefixkv.bench.scenarios"),
     ("engine", "prefixkv.bench.engine"),
-    ("route", "prefixkv.router.bench"),
+    ("route", "prefixkv.bench.route.run"),
     ("load", "prefixkv.bench.load"),
+    ("stall", "prefixkv.bench.stall"),
 )
 """(subcommand, module) pairs added after ``trace``, in ``--help`` order."""
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixkv.fanout import worker_rows
+from prefixkv.wire.fanout import worker_rows
 
 
 @dataclass(slots=True)

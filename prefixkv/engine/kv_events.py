@@ -5,7 +5,7 @@
 state: ``stored`` after a commit indexed new blocks, ``removed`` after an eviction freed some,
 ``reset`` after a cache reset. Those calls only copy the ids and put a record on a bounded queue
 (never blocking, never raising). The sink's thread owns everything else: the map from cached
-block id to hash (:mod:`prefixkv.kv_events`: the schema and the hashes), hashing, batching (all
+block id to hash (:mod:`prefixkv.wire.kv_events`: the schema and the hashes), hashing, batching (all
 records waiting at once go into one batch), encoding and sending. When the queue is full a
 record is dropped and the thread then sends :class:`AllBlocksCleared` and forgets its map:
 subscribers then know less than the worker holds (they under-estimate, which is safe), never
@@ -21,7 +21,7 @@ it, for the last :data:`KEYED` blocks). The remote tier is not announced: it is 
 evicted by its server, which tells no one.
 
 **Tenants.** A salted request's blocks (``cache_salt`` / ``extra_key``) go out with their hashes
-only: ``token_ids`` empty (see :mod:`prefixkv.kv_events`, "Salted requests"). Their prompts
+only: ``token_ids`` empty (see :mod:`prefixkv.wire.kv_events`, "Salted requests"). Their prompts
 never leave the worker; the router re-hashes the prompt it proxies with its salt.
 """
 
@@ -36,7 +36,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 from prefixkv.engine.lora import lora_name
-from prefixkv.kv_events import (
+from prefixkv.wire.kv_events import (
     EVENT_FINGERPRINT,
     MEDIUM_CPU,
     MEDIUM_DISK,

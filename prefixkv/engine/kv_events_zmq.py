@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from prefixkv.engine.kv_events import KVEventSink
-from prefixkv.kv_events import KVEventBatch, KVEventsConfig, encode_batch
+from prefixkv.wire.kv_events import KVEventBatch, KVEventsConfig, encode_batch
 
 __all__ = ["END_SEQ", "ZmqEventPublisher", "make_kv_event_sink"]
 

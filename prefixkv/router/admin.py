@@ -25,7 +25,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixkv.fanout import worker_row
+from prefixkv.wire.fanout import worker_row
 from prefixkv.loopback import is_local_client
 from prefixkv.router.errors import error_response
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import xxhash
 
-from prefixkv.kv_events import request_salt
+from prefixkv.wire.kv_events import request_salt
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "LEVEL", "RouteKey", "chat_key", "chunk_offset",
            "completion_key", "render_messages", "text_key"]
@@ -117,7 +117,7 @@ def _ids_key(ids: Sequence[int], namespace: Hashable, chunk_bytes: int) -> Route
 
 def body_salt(body: Mapping[str, Any]) -> str | None:
     """The cache salt a worker files a request body's blocks under (``cache_salt`` and SGLang's
-    ``extra_key``, :func:`~prefixkv.kv_events.request_salt`); a value that is not a string
+    ``extra_key``, :func:`~prefixkv.wire.kv_events.request_salt`); a value that is not a string
     counts as absent (the worker answers its 400)."""
     salt, key = body.get("cache_salt"), body.get("extra_key")
     return request_salt(salt if isinstance(salt, str) else None, key if isinstance(key, str) else None)

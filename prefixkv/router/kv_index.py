@@ -1,7 +1,7 @@
 """The router's exact index of the workers' caches, built from their KV events.
 
 ``holders`` maps a block hash to the set of workers whose cache holds that block; a request's
-chained block hashes (:func:`prefixkv.kv_events.block_hashes`) then give, per worker, the
+chained block hashes (:func:`prefixkv.wire.kv_events.block_hashes`) then give, per worker, the
 number of leading blocks it holds (:meth:`ExactIndex.match`). Events are applied in sequence
 order by the worker's stream (:mod:`prefixkv.router.kv_stream`); the index itself is pure and
 single-threaded (the router's event loop).
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prefixkv.kv_events import (
+from prefixkv.wire.kv_events import (
     EVENT_FINGERPRINT,
     AllBlocksCleared,
     BlockRemoved,

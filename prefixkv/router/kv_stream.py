@@ -3,7 +3,7 @@ where streams come from (``--kv-events`` values, or the worker's ``GET /kv_event
 
 Contract. :meth:`EventStream.run` subscribes to the worker's PUB endpoint (vLLM's framing:
 ``topic, seq, payload``; see :mod:`prefixkv.engine.kv_events_zmq`), decodes each payload as a
-:class:`~prefixkv.kv_events.KVEventBatch` and applies it to the
+:class:`~prefixkv.wire.kv_events.KVEventBatch` and applies it to the
 :class:`~prefixkv.router.kv_index.ExactIndex` in sequence order, until cancelled. Sequence
 numbers decide what the index can trust:
 
@@ -13,7 +13,7 @@ numbers decide what the index can trust:
   worker's blocks are dropped and it is marked incomplete (``gaps`` counts these);
 * a number not above the last one: the worker restarted (its cache is empty): its blocks are
   dropped (``restarts``), and the new stream is followed from there;
-* an undecodable payload (:func:`~prefixkv.kv_events.decode_batch` reads vLLM's map and array
+* an undecodable payload (:func:`~prefixkv.wire.kv_events.decode_batch` reads vLLM's map and array
   encodings and SGLang's, per batch) counts as a gap and in ``undecodable``; the first one from
   a worker is logged as a warning naming the worker and the reason (the policy then routes that
   worker on its approximate tree: never silently).
@@ -44,7 +44,7 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from prefixkv.kv_events import KVEventBatch, decode_batch
+from prefixkv.wire.kv_events import KVEventBatch, decode_batch
 from prefixkv.router.kv_index import ExactIndex
 
 __all__ = ["LLMD_TOPIC", "EventSource", "EventStream", "SharedEventStream", "discover_source",

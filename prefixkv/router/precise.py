@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import zmq.asyncio
 
-from prefixkv.kv_events import block_hashes
+from prefixkv.wire.kv_events import block_hashes
 from prefixkv.router.cache_aware import CacheAwarePolicy
 from prefixkv.router.keys import RouteKey, body_salt
 from prefixkv.router.kv_index import ExactIndex, TierWeights

@@ -252,7 +252,7 @@ _SHARED_MIN_COPIES = 2400
 the same ``P >= _SHARED_MIN_TOKENS`` tokens' worth of blocks reads that shared prefix once for
 all its queries (:func:`_decode_shared`) when the copies it saves, ``(B - 1) x P`` tokens, reach
 ``_SHARED_MIN_COPIES``. SmolLM2 decode steps against every sequence gathering its own copy
-(``scripts/shared_decode_ab.py``, docs/benchmarks.md; six processes on one machine and three
+(``scripts/shared_decode_ab.py@a0a423d``, docs/benchmarks.md; six processes on one machine and three
 runs on another): 3 sequences on 2,000 / 4,000 shared tokens 1.15-1.69x / 2.33x, 3 on 1,488 /
 1,200 1.08-1.20x / 1.03-1.04x, 8 on 592 1.07-1.08x, 6 on 1,000 1.15-1.17x; near 2,000 copies
 mostly a loss (6 on 400 0.94-0.97x, 4 on 688 0.95-1.01x, 5 on 496 0.97-1.02x; 3 on 992

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from prefixkv.fanout import worker_rows
+from prefixkv.wire.fanout import worker_rows
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

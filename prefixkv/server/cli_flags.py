@@ -27,7 +27,7 @@ SERVE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 2048}
 A step budget of 2,048 tokens is vLLM's OpenAI-server default on CPU (its ``LLM`` takes 4,096):
 a long prompt prefills in 2,048-token chunks, so requests already decoding wait at most one such
 chunk per token (demo model, a 4,000-token prompt: 160 ms -> 101-103 ms longest decode gap,
-``scripts/prefill_stall.py``)."""
+``prefixkv bench stall``)."""
 
 ENV_DEFAULTS = {"kv_remote_secret": "PREFIXKV_KV_REMOTE_SECRET"}
 """Flags whose default is read from the environment (a secret is better kept out of ``ps``)."""

@@ -31,7 +31,7 @@ from prefixkv.engine.sampling_params import (
     MAX_STOP_TOKEN_IDS,
 )
 from prefixkv.engine.stop_regex import compile_stop_regex
-from prefixkv.kv_events import request_salt
+from prefixkv.wire.kv_events import request_salt
 from prefixkv.server.limits import MAX_MESSAGES
 
 MAX_LOGPROBS = 20
@@ -129,7 +129,7 @@ class SamplingRequest(_Body):
     no_stop_trim: StrictBool = False
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     extra_key: Annotated[str, Field(min_length=1)] | None = None
-    """SGLang's cache-isolation key (:func:`~prefixkv.kv_events.request_salt`)."""
+    """SGLang's cache-isolation key (:func:`~prefixkv.wire.kv_events.request_salt`)."""
     return_token_ids: StrictBool = False
     return_tokens_as_token_ids: StrictBool | None = None
     logprob_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=128)] | None = None

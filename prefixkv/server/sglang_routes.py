@@ -34,7 +34,7 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import CompletionOutput, RequestOutput
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.structured_output import StructuredOutputsParams
-from prefixkv.kv_events import request_salt
+from prefixkv.wire.kv_events import request_salt
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import ServerLimits

@@ -25,8 +25,8 @@ msgspec = pytest.importorskip("msgspec")
 from prefixkv.engine import LLM, SamplingParams
 from prefixkv.engine.kv_events import KVEventSink
 from prefixkv.engine.kv_events_zmq import END_SEQ, ZmqEventPublisher
-from prefixkv.kv_events import KVEventBatch as OurBatch
-from prefixkv.kv_events import KVEventsConfig, block_hashes
+from prefixkv.wire.kv_events import KVEventBatch as OurBatch
+from prefixkv.wire.kv_events import KVEventsConfig, block_hashes
 
 
 # ---------------------------------------------------------------- vLLM's schema, as a consumer
@@ -285,7 +285,7 @@ def test_the_disk_tier_announces_what_its_writer_wrote_and_dropped(demo_model: A
 
 def json_salt() -> str:
     """The salt of an SGLang ``extra_key`` request, as the server derives it."""
-    from prefixkv.kv_events import request_salt
+    from prefixkv.wire.kv_events import request_salt
 
     salt = request_salt(None, "team-b")
     assert salt is not None
@@ -316,7 +316,7 @@ def test_the_array_encoding_serves_old_consumers(demo_model: Any) -> None:
 
 
 def test_hashes_do_not_depend_on_the_python_hash_seed() -> None:
-    code = ("import sys; from prefixkv.kv_events import block_hashes; assert 'torch' not in "
+    code = ("import sys; from prefixkv.wire.kv_events import block_hashes; assert 'torch' not in "
             "sys.modules;"
             "print(block_hashes(list(range(40)), 8, ('salt', None)))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

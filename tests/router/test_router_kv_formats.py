@@ -21,7 +21,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from prefixkv.kv_events import (
+from prefixkv.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

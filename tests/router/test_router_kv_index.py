@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from prefixkv.engine.kv_events import KVEventSink
 from prefixkv.engine.kv_events_zmq import ZmqEventPublisher
-from prefixkv.kv_events import (
+from prefixkv.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from prefixkv.kv_events import block_hashes
+from prefixkv.wire.kv_events import block_hashes
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
-from prefixkv.router.bench import ready
+from prefixkv.bench.route.run import ready
 from prefixkv.router.cli import LAUNCHED_KV_EVENTS
 from prefixkv.router.health import wait_until_healthy
 from prefixkv.router.local import LocalWorkers
@@ -171,7 +171,7 @@ async def _healthy(url: str) -> None:
 
 
 def test_periodic_resets_follow_the_request_count(workers: LocalWorkers) -> None:
-    from prefixkv.router.disturb import PeriodicResets
+    from prefixkv.bench.route.disturb import PeriodicResets
 
     count = [0]
     with PeriodicResets(workers.urls, 3, count=lambda: count[0]) as resets:

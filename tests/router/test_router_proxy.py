@@ -24,9 +24,9 @@ import pytest
 
 from prefixkv.bench.load import run_load
 from prefixkv.cli import main
-from prefixkv.router import bench
+from prefixkv.bench.route import run as bench
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
-from prefixkv.router.bench import ready
+from prefixkv.bench.route.run import ready
 from prefixkv.router.local import LocalWorkers, free_port
 
 WORKER_ARGS = ["--num-kv-blocks", "256", "--block-size", "16", "--log-level", "warning"]
@@ -368,7 +368,7 @@ def test_bench_replays_the_same_sessions_under_each_policy(
 def test_bench_router_url_replays_through_a_running_router(
     workers: LocalWorkers, router: RouterServer, tmp_path: Path
 ) -> None:
-    from prefixkv.router.bench_peers import _finished
+    from prefixkv.bench.route.peers import _finished
     from prefixkv.router.health import fetch_cache_stats
 
     common = ["--worker-urls", *workers.urls, "--users", "3", "--turns", "2",

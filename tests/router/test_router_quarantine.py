@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
-from prefixkv.router.bench import ready
+from prefixkv.bench.route.run import ready
 from prefixkv.router.local import LocalWorkers
 from prefixkv.router.quarantine import Quarantine, fingerprint
 

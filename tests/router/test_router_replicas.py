@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixkv.router import bench
+from prefixkv.bench.route import run as bench
 from prefixkv.router.app import RouterConfig, RouterServer
-from prefixkv.router.bench import ready
+from prefixkv.bench.route.run import ready
 from prefixkv.router.cache_aware import CacheAwarePolicy
 from prefixkv.router.keys import RouteKey, chat_key, text_key
 from prefixkv.router.local import LocalWorkers, free_port

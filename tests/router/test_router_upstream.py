@@ -264,7 +264,7 @@ def test_the_raw_asgi_front_over_a_stub_worker() -> None:
     from prefixkv.router.local import free_port
 
     port = free_port()
-    stub = subprocess.Popen([sys.executable, "-m", "prefixkv.router.bench_cost", "--stub",
+    stub = subprocess.Popen([sys.executable, "-m", "prefixkv.bench.route.cost", "--stub",
                              str(port)])
     worker = f"http://127.0.0.1:{port}"
     try:

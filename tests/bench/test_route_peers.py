@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixkv.router import bench, bench_peers
-from prefixkv.router.bench_report import format_table
+from prefixkv.bench.route import peers as bench_peers
+from prefixkv.bench.route import run as bench
+from prefixkv.bench.route.report import format_table
 
 VENV = os.environ.get("ROUTER_PEERS_VENV", bench_peers.PEERS_VENV)
 

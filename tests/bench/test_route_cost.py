@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixkv.router import bench_cost
+from prefixkv.bench.route import cost as bench_cost
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

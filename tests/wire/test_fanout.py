@@ -1,4 +1,4 @@
-"""prefixkv.fanout: a router's per-worker answer told from a server's own."""
+"""prefixkv.wire.fanout: a router's per-worker answer told from a server's own."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from prefixkv.fanout import worker_row, worker_rows
+from prefixkv.wire.fanout import worker_row, worker_rows
 
 
 def test_a_routers_answer_reads_as_its_rows() -> None:

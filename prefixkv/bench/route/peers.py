@@ -1,6 +1,6 @@
 """Benchmark any router on the bench's workload, and prefixkv's beside the Rust routers.
 
-``prefixkv bench route --router-url URL`` replays the workload of :mod:`prefixkv.router.bench`
+``prefixkv bench route --router-url URL`` replays the workload of :mod:`prefixkv.bench.route.run`
 through a router that is already running (ours, sglang-router, vllm-router, anything that
 speaks ``/v1/chat/completions``): :func:`run_external`. With ``--worker-urls`` (the workers
 behind that router) the workers' caches are reset first and the requests each worker served are
@@ -8,13 +8,13 @@ read from their stats (``num_requests_finished``, prefixkv workers), since a for
 not say where it sent a request; with ``--router-pid`` the router process's CPU per request
 (its threads and child processes, Linux ``/proc``) and its peak RSS are reported.
 
-``python -m prefixkv.router.bench_peers`` (:func:`main`) is the side by side: it launches the
+``python -m prefixkv.bench.route.peers`` (:func:`main`) is the side by side: it launches the
 workers once per workload, then for each of ``--repeats`` rounds starts each router of
 ``--routers`` over them (its own process, a free port, the same thresholds, order rotated each
 round), replays the workload through it and stops it::
 
     scripts/install-router-peers.sh     # sglang-router, vllm-router in /tmp/routerpeers/venv
-    python -m prefixkv.router.bench_peers --routers prefixkv sglang vllm --repeats 3
+    python -m prefixkv.bench.route.peers --routers prefixkv sglang vllm --repeats 3
 
 Routers (:func:`router_command`): ``prefixkv`` (``prefixkv route --policy cache_aware``),
 ``sglang`` (``sglang-router launch --policy cache_aware``), ``vllm`` (``vllm-router --policy
@@ -35,9 +35,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from prefixkv.router.bench import PolicyResult, Workload, add_arguments, replay, summarize
-from prefixkv.router.bench_meters import process_threads_cpu
-from prefixkv.router.bench_report import progress, report
+from prefixkv.bench.route.meters import process_cpu, process_rss_mb
+from prefixkv.bench.route.replay import PolicyResult, ready, run_external
+from prefixkv.bench.route.run import add_arguments
+from prefixkv.bench.route.workloads import Workload
+from prefixkv.bench.route.report import progress, report
 
 __all__ = ["PEERS_VENV", "ROUTERS", "process_cpu", "process_rss_mb", "router_command",
            "run_external"]
@@ -45,110 +47,6 @@ __all__ = ["PEERS_VENV", "ROUTERS", "process_cpu", "process_rss_mb", "router_com
 PEERS_VENV = "/tmp/routerpeers/venv"
 ROUTERS = ("prefixkv", "sglang", "vllm")
 _INSTALL = "scripts/install-router-peers.sh"
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (Linux ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def process_cpu(pid: int) -> float | None:
-    """CPU seconds (all live threads, ns-precise) of ``pid`` and its child processes; ``None``
-    when ``pid`` is gone or ``/proc`` is missing."""
-    total, found = 0.0, False
-    for p in _descendants(pid) if os.path.isdir("/proc") else []:
-        cpu = process_threads_cpu(p)
-        if cpu is not None:
-            found = True
-            total += cpu
-    return total if found else None
-
-
-def process_rss_mb(pid: int, field: str = "VmHWM") -> float | None:
-    """``VmRSS`` (now) or ``VmHWM`` (peak) of ``pid`` and its child processes, in MB."""
-    total, found = 0.0, False
-    for p in _descendants(pid) if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith(field + ":"):
-                        total += int(line.split()[1]) / 1024
-                        found = True
-        except OSError:
-            continue
-    return total if found else None
-
-
-async def _finished(urls: Sequence[str]) -> dict[str, int | None]:
-    """Each prefixkv worker's ``num_requests_finished`` (``None`` when it does not say)."""
-    import httpx
-
-    out: dict[str, int | None] = {}
-    async with httpx.AsyncClient(timeout=30.0) as client:
-        for u in urls:
-            try:
-                out[u] = int((await client.get(f"{u}/v1/cache/stats")).json()
-                             ["num_requests_finished"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                out[u] = None
-    return out
-
-
-async def _served_model(url: str) -> str | None:
-    """The first model id a worker lists (Rust routers need ``model`` in the body)."""
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            return str((await client.get(f"{url}/v1/models")).json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return None
-
-
-def run_external(url: str, label: str, worker_urls: Sequence[str], workload: Workload,
-                 args: argparse.Namespace, workload_name: str = "chat",
-                 pid: int | None = None) -> PolicyResult:
-    """Replay ``workload`` through the router at ``url`` (reported as policy ``label``)."""
-    from prefixkv.router.bench import reset_caches
-
-    url = url.rstrip("/")
-    model = args.model
-    if worker_urls:
-        asyncio.run(reset_caches(worker_urls))
-        model = asyncio.run(_served_model(worker_urls[0])) or model
-    before = asyncio.run(_finished(worker_urls))
-    cpu0 = None if pid is None else process_cpu(pid)
-    t0 = time.perf_counter()
-    usages, per_worker, errors = asyncio.run(replay(
-        url, workload, concurrency=args.concurrency, max_tokens=args.max_tokens, model=model))
-    seconds = time.perf_counter() - t0
-    cpu1 = None if pid is None else process_cpu(pid)
-    if not per_worker and worker_urls:  # a foreign router: count at the workers
-        after = asyncio.run(_finished(worker_urls))
-        per_worker.update({u: (after[u] or 0) - (before[u] or 0) for u in worker_urls
-                           if after[u] is not None and before[u] is not None})
-    n = max(1, len(usages))
-    return summarize(
-        workload_name, label, usages, per_worker, errors, seconds, reasons={},
-        workers=list(worker_urls) or sorted(per_worker), policy_cpu_us=0.0,
-        router_cpu_ms=None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / n * 1e3,
-        rss_mb=None if pid is None else process_rss_mb(pid),
-    )
 
 
 def router_command(name: str, port: int, worker_urls: Sequence[str], args: argparse.Namespace,
@@ -183,7 +81,6 @@ def router_command(name: str, port: int, worker_urls: Sequence[str], args: argpa
 
 def _one(name: str, urls: Sequence[str], workload: Workload, args: argparse.Namespace,
          workload_name: str) -> PolicyResult:
-    from prefixkv.router.bench import ready
     from prefixkv.router.local import free_port
 
     port = free_port()
@@ -206,14 +103,13 @@ def _one(name: str, urls: Sequence[str], workload: Workload, args: argparse.Name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prefixkv.router.bench_peers``: the side by side (module docstring)."""
+    """``python -m prefixkv.bench.route.peers``: the side by side (module docstring)."""
     import shlex
 
-    from prefixkv.router.bench import ready
-    from prefixkv.router.bench_workloads import resolve, workload_of
+    from prefixkv.bench.route.workloads import resolve, workload_of
     from prefixkv.router.local import LocalWorkers
 
-    p = argparse.ArgumentParser(prog="python -m prefixkv.router.bench_peers",
+    p = argparse.ArgumentParser(prog="python -m prefixkv.bench.route.peers",
                                 description=__doc__.split("\n")[0] if __doc__ else None)
     add_arguments(p)
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))

@@ -1,8 +1,8 @@
 """The router benchmark's report: the text table and the computed-tokens vs imbalance plot.
 
-Kept apart from :mod:`prefixkv.router.bench` (which runs the replays) so the figures can be
+Kept apart from :mod:`prefixkv.bench.route.run` (which runs the replays) so the figures can be
 redrawn from ``--json`` files (several runs are merged):
-``python -m prefixkv.router.bench_report a.json b.json --plot route.png``.
+``python -m prefixkv.bench.route.report a.json b.json --plot route.png``.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def plot_results(results: Sequence[Any], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Redraw the table and (``--plot``) the figure from a ``prefixkv bench route --json``."""
-    p = argparse.ArgumentParser(prog="python -m prefixkv.router.bench_report")
+    p = argparse.ArgumentParser(prog="python -m prefixkv.bench.route.report")
     p.add_argument("json_paths", nargs="+", metavar="JSON")
     p.add_argument("--plot", default=None, metavar="PNG")
     args = p.parse_args(argv)

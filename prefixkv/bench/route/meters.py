@@ -69,3 +69,50 @@ def quantile(values: Sequence[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (all live threads, ns-precise) of ``pid`` and its child processes; ``None``
+    when ``pid`` is gone or ``/proc`` is missing."""
+    total, found = 0.0, False
+    for p in _descendants(pid) if os.path.isdir("/proc") else []:
+        cpu = process_threads_cpu(p)
+        if cpu is not None:
+            found = True
+            total += cpu
+    return total if found else None
+
+
+def process_rss_mb(pid: int, field: str = "VmHWM") -> float | None:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of ``pid`` and its child processes, in MB."""
+    total, found = 0.0, False
+    for p in _descendants(pid) if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        total += int(line.split()[1]) / 1024
+                        found = True
+        except OSError:
+            continue
+    return total if found else None

@@ -1,6 +1,6 @@
 """The endpoint picker's decision latency beside the HTTP proxy's added latency, same run.
 
-Starts ``--workers`` instant stub workers (:mod:`prefixkv.router.bench_cost`'s) and one
+Starts ``--workers`` instant stub workers (:mod:`prefixkv.bench.route.cost`'s) and one
 ``prefixkv route --epp`` over them (its own process: the HTTP router and the picker share its
 policy), then, at concurrency 1 with unique ``--prompt-bytes`` prompts, in interleaved rounds:
 
@@ -14,7 +14,7 @@ policy), then, at concurrency 1 with unique ``--prompt-bytes`` prompts, in inter
 Also the router process's CPU per request for each path. Only same-run comparisons mean
 anything::
 
-    python -m prefixkv.router.bench_epp --prompt-bytes 16384 --rounds 5 --per-round 40
+    python -m prefixkv.bench.route.epp --prompt-bytes 16384 --rounds 5 --per-round 40
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import queue
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -36,7 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefixkv.router.bench_cost import _cpu_seconds, _post, _prompt
+from prefixkv.bench.route.cost import _cpu_seconds, _post, _prompt
 from prefixkv.router.local import free_port
 
 _HEADERS = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
@@ -68,7 +67,7 @@ def _epp_once(stub: pb_grpc.ExternalProcessorStub, body: bytes) -> tuple[float, 
 def run(args: argparse.Namespace) -> dict[str, float]:
     """Start the stubs and the router, measure, stop them; the figures in ms."""
     ports = [free_port() for _ in range(args.workers)]
-    stubs = [subprocess.Popen([sys.executable, "-m", "prefixkv.router.bench_cost", "--stub",
+    stubs = [subprocess.Popen([sys.executable, "-m", "prefixkv.bench.route.cost", "--stub",
                                str(p)]) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     http_port, epp_port = free_port(), free_port()
@@ -138,8 +137,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prefixkv.router.bench_epp``: print the figures as JSON."""
-    p = argparse.ArgumentParser(prog="python -m prefixkv.router.bench_epp",
+    """``python -m prefixkv.bench.route.epp``: print the figures as JSON."""
+    p = argparse.ArgumentParser(prog="python -m prefixkv.bench.route.epp",
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--prompt-bytes", type=int, default=16384)

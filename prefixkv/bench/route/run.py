@@ -6,7 +6,7 @@ Many users, several turns each, one shared system prompt; each turn sends the wh
 turns come from the script, not from the model (the demo model's text is meaningless), so every
 policy replays exactly the same prompts.
 
-Workloads (:mod:`prefixkv.router.bench_workloads`): ``chat``, ``shared_prefix`` (a long
+Workloads (:mod:`prefixkv.bench.route.workloads`): ``chat``, ``shared_prefix`` (a long
 document every user shares), ``eviction`` (chat over small KV pools); each launches its own
 workers. Policies: every ``--policy`` of ``prefixkv route`` plus ``cache_aware_sim``
 (``cache_aware --simulate-eviction``, replaying each worker's eviction policy) and, on request,
@@ -20,9 +20,9 @@ stack included, Linux ``/proc``, milliseconds). Before each policy the workers' 
 (``POST /v1/cache/reset``, prefixkv workers) so no policy inherits another's cache.
 
 ``--router-url URL`` replays the workload through a router already running instead (any router:
-see :mod:`prefixkv.router.bench_peers`, which also runs the side by side with the Rust routers).
+see :mod:`prefixkv.bench.route.peers`, which also runs the side by side with the Rust routers).
 
-``python -m prefixkv.router.bench --help`` (or ``prefixkv bench route`` where the CLI wires it).
+``python -m prefixkv.bench.route.run --help`` (or ``prefixkv bench route`` where the CLI wires it).
 """
 
 from __future__ import annotations
@@ -33,14 +33,20 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from prefixkv.cache import POLICIES as CACHE_POLICIES
-from prefixkv.router.bench_meters import CpuMeter, quantile, thread_cpu
-from prefixkv.router.bench_report import format_table, plot_results, progress, report
-from prefixkv.router.bench_workloads import (
+from prefixkv.bench.route.meters import CpuMeter, thread_cpu
+from prefixkv.bench.route.replay import (
+    PolicyResult,
+    ready,
+    replay,
+    reset_caches,
+    run_external,
+    summarize,
+)
+from prefixkv.bench.route.report import format_table, plot_results, progress, report
+from prefixkv.bench.route.workloads import (
     WORKLOADS,
     Workload,
     make_workload,
@@ -48,9 +54,6 @@ from prefixkv.router.bench_workloads import (
     workload_of,
 )
 from prefixkv.router.policies import POLICY_NAMES
-
-if TYPE_CHECKING:
-    import httpx
 
 # The web stack (httpx, the router app, worker processes) is imported inside the functions that
 # use it, so that building the CLI parser stays fast.
@@ -60,102 +63,6 @@ __all__ = ["BENCH_POLICIES", "PolicyResult", "Workload", "format_table", "main",
 
 BENCH_POLICIES = (*POLICY_NAMES, "cache_aware_sim", "cache_aware_sim_lru")
 _DEFAULT_POLICIES = BENCH_POLICIES[:-1]
-
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyResult:
-    """One policy's figures on one workload (times in seconds unless the name says)."""
-
-    workload: str
-    policy: str
-    requests: int
-    prompt_tokens: int
-    cached_tokens: int
-    computed_tokens: int
-    cached_share: float
-    seconds: float
-    requests_per_s: float
-    prompt_tokens_per_s: float
-    per_worker: dict[str, int]
-    max_min_load: float
-    errors: int
-    reasons: dict[str, int]
-    p50_s: float
-    p99_s: float
-    policy_cpu_us: float
-    router_cpu_ms: float | None
-    rss_mb: float | None = None  # the router process's peak RSS (external routers)
-
-
-async def replay(url: str | Sequence[str], workload: Workload, *, concurrency: int,
-                 max_tokens: int,
-                 model: str | None) -> tuple[list[dict[str, float]], Counter[str], int]:
-    """Send every session's turns to ``url``, ``concurrency`` sessions at a time: per answered
-    request its usage and latency, the requests per worker (from prefixkv's worker header;
-    empty through other routers), and the count of failed requests. Several URLs (router
-    replicas) take the requests in turn, round robin, as a load balancer in front would."""
-    import httpx
-
-    urls = [url] if isinstance(url, str) else list(url)
-    sent = 0
-
-    from prefixkv.router.app import WORKER_HEADER
-
-    queue: asyncio.Queue[list[tuple[str, str]]] = asyncio.Queue()
-    for s in workload.sessions:
-        queue.put_nowait(s)
-    usages: list[dict[str, float]] = []
-    per_worker: Counter[str] = Counter()
-    errors = 0
-
-    async def run_sessions(client: httpx.AsyncClient) -> None:
-        nonlocal errors, sent
-        while not queue.empty():
-            session = queue.get_nowait()
-            messages: list[dict[str, str]] = [{"role": "system", "content": workload.system}]
-            for user, assistant in session:
-                messages.append({"role": "user", "content": user})
-                body: dict[str, object] = {"messages": messages, "max_tokens": max_tokens,
-                                           "temperature": 0.0}
-                if model:
-                    body["model"] = model
-                target, sent = urls[sent % len(urls)], sent + 1
-                t0 = time.perf_counter()
-                try:
-                    resp = await client.post(f"{target}/v1/chat/completions", json=body)
-                except httpx.HTTPError:  # counted; the session goes on with its next turn
-                    errors += 1
-                    messages.append({"role": "assistant", "content": assistant})
-                    continue
-                latency = time.perf_counter() - t0
-                if resp.status_code != 200:
-                    errors += 1
-                else:
-                    usage = resp.json()["usage"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    usages.append({"prompt": usage["prompt_tokens"],
-                                   "cached": details.get("cached_tokens") or 0,
-                                   "latency": latency})
-                    if WORKER_HEADER in resp.headers:
-                        per_worker[resp.headers[WORKER_HEADER]] += 1
-                messages.append({"role": "assistant", "content": assistant})
-
-    async with httpx.AsyncClient(timeout=600.0) as client:
-        await asyncio.gather(*(run_sessions(client) for _ in range(concurrency)))
-    return usages, per_worker, errors
-
-
-async def reset_caches(urls: Sequence[str]) -> None:
-    """Empty each prefixkv worker's cache (others are left as they are)."""
-    import httpx
-
-    async with httpx.AsyncClient(timeout=60.0) as client:
-        for u in urls:
-            try:
-                await client.post(f"{u}/v1/cache/reset")
-            except httpx.HTTPError:
-                pass  # not a prefixkv worker: its cache stays as it is
 
 
 def replica_runs(args: argparse.Namespace) -> list[tuple[int, bool]]:
@@ -177,7 +84,7 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
     import dataclasses
 
     from prefixkv.router.app import RouterConfig, RouterServer
-    from prefixkv.router.disturb import PeriodicResets
+    from prefixkv.bench.route.disturb import PeriodicResets
     from prefixkv.router.local import free_port
 
     asyncio.run(reset_caches(worker_urls))
@@ -228,28 +135,6 @@ def run_policy(policy: str, worker_urls: Sequence[str], workload: Workload,
         workers=config.worker_urls, policy_cpu_us=meter.seconds / n * 1e6,
         # the router thread's CPU since it started (startup included: an upper bound)
         router_cpu_ms=None if router_cpu is None else router_cpu / n * 1e3,
-    )
-
-
-def summarize(workload: str, policy: str, usages: Sequence[dict[str, float]],
-              per_worker: Mapping[str, int], errors: int, seconds: float, *,
-              reasons: dict[str, int], workers: Sequence[str], policy_cpu_us: float,
-              router_cpu_ms: float | None, rss_mb: float | None = None) -> PolicyResult:
-    """One replay's figures from what :func:`replay` returned."""
-    prompt = int(sum(u["prompt"] for u in usages))
-    cached = int(sum(u["cached"] for u in usages))
-    latencies = [u["latency"] for u in usages]
-    counts = {u: per_worker.get(u, 0) for u in workers}
-    lo, hi = (min(counts.values()), max(counts.values())) if counts else (0, 0)
-    return PolicyResult(
-        workload=workload, policy=policy, requests=len(usages), prompt_tokens=prompt,
-        cached_tokens=cached, computed_tokens=prompt - cached,
-        cached_share=cached / prompt if prompt else 0.0,
-        seconds=seconds, requests_per_s=len(usages) / seconds,
-        prompt_tokens_per_s=prompt / seconds, per_worker=counts,
-        max_min_load=hi / lo if lo else float("inf"), errors=errors, reasons=reasons,
-        p50_s=quantile(latencies, 0.5), p99_s=quantile(latencies, 0.99),
-        policy_cpu_us=policy_cpu_us, router_cpu_ms=router_cpu_ms, rss_mb=rss_mb,
     )
 
 
@@ -319,17 +204,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write computed tokens vs max/min load per policy and workload")
 
 
-async def ready(urls: Sequence[str], timeout: float = 300.0) -> None:
-    """Wait until every URL answers ``/health`` (``timeout`` seconds at most, then
-    ``RuntimeError``)."""
-    import httpx
-
-    from prefixkv.router.health import wait_until_healthy
-
-    async with httpx.AsyncClient() as client:
-        await wait_until_healthy(client, urls, timeout=timeout)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; prints the table (and writes ``--json`` / ``--plot``). Exit code 0."""
     from prefixkv.router.local import LocalWorkers
@@ -340,8 +214,6 @@ def run(args: argparse.Namespace) -> int:
         workload = workload_of(spec, args.seed)
         launched = None
         if args.router_url:
-            from prefixkv.router.bench_peers import run_external
-
             results.append(run_external(args.router_url, args.router_label,
                                         args.worker_urls or [], workload, args, name,
                                         pid=args.router_pid))
@@ -373,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prefixkv.router.bench``."""
+    """``python -m prefixkv.bench.route.run``."""
     return run(build_parser().parse_args(argv))
 
 

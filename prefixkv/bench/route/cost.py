@@ -20,7 +20,7 @@ rounds: ``req_per_s_vs_<peer>`` (median of per-round ratios) and ``added_ms_c1_m
 Also reports each router's RSS before any traffic and at the end. Run on a quiet machine; only
 same-run comparisons mean anything::
 
-    python -m prefixkv.router.bench_cost --prompt-bytes 16384 --baseline-pythonpath /work/main
+    python -m prefixkv.bench.route.cost --prompt-bytes 16384 --baseline-pythonpath /work/main
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from prefixkv.router.bench_meters import process_threads_cpu
+from prefixkv.bench.route.meters import process_threads_cpu
 from prefixkv.router.health import wait_until_healthy
 from prefixkv.router.local import free_port
 from prefixkv.router.upstream import UpstreamPool
@@ -111,8 +111,8 @@ def _start_router(urls: Sequence[str], pythonpath: str | None) -> tuple[subproce
 
 
 def _start_peer(name: str, urls: Sequence[str], venv: str) -> tuple[subprocess.Popen[bytes], str]:
-    from prefixkv.router.bench import build_parser
-    from prefixkv.router.bench_peers import router_command
+    from prefixkv.bench.route.run import build_parser
+    from prefixkv.bench.route.peers import router_command
 
     port = free_port()
     cmd = router_command(name, port, urls, build_parser().parse_args([]), venv)
@@ -172,7 +172,7 @@ async def _throughput_raw(url: str, n: int, concurrency: int, prompt_bytes: int)
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Start stubs and routers, measure, stop them; returns the figures per router."""
     ports = [free_port() for _ in range(args.workers)]
-    stubs = [subprocess.Popen([sys.executable, "-m", "prefixkv.router.bench_cost", "--stub",
+    stubs = [subprocess.Popen([sys.executable, "-m", "prefixkv.bench.route.cost", "--stub",
                                str(p)]) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     routers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
@@ -244,8 +244,8 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prefixkv.router.bench_cost``: prints (and ``--json`` writes) the figures."""
-    p = argparse.ArgumentParser(prog="python -m prefixkv.router.bench_cost",
+    """``python -m prefixkv.bench.route.cost``: prints (and ``--json`` writes) the figures."""
+    p = argparse.ArgumentParser(prog="python -m prefixkv.bench.route.cost",
                                 description=__doc__.split("\n")[0] if __doc__ else None)
     p.add_argument("--stub", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--workers", type=int, default=4)

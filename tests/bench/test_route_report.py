@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from prefixkv.router import bench_report
-from prefixkv.router.bench import BENCH_POLICIES, build_parser
-from prefixkv.router.bench_meters import CpuMeter, quantile, thread_cpu
-from prefixkv.router.bench_workloads import WORKLOADS, resolve
+from prefixkv.bench.route import report as bench_report
+from prefixkv.bench.route.run import BENCH_POLICIES, build_parser
+from prefixkv.bench.route.meters import CpuMeter, quantile, thread_cpu
+from prefixkv.bench.route.workloads import WORKLOADS, resolve
 from prefixkv.router.policies import POLICY_NAMES, Decision
 
 
