@@ -33,7 +33,7 @@ connection is aborted at once, so the worker sees its client leave and aborts th
 Conversations. A Responses API answer stored on its worker names its id in a header; a later
 request continuing it (``previous_response_id``) goes to that worker while it is healthy, the
 only one holding the conversation (elsewhere the worker answers 404), and so do ``GET`` /
-``DELETE /v1/responses/{id}``.
+``DELETE /v1/responses/{id}`` (:mod:`prefixkv.router.conversations`).
 
 Load. A worker's in-flight count rises when a request is sent to it and falls when that attempt
 is over: answer read, attempt failed or cancelled, or stream ended (a stream's relay owns it).
@@ -47,7 +47,6 @@ import json
 import logging
 import random
 import time
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
@@ -57,6 +56,7 @@ from fastapi.responses import Response
 from prefixkv.router.admin import admin_headers
 from prefixkv.router.answer import Answer, error_answer
 from prefixkv.router.config import RouterConfig
+from prefixkv.router.conversations import StoredResponses
 from prefixkv.router.errors import error_body, error_response
 from prefixkv.router.health import WorkerCacheStats, fetch_cache_stats, health_loop, probe
 from prefixkv.router.keys import RouteKey
@@ -69,10 +69,6 @@ from prefixkv.router.workers import WorkerRegistry
 log = logging.getLogger("prefixkv.router")
 
 WORKER_HEADER = "x-prefixkv-worker"
-RESPONSE_ID_HEADER = "x-prefixkv-response-id"
-"""A worker's stored Responses API answer names its id here (``prefixkv.server.responses``)."""
-MAX_REMEMBERED = 65536
-"""Stored responses whose worker the router remembers (the oldest forgotten first)."""
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
 ERROR_CAUSE_HEADER = "x-prefixkv-error-cause"
 
@@ -107,7 +103,7 @@ class Router:
         self._probing: dict[str, asyncio.Task[None]] = {}
         # requests waiting on a worker that leaves the rotation are sent elsewhere (abandon)
         self.pool = UpstreamPool(timeout=config.request_timeout)
-        self._stored: OrderedDict[str, str] = OrderedDict()  # stored response id -> its worker
+        self.stored = StoredResponses()  # Responses API conversations: id -> its worker
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -256,7 +252,7 @@ class Router:
         fwd["content-type"] = "application/json"
         tried: list[str] = []
         last_5xx: Answer | None = None
-        holder = self._stored.get(after) if after is not None else None
+        holder = self.stored.holder(after)
         while urls := self.workers.healthy(exclude=tried):
             left = self.quarantine.refused_for(fp)
             if left is not None:
@@ -286,7 +282,7 @@ class Router:
             try:
                 resp = await self.pool.post(url, path, raw, fwd)
                 retry = _worker_caused(resp)
-                self._remember(resp, url)
+                self.stored.remember(resp.headers, resp.status, url)
                 if stream and not retry:
                     relayed = True
                     self.workers.record_success(url)
@@ -328,33 +324,13 @@ class Router:
         return error_answer(503, "no healthy worker is available", type_="service_unavailable",
                             code="no_healthy_worker")
 
-    def _remember(self, resp: UpstreamResponse, url: str) -> None:
-        """Record which worker holds the stored response an answer announces."""
-        rid = resp.headers.get(RESPONSE_ID_HEADER)
-        if rid is not None and resp.status < 400:
-            self._stored[rid] = url
-            while len(self._stored) > MAX_REMEMBERED:
-                self._stored.popitem(last=False)
-
     async def stored_response(self, method: str, response_id: str, headers: Mapping[str, str],
                               rest: str = "") -> Response:
-        """``GET`` / ``DELETE /v1/responses/{id}`` (``rest``: what follows the id, e.g.
-        ``/input_items?limit=5``) from the worker holding it (a 404 when no worker answered
-        it through this router, or it is down)."""
-        url = self._stored.get(response_id)
-        if url is None or url not in self.workers.healthy():
-            return error_response(404, f"no stored response with id {response_id!r} on a healthy worker",
-                                  type_="not_found_error", code="response_not_found")
+        """``GET`` / ``DELETE /v1/responses/{id}`` from the worker holding it
+        (:meth:`StoredResponses.forward`)."""
         fwd = {h: headers[h] for h in _FORWARDED_HEADERS if h in headers}
-        try:
-            resp = await self.client.request(method, f"{url}/v1/responses/{response_id}{rest}", headers=fwd)
-        except httpx.HTTPError as exc:
-            return error_response(502, f"worker {url} failed: {exc}", type_="worker_error",
-                                  code="worker_failed")
-        if method == "DELETE" and not rest and resp.status_code == 200:
-            self._stored.pop(response_id, None)
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type"))
+        return await self.stored.forward(self.client, self.workers.healthy(), method,
+                                         response_id, fwd, rest)
 
     def _relay(self, resp: UpstreamResponse, url: str, fp: str, suspect: bool) -> Answer:
         """A streamed answer passing the worker's pieces through; it owns ``resp`` and the

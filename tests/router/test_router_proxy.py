@@ -368,7 +368,7 @@ def test_bench_replays_the_same_sessions_under_each_policy(
 def test_bench_router_url_replays_through_a_running_router(
     workers: LocalWorkers, router: RouterServer, tmp_path: Path
 ) -> None:
-    from prefixkv.bench.route.peers import _finished
+    from prefixkv.bench.route.replay import _finished
     from prefixkv.router.health import fetch_cache_stats
 
     common = ["--worker-urls", *workers.urls, "--users", "3", "--turns", "2",
