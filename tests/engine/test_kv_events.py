@@ -29,75 +29,10 @@ from prefixkv.wire.kv_events import KVEventBatch as OurBatch
 from prefixkv.wire.kv_events import KVEventsConfig, block_hashes
 
 
-# ---------------------------------------------------------------- vLLM's schema, as a consumer
-class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class VEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(VEvent):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(VEvent):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(VEvent):
-    pass
-
-
-class VKVEventBatch(VEventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
-
-
-class OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class OldBlockStored(OldEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class OldBlockRemoved(OldEvent, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-
-
-class OldAllBlocksCleared(OldEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class OldBatch(VEventBatch):
-    events: list[OldBlockStored | OldBlockRemoved | OldAllBlocksCleared]
-
-
-OLD_DECODER = msgspec.msgpack.Decoder(OldBatch)
+from vllm_events import DECODER, OLD_DECODER, OldStored, VKVEventBatch  # vLLM's own schema
+from vllm_events import VCleared as AllBlocksCleared
+from vllm_events import VRemoved as BlockRemoved
+from vllm_events import VStored as BlockStored
 """vLLM before its map encoding: each event an array ``[tag, field, ...]``."""
 EVENTS = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
           '"replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"}')
@@ -307,7 +242,7 @@ def test_the_array_encoding_serves_old_consumers(demo_model: Any) -> None:
         with pytest.raises(msgspec.ValidationError):
             DECODER.decode(payload)
         events = OLD_DECODER.decode(payload).events
-        assert isinstance(events[0], OldBlockStored)
+        assert isinstance(events[0], OldStored)
         assert events[0].block_hashes == block_hashes(prompt, 4)[: len(events[0].block_hashes)]
         assert events[0].medium == "GPU"
     finally:
@@ -349,8 +284,7 @@ def test_replay_resends_buffered_batches_from_a_sequence_number() -> None:
                 break
             replies.append(DECODER.decode(payload))
         events = [e for b in replies for e in b.events]
-        assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved",
-                                                      "AllBlocksCleared"]
+        assert [type(e) for e in events] == [BlockStored, BlockRemoved, AllBlocksCleared]
         assert events[1].block_hashes == [events[0].block_hashes[0]]
         dealer.close(linger=0)
     finally:

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -43,94 +42,24 @@ from prefixkv.router.kv_stream import (
 from prefixkv.router.metrics import RouterMetrics
 from prefixkv.router.precise import PrecisePolicy, TokenRouteKey
 from prefixkv.router.workers import WorkerRegistry
+from vllm_events import (
+    OldRemoved,
+    OldStored,
+    SgBatch,
+    SgCleared,
+    SgRemoved,
+    SgStored,
+    VBatch,
+    VCleared,
+    VMapBatch,
+    VRemoved,
+    VStored,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 TOKENS = list(range(100, 148))  # three blocks of 16
 VLLM_HASHES = [0x1A2B3C4D5E6F7081, 0x2B3C4D5E6F708192, 0x3C4D5E6F708192A3]
-
-
-# ---------------------------------------------------------------- vLLM 0.32, as vLLM declares it
-class VBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class VEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class VStored(VEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class VRemoved(VEvent, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class VCleared(VEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VMapBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """Newer vLLM: the batch too is a map."""
-
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-# ---------------------------------------------------------------- older vLLM and SGLang: arrays
-class OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class OldStored(OldEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class OldRemoved(OldEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class SgStored(OldEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-
-
-class SgRemoved(OldEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-
-
-class SgCleared(OldEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class SgBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
 
 
 class SgDpBatch(SgBatch):
