@@ -156,7 +156,7 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            key_of = _PROXIED.get(scope["path"])
+            key_of = PROXIED_ROUTES.get(scope["path"])
             if key_of is not None:
                 await self._proxy(scope, receive, send, key_of)
                 return
@@ -217,7 +217,7 @@ class RouterApp:
             watcher.cancel()
 
 
-_PROXIED: dict[str, Callable[[Any, int], RouteKey]] = {
+PROXIED_ROUTES: dict[str, Callable[[Any, int], RouteKey]] = {
     "/v1/completions": completion_key, "/v1/chat/completions": chat_key,
     "/generate": generate_key,  # SGLang's native API
     "/v1/responses": responses_key, "/v1/messages": messages_key,  # Anthropic's
@@ -225,6 +225,8 @@ _PROXIED: dict[str, Callable[[Any, int], RouteKey]] = {
     # vLLM's render API: to the worker the request itself would go to (same tokenizer, and the
     # real request that usually follows finds its prefix there)
     "/v1/completions/render": completion_key, "/v1/chat/completions/render": chat_key}
+"""The proxied POST paths and how each builds its route key from a parsed body (the HTTP router
+and the endpoint picker, :mod:`prefixkv.router.epp`, route from this one table)."""
 
 
 async def _read_body(receive: Receive) -> bytes | None:

@@ -37,7 +37,7 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from prefixkv.router import epp_protocol as msg
-from prefixkv.router.app import _PROXIED as _KEYS  # the HTTP router's paths and keys: one table
+from prefixkv.router.app import PROXIED_ROUTES as _KEYS  # the HTTP router's paths and keys: one table
 from prefixkv.router.keys import RouteKey, hinted_key
 from prefixkv.router.proxy import ERROR_CAUSE_HEADER, Router
 
@@ -192,7 +192,7 @@ class EndpointPicker:
             return
         status = headers.get(":status", "")
         if status.startswith("5") and headers.get(ERROR_CAUSE_HEADER) != "request":
-            self.router._dispatch_failed(ex.url, "status_5xx", f"answered {status}")
+            self.router.dispatch_failed(ex.url, "status_5xx", f"answered {status}")
         else:
             self.router.workers.record_success(ex.url)
 
@@ -202,7 +202,7 @@ class EndpointPicker:
         the in-flight count follows."""
         url = self._worker_at.get(served)
         if ex.url is not None and url is not None and url != ex.url:
-            self.router._dispatch_failed(ex.url, "connect", f"Envoy served the request from {served}")
+            self.router.dispatch_failed(ex.url, "connect", f"Envoy served the request from {served}")
             self.router.workers.end(ex.url)
             self.router.workers.begin(url)
             ex.url = url

@@ -183,7 +183,7 @@ class Router:
         self.policy.on_worker_health(url, healthy)
         log.warning("worker %s is %s", url, "back in rotation" if healthy else "out of rotation")
 
-    def _dispatch_failed(self, url: str, kind: str, error: str) -> None:
+    def dispatch_failed(self, url: str, kind: str, error: str) -> None:
         """Count a failed dispatch against ``url``'s breaker and probe it at once; the policy
         (if it keeps a dispatch window) forgets it."""
         self.metrics.observe_failure(url, kind)
@@ -293,7 +293,7 @@ class Router:
                 alone = self.workers[url].in_flight <= 1  # before the probe: others still count
                 died = await self._worker_died(url, fp, error, alone) if exc.cut else None
                 if died is None:
-                    self._dispatch_failed(url, "connect", error)
+                    self.dispatch_failed(url, "connect", error)
                 elif died:
                     self.metrics.quarantined.inc()
                     return _quarantined(502, f"worker {url} died while serving this request; it "
@@ -316,7 +316,7 @@ class Router:
             if not retry:
                 self.workers.record_success(url)
                 return answer
-            self._dispatch_failed(url, "status_5xx", f"answered {resp.status}")
+            self.dispatch_failed(url, "status_5xx", f"answered {resp.status}")
             last_5xx = answer
         if last_5xx is not None:
             return last_5xx
@@ -358,7 +358,7 @@ class Router:
                     alone = self.workers[url].in_flight <= 1
                     died = await self._worker_died(url, fp, error, alone) if exc.cut else None
                     if died is None:
-                        self._dispatch_failed(url, "stream", error)
+                        self.dispatch_failed(url, "stream", error)
                     elif died:
                         message = (f"worker {url} died while serving this request; requests with "
                                    "the same method, path and body are refused for "
