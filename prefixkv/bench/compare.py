@@ -22,20 +22,6 @@ from pathlib import Path
 from typing import Any
 
 
-def register(sub: Any) -> None:
-    """Add ``prefixkv benchmark`` (seed 004's name) to the top-level parser."""
-    p = sub.add_parser("benchmark", help="TTFT and prefill tokens with vs without prefix caching",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--with-prefix-cache", action="store_true", help="run the cached engine")
-    p.add_argument("--without-prefix-cache", action="store_true", help="run the uncached engine")
-    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    p.add_argument("--requests", type=int, default=8, help="prompts (default 8)")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix tokens (default 1024)")
-    p.add_argument("--suffix-len", type=int, default=32, help="per-prompt tokens (default 32)")
-    p.add_argument("--json", default=None, help="also write the results here")
-    p.set_defaults(func=run_from_args)
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the comparison; print a table (and write ``--json``)."""
     from prefixkv.engine import LLM, SamplingParams

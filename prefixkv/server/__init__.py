@@ -1,7 +1,7 @@
 """The HTTP layer: an OpenAI-compatible API, cache admin routes and Prometheus metrics.
 
 ``create_app(engine, api_key=None, model_name=...)`` builds the FastAPI app for a running
-``AsyncEngine``; ``prefixkv serve`` (``prefixkv.server.cli``) runs it under uvicorn.
+``AsyncEngine``; ``prefixkv serve`` (``prefixkv.cli.serve``) runs it under uvicorn.
 The app is imported lazily so ``prefixkv --help`` does not pay for FastAPI and the engine.
 """
 

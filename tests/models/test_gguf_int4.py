@@ -131,7 +131,7 @@ def test_bad_quantization_settings_name_the_argument(demo_dir: Path, demo_gguf: 
 def test_serve_flag(demo_gguf: Path) -> None:
     import argparse
 
-    from prefixkv.server.cli_flags import add_engine_flags, engine_kwargs
+    from prefixkv.cli.flags import add_engine_flags, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_flags(p)

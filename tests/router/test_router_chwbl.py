@@ -93,7 +93,7 @@ def test_validation_and_registry() -> None:
 def test_route_cli_flags_reach_the_config() -> None:
     import argparse
 
-    from prefixkv.router.cli import register
+    from prefixkv.cli.route import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

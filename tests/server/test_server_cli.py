@@ -20,7 +20,7 @@ from server_live import start_server, wait_for_health
 
 from prefixkv.cli import build_parser, main
 from prefixkv.engine import AsyncEngine
-from prefixkv.server.cli import KEEP_ALIVE_S
+from prefixkv.cli.serve import KEEP_ALIVE_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,7 +149,7 @@ def test_server_without_prefix_caching() -> None:
 FREEZE_PROBE = """
 import gc, weakref
 from prefixkv.engine import LLM
-from prefixkv.server.cli import freeze_heap
+from prefixkv.cli.serve import freeze_heap
 llm = LLM()
 frozen = freeze_heap()
 

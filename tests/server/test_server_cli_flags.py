@@ -11,8 +11,8 @@ import pytest
 from prefixkv.cache import make_cache
 from prefixkv.cli import build_parser, main
 from prefixkv.config import OPTIONS, EngineConfig
-from prefixkv.server.cli_compat import seed004_args
-from prefixkv.server.cli_flags import GROUPS, SERVE_DEFAULTS, engine_kwargs
+from prefixkv.cli.compat import seed004_args
+from prefixkv.cli.flags import GROUPS, SERVE_DEFAULTS, engine_kwargs
 
 
 def _sub(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:

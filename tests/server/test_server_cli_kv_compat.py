@@ -14,7 +14,7 @@ import pytest
 from server_live import wait_for_health
 
 from prefixkv.cli import build_parser
-from prefixkv.server.cli_kv_compat import apply_kv_compat
+from prefixkv.cli.kv_compat import apply_kv_compat
 
 ROOT = Path(__file__).resolve().parents[2]
 LMCACHE = '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'

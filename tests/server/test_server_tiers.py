@@ -13,8 +13,8 @@ import httpx
 from server_live import start_server
 
 from prefixkv.engine import AsyncEngine
-from prefixkv.server.cli import register
-from prefixkv.server.cli_flags import engine_kwargs
+from prefixkv.cli.serve import register
+from prefixkv.cli.flags import engine_kwargs
 
 
 def text(seed: int, n: int) -> str:

@@ -50,7 +50,7 @@ def test_the_secret_flag_defaults_to_the_environment(monkeypatch: pytest.MonkeyP
     import argparse
 
     from prefixkv.config import EngineConfig
-    from prefixkv.server.cli_flags import add_engine_flags, engine_kwargs
+    from prefixkv.cli.flags import add_engine_flags, engine_kwargs
 
     def parse(*argv: str) -> EngineConfig:
         p = argparse.ArgumentParser()

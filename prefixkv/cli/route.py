@@ -1,4 +1,7 @@
-"""``prefixkv route``: run the cache-aware router in front of OpenAI-compatible workers.
+"""Owns: ``prefixkv route``: the router's flags and its process (workers launched, EPP beside).
+Imports: prefixkv.cache (policy names), prefixkv.router (config, policies; the rest lazily).
+
+``prefixkv route``: run the cache-aware router in front of OpenAI-compatible workers.
 
 ``prefixkv route --worker-urls URL [URL ...]`` routes to running workers (prefixkv, vLLM,
 SGLang); ``prefixkv route --launch N [MODEL]`` first starts N local prefixkv workers

@@ -1,4 +1,7 @@
-"""``prefixkv serve`` and ``prefixkv generate`` (``prefixkv cache ...``: :mod:`.cache_cli`).
+"""Owns: ``prefixkv serve``, ``prefixkv generate`` (and ``engine start`` through compat.py).
+Imports: prefixkv.config, prefixkv.server (app, limits), this package's flags; engine: lazily.
+
+``prefixkv serve`` and ``prefixkv generate`` (``prefixkv cache ...``: :mod:`.cache`).
 
 * ``serve [MODEL]``: the OpenAI-compatible server (no MODEL: the built-in demo model, whose
   text is meaningless; it exists to show prefix caching at work).
@@ -18,9 +21,9 @@ import os
 import socket
 
 from prefixkv.config import EngineConfig
-from prefixkv.server.cli_compat import register_engine
-from prefixkv.server.cli_flags import add_engine_flags, engine_kwargs
-from prefixkv.server.cli_kv_compat import add_kv_compat_flags, apply_kv_compat
+from prefixkv.cli.compat import register_engine
+from prefixkv.cli.flags import add_engine_flags, engine_kwargs
+from prefixkv.cli.kv_compat import add_kv_compat_flags, apply_kv_compat
 from prefixkv.server.limits import ServerLimits
 
 

@@ -1,4 +1,7 @@
-"""The engine flags of ``prefixkv serve``, generated from :data:`prefixkv.config.OPTIONS`.
+"""Owns: the engine flags of ``serve`` (vLLM's names included), generated from EngineConfig.
+Imports: prefixkv.config only.
+
+The engine flags of ``prefixkv serve``, generated from :data:`prefixkv.config.OPTIONS`.
 
 Every :class:`~prefixkv.config.EngineConfig` setting is one flag named after it
 (``max_num_seqs`` -> ``--max-num-seqs``, ``kv_offload_size`` -> ``--kv-offload-size``) with the

@@ -1,6 +1,8 @@
-"""The ``prefixkv`` command line: one subcommand family per layer, registered here.
+"""Owns: the ``prefixkv`` command: the parser and the dispatch of every subcommand.
+Imports: the stdlib; this package's command modules on first use (heavy imports wait).
 
-Each layer exposes ``register(subparsers)`` in its own ``cli`` module; this file only wires
+One module per subcommand family (``serve.py``, ``cache.py``, ``route.py``, ``bench.py``),
+each exposing ``register(subparsers)``; this file only wires
 them together, so ``prefixkv --help`` stays fast (heavy imports happen inside the handlers).
 """
 
@@ -13,11 +15,10 @@ from collections.abc import Sequence
 
 # Modules that add subcommands; each defines register(subparsers) and sets `func` defaults.
 _COMMAND_MODULES = (
-    "prefixkv.server.cli",
-    "prefixkv.server.cache_cli",
-    "prefixkv.router.cli",
-    "prefixkv.bench.cli",
-    "prefixkv.bench.compare",
+    "prefixkv.cli.serve",
+    "prefixkv.cli.cache",
+    "prefixkv.cli.route",
+    "prefixkv.cli.bench",
 )
 
 
@@ -50,7 +51,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"prefixkv {args.command}: error: {exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,7 @@
-"""``prefixkv cache stats | pin | unpin | lookup | list-pinned | reset``: seed 004's cache commands
+"""Owns: ``prefixkv cache ...``: a client of a server's or a router's cache admin routes.
+Imports: prefixkv.wire (the fan-out rows); talks HTTP, imports no server or router code.
+
+``prefixkv cache stats | pin | unpin | lookup | list-pinned | reset``: seed 004's cache commands
 (``lookup``: where a prompt's prefix is cached, per tier).
 
 A client of a running ``prefixkv serve`` (``--url``, default ``$PREFIXKV_BASE_URL`` or

@@ -1,4 +1,7 @@
-"""``prefixkv bench ...``: the benchmark subcommands.
+"""Owns: ``prefixkv bench ...`` (trace defined here) and seed 004's ``prefixkv benchmark``.
+Imports: prefixkv.bench (each benchmark module on first use).
+
+``prefixkv bench ...``: the benchmark subcommands.
 
 :func:`register` adds the ``bench`` parser and one subcommand per benchmark. ``trace`` is
 defined here; the others live in their own modules, each exposing ``add_arguments(parser)``
@@ -52,6 +55,24 @@ def register(subparsers: Any) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(func=module.run_from_args)
+    _register_benchmark(subparsers)
+
+
+def _register_benchmark(sub: Any) -> None:
+    """Add ``prefixkv benchmark`` (seed 004's name) to the top-level parser."""
+    from prefixkv.bench import compare
+
+    p = sub.add_parser("benchmark", help="TTFT and prefill tokens with vs without prefix caching",
+                       description=compare.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--with-prefix-cache", action="store_true", help="run the cached engine")
+    p.add_argument("--without-prefix-cache", action="store_true", help="run the uncached engine")
+    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument("--requests", type=int, default=8, help="prompts (default 8)")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix tokens (default 1024)")
+    p.add_argument("--suffix-len", type=int, default=32, help="per-prompt tokens (default 32)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=compare.run_from_args)
 
 
 def add_trace(sub: Any) -> None:

@@ -1,8 +1,11 @@
-"""Seed 004's ``prefixkv engine start`` spelling of ``prefixkv serve``.
+"""Owns: seed 004's ``prefixkv engine start`` alias of ``serve``.
+Imports: the stdlib only (serve.py hands it the flag builders).
+
+Seed 004's ``prefixkv engine start`` spelling of ``prefixkv serve``.
 
 vLLM's engine flags (``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--seed``, ``--tokenizer``, ``--chat-template``, ``--kv-cache-memory``) are ``serve`` flags
-generated from :class:`~prefixkv.config.EngineConfig` (``server/cli_flags.py``), so vLLM launch
+generated from :class:`~prefixkv.config.EngineConfig` (``cli/flags.py``), so vLLM launch
 lines run unchanged. ``register_engine`` adds ``engine start``, an alias of ``serve``.
 """
 

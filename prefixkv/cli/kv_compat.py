@@ -1,4 +1,7 @@
-"""vLLM's and LMCache's KV-offloading settings, read onto prefixkv's tiers (``prefixkv serve``).
+"""Owns: vLLM's KV-offloading flags and LMCache's settings mapped onto the tier flags.
+Imports: the stdlib only.
+
+vLLM's and LMCache's KV-offloading settings, read onto prefixkv's tiers (``prefixkv serve``).
 
 A vLLM launch line that offloads KV to CPU memory, or hands it to LMCache, runs unchanged:
 
