@@ -1,4 +1,7 @@
-"""The HTTP layer: an OpenAI-compatible API, cache admin routes and Prometheus metrics.
+"""Owns: the HTTP layer: a small core (app factory, errors, limits, metrics, admin, SSE writer).
+Imports: prefixkv.engine; each dialect subpackage (openai/, anthropic/, sglang/) imports the core.
+
+The HTTP layer: an OpenAI-compatible API, cache admin routes and Prometheus metrics.
 
 ``create_app(engine, api_key=None, model_name=...)`` builds the FastAPI app for a running
 ``AsyncEngine``; ``prefixkv serve`` (``prefixkv.cli.serve``) runs it under uvicorn.

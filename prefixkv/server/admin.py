@@ -1,4 +1,7 @@
-"""Cache admin routes (seed 004's ``cache stats | pin | unpin | list-pinned | reset``).
+"""Owns: the cache admin routes (stats, pin, unpin, lookup, reset) and who may call them.
+Imports: prefixkv.engine, prefixkv.loopback, bodies.py, errors.py; no dialect.
+
+Cache admin routes (seed 004's ``cache stats | pin | unpin | list-pinned | reset``).
 
 ::
 
@@ -50,7 +53,7 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import EngineStats
 from prefixkv.loopback import is_local_client, proxy_header
 from prefixkv.server.errors import APIError
-from prefixkv.server.protocol import LookupRequest, PinRequest, PrefixSpec, UnpinRequest
+from prefixkv.server.bodies import LookupRequest, PinRequest, PrefixSpec, UnpinRequest
 
 
 def _bearer(request: Request) -> str | None:

@@ -1,4 +1,7 @@
-"""The FastAPI app: OpenAI-compatible routes, health, metrics and the cache admin API.
+"""Owns: the app factory: health, metrics, models, auth; it mounts every dialect's routes.
+Imports: every server module (the one core module that imports the dialects) and prefixkv.engine.
+
+The FastAPI app: OpenAI-compatible routes, health, metrics and the cache admin API.
 
 ``create_app(engine)`` wires an already running ``AsyncEngine`` (owned by the caller, who
 shuts it down) to HTTP. Routes::
@@ -9,11 +12,11 @@ shuts it down) to HTTP. Routes::
     GET  /v1/models/{id}              one of them
     POST /v1/completions              OpenAI completions (stream, n, stop, logprobs, echo, ...)
     POST /v1/chat/completions         OpenAI chat completions (logprobs, response_format, tools)
-    POST /tokenize, /detokenize       vLLM's tokenizer routes (see tokenizer_routes.py)
+    POST /tokenize, /detokenize       vLLM's tokenizer routes (see openai/tokenizer_routes.py)
     GET  /tokenizer_info, /version
     /v1/cache/...                     cache admin (see admin.py)
     POST /reset_prefix_cache          vLLM's name for POST /v1/cache/reset
-    POST /generate, /flush_cache,     SGLang's native API (sglang_routes.py)
+    POST /generate, /flush_cache,     SGLang's native API (sglang/routes.py)
     GET  /model_info
 
 With ``api_key`` set, every ``/v1/*`` inference route needs ``Authorization: Bearer
@@ -38,46 +41,24 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixkv.engine.async_engine import AsyncEngine
-from prefixkv.engine.outputs import EngineStats
 from prefixkv.server.admin import admin_dependency, build_admin_router
 from prefixkv.server.errors import APIError, install_error_handlers
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.kv_events import build_kv_events_router
 from prefixkv.server.limits import BodySizeLimit, ServerLimits
-from prefixkv.server.metrics import CONTENT_TYPE, EngineGauges, ServerMetrics
-from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from prefixkv.server.serving import OpenAIServing
-from prefixkv.server.messages_stream import build_messages_router
+from prefixkv.server.engine_metrics import engine_gauges
+from prefixkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from prefixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from prefixkv.server.openai.serving import OpenAIServing
+from prefixkv.server.anthropic.messages_stream import build_messages_router
 from prefixkv.engine.lora import lora_requests_info
 from prefixkv.server.lora_routes import adapter_names, adapter_of, build_lora_router
-from prefixkv.server.render_routes import build_render_router
-from prefixkv.server.responses_stream import build_responses_router
-from prefixkv.server.sglang_routes import build_sglang_router
-from prefixkv.server.tokenizer_routes import build_tokenizer_router
+from prefixkv.server.openai.render_routes import build_render_router
+from prefixkv.server.openai.responses_stream import build_responses_router
+from prefixkv.server.sglang.routes import build_sglang_router
+from prefixkv.server.openai.tokenizer_routes import build_tokenizer_router
 
 DEFAULT_MODEL_NAME = "prefixkv-demo"
-
-
-def engine_gauges(s: EngineStats) -> EngineGauges:
-    """The scrape-time metrics snapshot from the engine's stats."""
-    c = s.cache
-    return EngineGauges(
-        num_requests_running=s.num_running,
-        num_requests_waiting=s.num_waiting,
-        num_kv_blocks=s.num_kv_blocks,
-        free_blocks=s.num_free_blocks,
-        cached_blocks=s.num_cached_blocks,
-        pinned_blocks=c.pinned_blocks if c else 0,
-        locked_blocks=c.locked_blocks if c else 0,
-        evictions=c.evictions if c else 0,
-        evicted_blocks=c.evicted_blocks if c else 0,
-        query_hit_rate=c.query_hit_rate if c else 0.0,
-        token_hit_rate=c.token_hit_rate if c else 0.0,
-        tiers=tuple(s.tiers or ()),
-        num_preemptions=s.num_preemptions,
-        block_size=s.block_size,
-        enable_prefix_caching=s.enable_prefix_caching,
-    )
 
 
 def _take_request_id(body: CompletionRequest | ChatCompletionRequest, request: Request) -> None:

@@ -1,4 +1,7 @@
-"""OpenAI-style error bodies and the handlers that turn every failure into one.
+"""Owns: OpenAI-style error bodies (every dialect answers errors this way) and their handlers.
+Imports: FastAPI and pydantic only.
+
+OpenAI-style error bodies and the handlers that turn every failure into one.
 
 Every error the server returns has the body
 ``{"error": {"message": str, "type": str, "param": str | None, "code": int | str | None}}``.

@@ -1,9 +1,12 @@
-"""Unknown request fields: ignored with one warning per name, or refused (``--strict-fields``).
+"""Owns: the unknown-field policy every dialect's request model goes through.
+Imports: errors.py only.
+
+Unknown request fields: ignored with one warning per name, or refused (``--strict-fields``).
 
 Clients and routers in front of an OpenAI-compatible server add fields of their own (vLLM's
 and SGLang's extensions, ``no_stop_trim`` from the Rust routers, SDK defaults). vLLM ignores
 fields it does not know and logs them; so do we. Type and range checks of *known* fields stay
-strict whatever the policy (pydantic, in ``protocol.py``).
+strict whatever the policy (pydantic, in each dialect's request models).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""``GET /kv_events``: where this worker publishes its KV events (router discovery).
+"""Owns: ``GET /kv_events`` (where this worker publishes its KV events).
+Imports: prefixkv.engine and errors.py; no dialect.
+
+``GET /kv_events``: where this worker publishes its KV events (router discovery).
 
 Answers ``{"endpoint", "replay_endpoint", "topic", "block_size"}``: the addresses actually bound
 (a ``tcp://127.0.0.1:*`` endpoint resolved to its port), so a router started with

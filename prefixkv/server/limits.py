@@ -1,4 +1,7 @@
-"""What one request may ask of the server: body size, samples, prompts, default lengths.
+"""Owns: ``ServerLimits`` (what one request may ask) and the 413 body-size middleware.
+Imports: errors.py only.
+
+What one request may ask of the server: body size, samples, prompts, default lengths.
 
 ``ServerLimits`` is built once (``prefixkv serve`` flags) and handed to ``create_app``;
 ``BodySizeLimit`` is the ASGI middleware that enforces ``max_body_bytes`` before the body is

@@ -1,4 +1,7 @@
-"""LoRA adapters on the server: a request names one as its ``model``; vLLM's runtime routes.
+"""Owns: LoRA adapters as model names (every dialect resolves them) and vLLM's load / unload routes.
+Imports: prefixkv.engine, bodies.py, errors.py; no dialect.
+
+LoRA adapters on the server: a request names one as its ``model``; vLLM's runtime routes.
 
 With ``--enable-lora`` every known adapter is a model name: ``/v1/models`` lists it with
 ``parent`` (and ``root``) the base model, and a completions, chat, Responses or Messages request
@@ -25,7 +28,7 @@ from pydantic import Field
 
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.server.errors import APIError
-from prefixkv.server.protocol import _Body
+from prefixkv.server.bodies import _Body
 
 __all__ = ["adapter_names", "adapter_of", "build_lora_router"]
 

@@ -1,4 +1,7 @@
-"""Prometheus metrics for ``GET /metrics`` (vLLM's names, with a ``prefixkv:`` prefix).
+"""Owns: the app's Prometheus registry: per-request series, vLLM's aliases, the exposition.
+Imports: prefixkv.engine's outputs and engine_metrics.py; no route, no dialect.
+
+Prometheus metrics for ``GET /metrics`` (vLLM's names, with a ``prefixkv:`` prefix).
 
 The series that mean what vLLM's mean are also exported under vLLM's own names
 (``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``, ``vllm:num_requests_running``,
@@ -14,21 +17,20 @@ one process (tests) never share counters. Two kinds of series:
   time, time per output token; prompt and generation lengths).
 * Engine state, passed in as an :class:`EngineGauges` snapshot at scrape time: running /
   waiting requests, preemptions, and the cache's cached / pinned / locked / free blocks,
-  evictions and hit rates.
+  evictions and hit rates (its series: ``engine_metrics.py``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefixkv.engine.outputs import RequestMetrics, RequestOutput
-from prefixkv.tiers.stats import TierStats
+from prefixkv.server.engine_metrics import EngineCollector, EngineGauges
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -70,110 +72,6 @@ are ``external_prefix_cache_hits``), so ``vllm:prefix_cache_hits`` has its own c
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 """vLLM's ``source`` labels of ``prompt_tokens_by_source``: computed, the pool, a lower tier."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineGauges:
-    """Engine state at one instant (what the scrape-time series report)."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    num_kv_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    pinned_blocks: int
-    locked_blocks: int
-    evictions: int
-    evicted_blocks: int
-    query_hit_rate: float
-    token_hit_rate: float
-    tiers: tuple[TierStats, ...] = ()
-    num_preemptions: int = 0
-    block_size: int = 0
-    enable_prefix_caching: bool = True
-
-
-class _EngineCollector(Collector):
-    """Reports the latest :class:`EngineGauges` snapshot (nothing before the first one)."""
-
-    def __init__(self, model_name: str) -> None:
-        self.snapshot: EngineGauges | None = None
-        self._model = model_name
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.snapshot
-        if s is None:
-            return
-        labels = ["model_name"]
-        values = [self._model]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"prefixkv:{name}", doc, labels=labels)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"prefixkv:{name}", doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_requests_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_requests_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use by running requests "
-                    "or the prefix cache (1 = full).",
-                    1.0 - s.free_blocks / s.num_kv_blocks if s.num_kv_blocks else 0.0)
-        yield gauge("num_kv_blocks", "KV blocks in the pool.", s.num_kv_blocks)
-        yield gauge("cache_free_blocks", "KV blocks in the free list.", s.free_blocks)
-        yield gauge("cache_cached_blocks", "KV blocks held by the prefix index.", s.cached_blocks)
-        yield gauge("cache_pinned_blocks", "Cached blocks pinned against eviction.", s.pinned_blocks)
-        yield gauge("cache_locked_blocks", "Cached blocks in use by running requests.", s.locked_blocks)
-        yield gauge("prefix_cache_query_hit_rate", "Index lookups with a non-empty match over "
-                    "all lookups (seed 004's hit rate).", s.query_hit_rate)
-        yield gauge("prefix_cache_token_hit_rate", "Matched tokens over looked-up tokens, as "
-                    "counted by the index.", s.token_hit_rate)
-        yield counter("prefix_cache_evictions", "Eviction calls that freed blocks.", s.evictions)
-        yield counter("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache.",
-                      s.evicted_blocks)
-        yield counter("num_preemptions", "Running requests preempted (their KV freed, to be "
-                      "recomputed) for room.", s.num_preemptions)
-        yield from _tier_metrics(self._model, s.tiers)
-        host = next((t.capacity_blocks for t in s.tiers if t.tier == "host"), 0)
-        info = GaugeMetricFamily("prefixkv:cache_config_info", "The KV cache's configuration "
-                                 "(vLLM's labels: the pool is its GPU blocks, the host tier its "
-                                 "CPU blocks); the value is 1.", labels=[
-                                     "model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks",
-                                     "enable_prefix_caching"])
-        info.add_metric([self._model, str(s.block_size), str(s.num_kv_blocks), str(host),
-                         str(s.enable_prefix_caching)], 1.0)
-        yield info
-
-
-_TIER_SERIES = (  # (name, kind, TierStats field, help); one series per tier (label "tier")
-    ("kv_tier_hits", "counter", "hits", "Blocks requests took from this KV tier."),
-    ("kv_tier_hit_tokens", "counter", "hit_tokens", "Prompt tokens served from this KV tier."),
-    ("kv_tier_stored_bytes", "counter", "stored_bytes", "Bytes written into this KV tier."),
-    ("kv_tier_loaded_bytes", "counter", "loaded_bytes", "Bytes loaded from this tier into the pool."),
-    ("kv_tier_load_seconds", "counter", "load_seconds", "Seconds spent loading from this tier."),
-    ("kv_tier_evictions", "counter", "evictions", "Blocks this tier dropped for room."),
-    ("kv_tier_errors", "counter", "errors", "Failed calls to this tier (remote down, disk I/O)."),
-    ("kv_tier_corrupt", "counter", "corrupt", "Stored blocks rejected by the checksum check."),
-    ("kv_tier_unauthenticated", "counter", "unauthenticated",
-     "Stored blocks rejected by the MAC check (kv_remote_secret set)."),
-    ("kv_tier_prefetched", "counter", "prefetched", "Blocks read ahead for queued requests."),
-    ("kv_tier_occupancy_blocks", "gauge", "occupancy_blocks", "Blocks this tier holds now."),
-    ("kv_tier_capacity_blocks", "gauge", "capacity_blocks", "Blocks this tier can hold (0: unknown)."),
-)
-
-
-def _tier_metrics(model: str, tiers: tuple[TierStats, ...]) -> Iterator[Metric]:
-    if not tiers:
-        return
-    for name, kind, field, doc in _TIER_SERIES:
-        family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-        m = family(f"prefixkv:{name}", doc, labels=["model_name", "tier"])
-        for t in tiers:
-            m.add_metric([model, t.tier], float(getattr(t, field)))
-        yield m
 
 
 class ServerMetrics:
@@ -242,7 +140,7 @@ class ServerMetrics:
         self._hits_total = 0
         self._queries_total = 0
         r.register(_HitRateCollector(self, model_name))
-        self._engine = _EngineCollector(model_name)
+        self._engine = EngineCollector(model_name)
         r.register(self._engine)
         self._aliases = CollectorRegistry()
         self._aliases.register(_VllmAliases(self.registry))

@@ -125,7 +125,8 @@ def test_vllm_phase_histograms_and_preemptions(http: httpx.Client, client: opena
 
 
 def test_preemptions_are_reported_from_the_engine_stats() -> None:
-    from prefixkv.server.metrics import EngineGauges, ServerMetrics
+    from prefixkv.server.engine_metrics import EngineGauges
+    from prefixkv.server.metrics import ServerMetrics
 
     g = EngineGauges(num_requests_running=1, num_requests_waiting=2, num_kv_blocks=8,
                      free_blocks=0, cached_blocks=0, pinned_blocks=0, locked_blocks=0,

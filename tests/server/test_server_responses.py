@@ -135,7 +135,7 @@ def test_errors_name_the_field(http: httpx.Client, body: dict[str, object], stat
 
 def test_chat_errors_name_the_responses_field() -> None:
     from prefixkv.server.errors import APIError
-    from prefixkv.server.responses import chat_error
+    from prefixkv.server.openai.responses import chat_error
 
     assert chat_error(APIError("x", param="messages[2].content")).param == "input"
     assert chat_error(APIError("x", param="max_tokens")).param == "max_output_tokens"

@@ -1,4 +1,7 @@
-"""Request and response bodies of the HTTP API (OpenAI's shapes, vLLM's extensions).
+"""Owns: OpenAI's request bodies with vLLM's and SGLang's extension fields (completions, chat).
+Imports: prefixkv.engine (limits, stop regex), prefixkv.wire (salt), the core's bodies, limits.
+
+Request and response bodies of the HTTP API (OpenAI's shapes, vLLM's extensions).
 
 Strict about values, tolerant about extensions: every known field is type- and
 range-checked (a bad value is a 400 naming it), while an unknown field is kept aside in the
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from prefixkv.engine.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
@@ -32,22 +35,10 @@ from prefixkv.engine.sampling_params import (
 )
 from prefixkv.engine.stop_regex import compile_stop_regex
 from prefixkv.wire.kv_events import request_salt
+from prefixkv.server.bodies import ChatMessage, NumLogprobs, PositiveInt, TokenId, _Body
 from prefixkv.server.limits import MAX_MESSAGES
 
-MAX_LOGPROBS = 20
-"""Most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
-default ``max_logprobs``)."""
-
-PositiveInt = Annotated[int, Field(strict=True, gt=0)]
-TokenId = Annotated[int, Field(strict=True, ge=0)]
-NumLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-
-
-class _Body(BaseModel):
-    """Base of request bodies: unknown fields are kept in ``model_extra`` (see ``fields.py``)."""
-
-    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Body):
@@ -278,32 +269,6 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(_Body):
-    """One ``{"type": "text", "text": ...}`` element of a message's content list."""
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Body):
-    """A chat message. Content is a string or a list of text parts (no images); assistant
-    messages may carry ``tool_calls`` and ``tool`` messages a ``tool_call_id``."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        """The content as one string."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
 class FunctionDef(_Body):
     """A tool's function: name, description, JSON-schema parameters."""
 
@@ -365,47 +330,3 @@ class ChatCompletionRequest(SamplingRequest):
     def effective_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
         return self.max_completion_tokens or self.max_tokens
-
-
-# ---------------------------------------------------------------- cache admin
-
-
-class _Strict(BaseModel):
-    """Base of the cache admin bodies (ours alone, so an unknown field there is a 400)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class PrefixSpec(_Strict):
-    """A prefix named by exactly one of ``token_ids``, ``text`` or ``messages``.
-
-    ``text`` is tokenized as a completion prompt; ``messages`` are rendered with the chat
-    template *without* the generation prompt (a system prompt pinned this way is the exact
-    prefix of later chats). ``cache_salt`` selects the tenant namespace.
-    """
-
-    token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
-    text: Annotated[str, Field(min_length=1)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> PrefixSpec:
-        given = [k for k in ("token_ids", "text", "messages") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of token_ids, text or messages")
-        return self
-
-
-class PinRequest(PrefixSpec):
-    """``POST /v1/cache/pin``: compute the prefix if it is not cached, then pin it."""
-
-    description: str | None = None
-
-
-class LookupRequest(PrefixSpec):
-    """``POST /v1/cache/lookup``: where a prefix is cached (any length)."""
-
-
-class UnpinRequest(PrefixSpec):
-    """``POST /v1/cache/unpin``."""

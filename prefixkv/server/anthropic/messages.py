@@ -1,4 +1,7 @@
-"""Anthropic's Messages API on the chat path: ``POST /v1/messages`` (and ``/v1/messages/count_tokens``).
+"""Owns: the Messages request model and its translation to a chat completion and back.
+Imports: the server core (bodies, errors, limits) only.
+
+Anthropic's Messages API on the chat path: ``POST /v1/messages`` (and ``/v1/messages/count_tokens``).
 
 Clients written for Anthropic's API (the ``anthropic`` SDK, agents that speak it) work
 unchanged, as they do with vLLM's and SGLang's ``/v1/messages``. A request becomes a chat
@@ -11,7 +14,7 @@ blocks (``text``; ``tool_use`` with the parsed ``input``), ``stop_reason`` (``en
 ``max_tokens``, ``stop_sequence`` with ``stop_sequence``, ``tool_use``) and ``usage`` in
 Anthropic's terms: ``cache_read_input_tokens`` the prompt tokens read from the prefix cache,
 ``input_tokens`` the rest (computed), ``cache_creation_input_tokens`` 0 (every computed block
-is cached; nothing is billed). Streaming: :mod:`prefixkv.server.messages_stream`.
+is cached; nothing is billed). Streaming: :mod:`prefixkv.server.anthropic.messages_stream`.
 
 Not implemented, a 400 naming the field: image and document blocks, ``thinking`` enabled,
 server-side tools (``mcp_servers``, ``container``, and tools without an ``input_schema``).
@@ -28,7 +31,7 @@ from pydantic import Field
 
 from prefixkv.server.errors import APIError
 from prefixkv.server.limits import MAX_MESSAGES
-from prefixkv.server.protocol import PositiveInt, _Body
+from prefixkv.server.bodies import PositiveInt, _Body
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 """Chat ``finish_reason`` -> Anthropic ``stop_reason`` (``stop``: see :func:`stop_reason`)."""

@@ -1,4 +1,7 @@
-"""Stored Responses API responses: what ``previous_response_id`` continues and ``GET
+"""Owns: the stored responses behind ``previous_response_id`` and ``GET /v1/responses/{id}``.
+Imports: errors.py and responses.py.
+
+Stored Responses API responses: what ``previous_response_id`` continues and ``GET
 /v1/responses/{id}`` (``/input_items``) read, in memory, the latest :data:`MAX_STORED`."""
 
 from __future__ import annotations
@@ -7,7 +10,7 @@ from collections import OrderedDict
 from typing import Any
 
 from prefixkv.server.errors import APIError
-from prefixkv.server.responses import FunctionCallItem, MessageItem, new_id
+from prefixkv.server.openai.responses import FunctionCallItem, MessageItem, new_id
 
 MAX_STORED = 1024
 """Stored responses kept (the oldest is dropped first)."""

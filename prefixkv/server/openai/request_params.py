@@ -1,4 +1,7 @@
-"""A request body's sampling settings as the engine's :class:`SamplingParams` (vLLM's mapping).
+"""Owns: a request body's sampling settings as the engine's ``SamplingParams``.
+Imports: prefixkv.engine, errors.py, protocol.py.
+
+A request body's sampling settings as the engine's :class:`SamplingParams` (vLLM's mapping).
 
 Shared by the OpenAI routes (completions, chat, and through chat the Responses and Messages
 APIs) and vLLM's render API; an invalid combination the engine refuses is a 400.
@@ -9,7 +12,7 @@ from __future__ import annotations
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
-from prefixkv.server.protocol import SamplingRequest
+from prefixkv.server.openai.protocol import SamplingRequest
 
 __all__ = ["sampling_params"]
 

@@ -1,4 +1,7 @@
-"""OpenAI logprobs objects from the engine's :class:`~prefixkv.engine.outputs.Logprob` records.
+"""Owns: OpenAI logprobs objects (completions' and chat's).
+Imports: prefixkv.engine's outputs only.
+
+OpenAI logprobs objects from the engine's :class:`~prefixkv.engine.outputs.Logprob` records.
 
 Completions (legacy shape, what lm-eval reads)::
 

@@ -1,4 +1,7 @@
-"""From request fields to a structured-output constraint, and from its output to ``tool_calls``.
+"""Owns: structured-output constraints from request fields (compiled off the loop), tool calls back.
+Imports: prefixkv.engine, errors.py, protocol.py.
+
+From request fields to a structured-output constraint, and from its output to ``tool_calls``.
 
 Sources, at most one per request (else a 400): ``response_format`` (``json_object`` /
 ``json_schema``), vLLM's ``structured_outputs`` and ``guided_json`` / ``guided_regex`` /
@@ -28,7 +31,7 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
-from prefixkv.server.protocol import ChatCompletionRequest, NamedToolChoice, SamplingRequest
+from prefixkv.server.openai.protocol import ChatCompletionRequest, NamedToolChoice, SamplingRequest
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
 

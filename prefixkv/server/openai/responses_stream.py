@@ -1,4 +1,7 @@
-"""The Responses API routes and their event stream (:mod:`prefixkv.server.responses` has the
+"""Owns: the Responses routes and the Responses event stream.
+Imports: the server core and this package's protocol, responses, responses_store, serving.
+
+The Responses API routes and their event stream (:mod:`prefixkv.server.openai.responses` has the
 request model and the translation to and from a chat completion).
 
 A streamed response is OpenAI's event sequence, each event ``event: <type>`` + ``data: {json}``
@@ -26,8 +29,8 @@ from pydantic import ValidationError
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import check_prompt_chars
-from prefixkv.server.protocol import ChatCompletionRequest
-from prefixkv.server.responses import (
+from prefixkv.server.openai.protocol import ChatCompletionRequest
+from prefixkv.server.openai.responses import (
     RESPONSE_ID_HEADER,
     ResponsesRequest,
     assistant_turn,
@@ -41,8 +44,9 @@ from prefixkv.server.responses import (
     response_object,
     usage,
 )
-from prefixkv.server.responses_store import ResponseStore, input_records
-from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing, sse
+from prefixkv.server.openai.responses_store import ResponseStore, input_records
+from prefixkv.server.openai.serving import OpenAIServing
+from prefixkv.server.streaming import EngineStreamingResponse, sse
 
 
 def build_responses_router(serving: OpenAIServing, policy: FieldPolicy,

@@ -1,4 +1,7 @@
-"""SGLang's logprob fields of ``POST /generate``: the request's options and ``meta_info``'s lists.
+"""Owns: ``/generate``'s logprob options and SGLang's ``meta_info`` logprob lists.
+Imports: prefixkv.engine's outputs and the core's bodies.py only.
+
+SGLang's logprob fields of ``POST /generate``: the request's options and ``meta_info``'s lists.
 
 With ``return_logprob`` a result's ``meta_info`` carries, as SGLang's does:
 
@@ -28,7 +31,7 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool
 
 from prefixkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from prefixkv.server.protocol import MAX_LOGPROBS, _Body
+from prefixkv.server.bodies import MAX_LOGPROBS, _Body
 
 Triple = tuple[float | None, int, str | None]
 """SGLang's ``(logprob, token_id, text)`` (a JSON list)."""

@@ -1,4 +1,7 @@
-"""The Messages API routes and their event stream (:mod:`prefixkv.server.messages` has the
+"""Owns: the Messages routes and Anthropic's event stream.
+Imports: the server core, messages.py and server.openai (the chat completion it runs as).
+
+The Messages API routes and their event stream (:mod:`prefixkv.server.anthropic.messages` has the
 request model and the translation to and from a chat completion).
 
 A streamed message is Anthropic's event sequence, each ``event: <type>`` + ``data: {json}``:
@@ -24,7 +27,7 @@ from pydantic import ValidationError
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import check_prompt_chars
-from prefixkv.server.messages import (
+from prefixkv.server.anthropic.messages import (
     CountTokensRequest,
     MessagesRequest,
     chat_body,
@@ -34,10 +37,11 @@ from prefixkv.server.messages import (
     stop_reason,
     usage,
 )
-from prefixkv.server.protocol import ChatCompletionRequest
-from prefixkv.server.responses import new_id
-from prefixkv.server.responses_stream import add_tool_calls, chat_chunks
-from prefixkv.server.serving import EngineStreamingResponse, OpenAIServing, sse
+from prefixkv.server.openai.protocol import ChatCompletionRequest
+from prefixkv.server.openai.responses import new_id
+from prefixkv.server.openai.responses_stream import add_tool_calls, chat_chunks
+from prefixkv.server.openai.serving import OpenAIServing
+from prefixkv.server.streaming import EngineStreamingResponse, sse
 
 
 def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,

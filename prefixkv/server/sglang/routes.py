@@ -1,4 +1,7 @@
-"""SGLang's native routes on the same engine: ``POST /generate``, ``/flush_cache``, ``/model_info``.
+"""Owns: SGLang's native routes (``/generate``, ``/flush_cache``, ``/model_info``, ...).
+Imports: prefixkv.engine, prefixkv.wire, the server core, logprobs.py, server.openai.tools.
+
+SGLang's native routes on the same engine: ``POST /generate``, ``/flush_cache``, ``/model_info``.
 
 Clients written for SGLang's own API (``sglang.bench_serving --backend sglang``, scripts that
 read ``meta_info.cached_tokens``, health checks that flush the radix cache between runs) work
@@ -9,7 +12,7 @@ unchanged. ``/generate`` takes ``text`` or ``input_ids`` (one prompt or a batch)
 ``max_new_tokens`` 0 prefills the prompt into the cache and generates nothing), and answers
 ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens", "e2e_latency"}}`` (a list for a batch or ``n > 1``), with
-``return_logprob`` SGLang's logprob lists too (:mod:`prefixkv.server.sglang_logprobs`); with
+``return_logprob`` SGLang's logprob lists too (:mod:`prefixkv.server.sglang.logprobs`); with
 ``stream`` each event carries the text and ids so far, as SGLang's default streaming does, then
 ``data: [DONE]``. SGLang's frontend language (``sglang.RuntimeEndpoint``: ``gen``, ``select``,
 regex and typed ``gen``, streaming) runs on it unchanged. Fields we do not implement (images)
@@ -39,11 +42,11 @@ from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
-from prefixkv.server.protocol import TokenId, _Body
+from prefixkv.server.bodies import TokenId, _Body
 from prefixkv.server.lora_routes import adapter_names, adapter_of
-from prefixkv.server.serving import EngineStreamingResponse, engine_failure, finish_unless_gone, sse
-from prefixkv.server.sglang_logprobs import LogprobFormatter, LogprobOptions
-from prefixkv.server.tools import compile_constraint
+from prefixkv.server.streaming import EngineStreamingResponse, engine_failure, finish_unless_gone, sse
+from prefixkv.server.sglang.logprobs import LogprobFormatter, LogprobOptions
+from prefixkv.server.openai.tools import compile_constraint
 
 HEALTH_TIMEOUT_S = 20.0
 """How long ``/health_generate`` waits for its token (SGLang's ``HEALTH_CHECK_TIMEOUT``)."""

@@ -1,4 +1,7 @@
-"""vLLM's render API: ``POST /v1/completions/render`` and ``POST /v1/chat/completions/render``.
+"""Owns: vLLM's render API (the token ids and sampling a request would run).
+Imports: the server core and this package's protocol, request_params, serving and tools.
+
+vLLM's render API: ``POST /v1/completions/render`` and ``POST /v1/chat/completions/render``.
 
 What a request would run, without running it: the prompt after the chat template, as the token
 ids the engine would prefill, and the sampling settings, in vLLM's token-in ``GenerateRequest``
@@ -30,10 +33,10 @@ from fastapi import APIRouter
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import check_prompt_chars
-from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from prefixkv.server.request_params import sampling_params
-from prefixkv.server.serving import COMPLETIONS_DEFAULT_MAX_TOKENS, OpenAIServing
-from prefixkv.server.tools import output_constraint
+from prefixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from prefixkv.server.openai.request_params import sampling_params
+from prefixkv.server.openai.serving import COMPLETIONS_DEFAULT_MAX_TOKENS, OpenAIServing
+from prefixkv.server.openai.tools import output_constraint
 
 __all__ = ["build_render_router", "plain_sampling_params"]
 

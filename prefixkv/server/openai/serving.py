@@ -1,4 +1,7 @@
-"""The OpenAI completions and chat completions endpoints, on top of ``AsyncEngine``.
+"""Owns: ``OpenAIServing``: completions and chat on the engine (every chat-based dialect's path).
+Imports: prefixkv.engine, the server core, this package's protocol, render, request_params, tools.
+
+The OpenAI completions and chat completions endpoints, on top of ``AsyncEngine``.
 
 One HTTP request becomes one engine request per prompt (a completions batch has several); the
 engine's ``n`` samples of a prompt become choices ``prompt_index * n + sample_index``.
@@ -15,72 +18,32 @@ a 503; streamed, it ends with an error event and ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixkv.engine.async_engine import AsyncEngine
-from prefixkv.engine.outputs import RequestFailedError, RequestOutput
+from prefixkv.engine.outputs import RequestOutput
 from prefixkv.engine.prompts import template_options
 from prefixkv.engine.sampling_params import SamplingParams
-from prefixkv.server.errors import APIError, nested_too_deeply
+from prefixkv.server.errors import APIError
 from prefixkv.server.limits import ServerLimits, check_prompt_chars
 from prefixkv.server.lora_routes import adapter_of
 from prefixkv.server.metrics import ServerMetrics
-from prefixkv.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from prefixkv.server.render import ChoiceRenderer
-from prefixkv.server.request_params import sampling_params
-from prefixkv.server.tools import output_constraint
-
-Disconnected = Callable[[], Awaitable[bool]]
-"""``await is_disconnected()``: whether the HTTP client has gone away."""
-
-DISCONNECT_POLL_S = 0.5
-"""How often a non-streaming request checks for a client that went away."""
+from prefixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from prefixkv.server.openai.render import ChoiceRenderer
+from prefixkv.server.openai.request_params import sampling_params
+from prefixkv.server.openai.tools import output_constraint
+from prefixkv.server.streaming import (Disconnected, EngineStreamingResponse, engine_failure,
+                                       finish_unless_gone, sse)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``; chat's is ``ServerLimits.default_chat_max_tokens``
 (capped by the room left in the context)."""
-
-
-def engine_failure(exc: BaseException) -> APIError:
-    """The HTTP error for a request the engine failed or could not take."""
-    if isinstance(exc, RecursionError):  # raised by the request's own content, not a fault
-        return nested_too_deeply(exc)
-    if isinstance(exc, RequestFailedError):
-        if exc.request_caused:
-            return APIError(f"the request failed: {exc}", status=500, code="request_failed",
-                            request_caused=True)
-        return APIError(str(exc), status=503, code="insufficient_kv_capacity")
-    return APIError(f"the engine is not running: {exc}", status=503, code="engine_unavailable")
-
-
-T = TypeVar("T")
-
-
-async def finish_unless_gone(task: asyncio.Future[T], is_disconnected: Disconnected) -> T:
-    """``task``'s result for a non-streaming reply; a client that goes away first (noticed
-    between polls) has it cancelled and gets a 499; an engine failure (``RuntimeError``:
-    ``RequestFailedError`` or the engine stopped) is :func:`engine_failure`'s error. The task
-    is done when this returns or raises."""
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await is_disconnected():
-                raise APIError("client disconnected", status=499, code="client_closed")
-        try:
-            return task.result()
-        except RuntimeError as exc:
-            raise engine_failure(exc) from exc
-    finally:
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 def _param_of(message: str, default: str) -> str | None:
@@ -89,39 +52,6 @@ def _param_of(message: str, default: str) -> str | None:
     if word in ("logit_bias", "allowed_token_ids"):
         return word
     return default
-
-
-class EngineStreamingResponse(StreamingResponse):
-    """A streaming response that closes its body generator the moment the client goes away.
-
-    Starlette leaves an abandoned body generator to the garbage collector (and notices a
-    disconnect only at the next write), so the engine requests behind a cut stream could run
-    on for seconds. Here a listener waits for ``http.disconnect`` beside the writer, and the
-    generator is closed on every exit, which aborts its unfinished engine requests at once.
-    """
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        writer = asyncio.ensure_future(self.stream_response(send))
-        listener = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (writer, listener):
-                task.cancel()
-            await asyncio.gather(writer, listener, return_exceptions=True)
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        if not writer.cancelled() and isinstance(writer.exception(), Exception) and not (
-                isinstance(writer.exception(), OSError)):
-            raise writer.exception()  # type: ignore[misc]
-
-
-def sse(obj: dict[str, Any] | list[Any] | str, event: str | None = None) -> bytes:
-    """One server-sent event: ``data: <json>\\n\\n``, after ``event: <event>`` when named."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {data}\n\n".encode()
 
 
 @dataclass(slots=True)

@@ -1,18 +1,21 @@
-"""OpenAI's Responses API on the chat path: ``POST /v1/responses``, ``GET`` / ``DELETE
+"""Owns: the Responses request model and its translation to a chat completion and back.
+Imports: the server core (bodies, errors, limits) only.
+
+OpenAI's Responses API on the chat path: ``POST /v1/responses``, ``GET`` / ``DELETE
 /v1/responses/{id}``.
 
 A request is translated into a chat completion (``instructions`` a system message first,
 ``input`` a string or message / ``function_call`` / ``function_call_output`` items, ``text.format``
 the ``response_format``, ``tools`` and ``tool_choice``, ``max_output_tokens``) and run by
-:class:`~prefixkv.server.serving.OpenAIServing` (its limits, metrics and client-gone aborts);
+:class:`~prefixkv.server.openai.serving.OpenAIServing` (its limits, metrics and client-gone aborts);
 its answer becomes a ``response`` object: ``output`` items (an assistant ``message`` with
 ``output_text``, or ``function_call`` items), ``status`` (``incomplete`` with
 ``incomplete_details.reason = "max_output_tokens"`` when cut), ``usage`` with
 ``input_tokens_details.cached_tokens``. Streaming emits the Responses events
-(:mod:`prefixkv.server.responses_stream`).
+(:mod:`prefixkv.server.openai.responses_stream`).
 
 Conversation state: a response is stored (``store``, default true) with the conversation it
-ended, in memory (:mod:`prefixkv.server.responses_store`); ``previous_response_id`` continues it (the
+ended, in memory (:mod:`prefixkv.server.openai.responses_store`); ``previous_response_id`` continues it (the
 earlier turns render to the same prompt prefix, so they are read from the prefix cache).
 ``instructions`` are not carried over (OpenAI's rule). Not implemented, a 400 naming the field:
 ``background``, ``truncation: "auto"``, ``conversation`` and ``prompt`` (server-side objects),
@@ -31,7 +34,7 @@ from pydantic import Field, StrictBool, ValidationError
 
 from prefixkv.server.errors import APIError
 from prefixkv.server.limits import MAX_MESSAGES
-from prefixkv.server.protocol import NumLogprobs, PositiveInt, _Body
+from prefixkv.server.bodies import NumLogprobs, PositiveInt, _Body
 
 RESPONSE_ID_HEADER = "x-prefixkv-response-id"
 """Set on a stored response's answer (JSON or stream): the router sends a request continuing it

@@ -1,4 +1,7 @@
-"""Choices of completions and chat responses, whole or as stream deltas, from engine outputs.
+"""Owns: a completions or chat choice, whole or as a stream delta (echo, logprobs, tool calls).
+Imports: prefixkv.engine's outputs, logprobs.py, tools.py.
+
+Choices of completions and chat responses, whole or as stream deltas, from engine outputs.
 
 A :class:`ChoiceRenderer` is built per HTTP request from what it asked for (echo, logprobs,
 forced tool calls); ``serving.py`` hands it :class:`RequestOutput` snapshots. Streaming keeps
@@ -12,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixkv.engine.outputs import CompletionOutput, RequestOutput
-from prefixkv.server.logprobs import CompletionLogprobs, chat_logprobs
-from prefixkv.server.tools import ToolMode, tool_calls
+from prefixkv.server.openai.logprobs import CompletionLogprobs, chat_logprobs
+from prefixkv.server.openai.tools import ToolMode, tool_calls
 
 
 @dataclass(slots=True)

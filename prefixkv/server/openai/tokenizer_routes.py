@@ -1,4 +1,7 @@
-"""vLLM's tokenizer and info routes: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/version``.
+"""Owns: vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/version``.
+Imports: prefixkv.engine and the server core only.
+
+vLLM's tokenizer and info routes: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/version``.
 
 Shapes as vLLM's (lm-eval's ``local-completions`` with a remote tokenizer uses them)::
 
@@ -24,7 +27,7 @@ from prefixkv.engine.prompts import template_options
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import MAX_MESSAGES, check_prompt_chars
-from prefixkv.server.protocol import ChatMessage, TokenId, _Body
+from prefixkv.server.bodies import ChatMessage, TokenId, _Body
 
 
 class TokenizeRequest(_Body):
