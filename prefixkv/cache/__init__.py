@@ -33,6 +33,7 @@ from prefixkv.cache.protocol import (
     PrefixNode,
 )
 from prefixkv.cache.radix import RadixPrefixCache
+from prefixkv.cache.retention import Retention, RetentionError
 
 POLICIES[GhostPolicy.name] = GhostPolicy
 INDEXES = ("radix", "hash")
@@ -47,16 +48,19 @@ def make_cache(
     hash_algo: str = "sha256",
     max_pinned_blocks: int | None = None,
     clock: Callable[[], float] = time.monotonic,
+    max_blocks_per_tenant: int | None = None,
 ) -> RadixPrefixCache | HashPrefixCache:
     """Build an index by name (``radix`` or ``hash``) with validated arguments."""
     if index == "radix":
         return RadixPrefixCache(max_blocks, 1 if block_size is None else block_size,
                                 eviction_policy=eviction_policy,
-                                max_pinned_blocks=max_pinned_blocks, clock=clock)
+                                max_pinned_blocks=max_pinned_blocks, clock=clock,
+                                max_blocks_per_tenant=max_blocks_per_tenant)
     if index == "hash":
         return HashPrefixCache(max_blocks, 16 if block_size is None else block_size,
                                hash_algo=hash_algo, eviction_policy=eviction_policy,
-                               max_pinned_blocks=max_pinned_blocks, clock=clock)
+                               max_pinned_blocks=max_pinned_blocks, clock=clock,
+                               max_blocks_per_tenant=max_blocks_per_tenant)
     raise ValueError(f"index must be one of {INDEXES}, got {index!r}")
 
 
@@ -80,6 +84,8 @@ __all__ = [
     "PrefixMatch",
     "PrefixNode",
     "RadixPrefixCache",
+    "Retention",
+    "RetentionError",
     "hash_block_chain",
     "make_cache",
     "make_policy",

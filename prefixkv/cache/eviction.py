@@ -15,7 +15,9 @@ property test against the block-by-block loop:
 The common step (a radix index, a policy whose keys lead with a component that does not depend
 on depth, no ``on_evict`` hook) runs in C when the helper is built (``whole``); the loop here
 takes over at the first step that is not common (a key tie, a stale top, a parent to decide).
-Policies without the declaration keep the block-by-block loop. So a call costs O(leaves
+Policies without the declaration keep the block-by-block loop. Retained leaves (soft retention,
+:mod:`prefixkv.cache.retention`) are not in the heap: only when it is empty does a call go on
+with them, a whole entry (or the tail still wanted) per step, lowest priority first. So a call costs O(leaves
 touched x log n) steps (in C, or in Python: one heap call, one key probe and one detach per
 whole leaf) plus the C-speed work on the freed ids: each entry's id array is appended to the
 result (``array('I')``, joined and reversed in one pass). Releasing them is O(1) per entry that leaves whole and holds its
@@ -36,6 +38,7 @@ from prefixkv.cache._native import keypack as _keypack  # None: the Python path
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.held_ids import BULK, ID_TYPECODE, BlockIds, new_ids
 from prefixkv.cache.policies import EvictionPolicy
+from prefixkv.cache.retention import RetainedSet
 
 if TYPE_CHECKING:
     from prefixkv.cache.forest import Entry
@@ -96,21 +99,24 @@ class Evictor(Generic[E]):
             (the policy's ``on_evict``), or ``None``.
         whole: the forest's C runner of common whole-leaf steps (:data:`WholeLeaves`), or
             ``None`` (used only without ``gone``).
+        retained: the retained leaves, evicted once the heap is empty (or ``None``).
 
     ``entries_freed`` counts the entries the last call removed whole (it stays correct when a
     ``gone`` hook raises: what was removed before is counted).
     """
 
     __slots__ = ("_drop_tail", "_gone", "_heap", "_key_at", "_policy", "_refresh", "_release",
-                 "_release_owner", "_whole", "entries_freed")
+                 "_release_owner", "_retained", "_whole", "entries_freed")
 
     def __init__(self, heap: EvictableHeap, policy: EvictionPolicy, *,
                  drop_tail: Callable[[E, int], BlockIds],
                  release: Callable[[BlockIds], None],
                  release_owner: Callable[[int, BlockIds], None],
                  key_at: Callable[[E, int], Any], refresh: Callable[[Entry | None], None],
-                 gone: Callable[[E], None] | None, whole: WholeLeaves | None = None) -> None:
+                 gone: Callable[[E], None] | None, whole: WholeLeaves | None = None,
+                 retained: RetainedSet | None = None) -> None:
         self._heap = heap
+        self._retained = retained
         self._whole = whole if gone is None else None
         self._policy = policy
         self._drop_tail = drop_tail
@@ -128,7 +134,15 @@ class Evictor(Generic[E]):
         loose: list[BlockIds] = []  # dropped runs still stamped with a live owner
         self.entries_freed = 0
         try:
-            self._evict(num_blocks, runs, loose)
+            got = self._evict(num_blocks, runs, loose, 0)
+            retained = self._retained
+            while got < num_blocks and retained:  # the heap is empty: retained leaves next
+                before = got
+                got = self._evict_retained(num_blocks, got, runs, loose)
+                if got == before:
+                    break
+                if got < num_blocks and len(self._heap):  # a parent decayed to the policy
+                    got = self._evict(num_blocks, runs, loose, got)
         finally:  # every id dropped from the forest is released, even if a hook raised
             out = deepest_first(runs)
             if len(loose) == len(runs):
@@ -141,7 +155,7 @@ class Evictor(Generic[E]):
                 self._release(ids)
         return out
 
-    def _evict(self, num_blocks: int, out: list[BlockIds], loose: list[BlockIds]) -> None:
+    def _evict(self, num_blocks: int, out: list[BlockIds], loose: list[BlockIds], got: int) -> int:
         heap = self._heap
         pop_and_peek, push = heap.pop_and_peek, heap.push
         drop_tail, gone, key_at = self._drop_tail, self._gone, self._key_at
@@ -149,7 +163,6 @@ class Evictor(Generic[E]):
         runs = self._policy.depth_monotone_keys
         e: E | None = None
         top: Any = None  # the heap's smallest key while e is out of it
-        got = 0
         while got < num_blocks:
             if e is None:
                 if whole is not None:  # the common steps in C, then the first other one here
@@ -199,6 +212,34 @@ class Evictor(Generic[E]):
                 gone(e)
             e, top = self._parent_next(e, runs and got < num_blocks,
                                        top if gone is None else _UNKNOWN)
+        return got
+
+    def _evict_retained(self, num_blocks: int, got: int, out: list[BlockIds],
+                        loose: list[BlockIds]) -> int:
+        """Evict the tail of the first retained leaf (all of it, or what the call still
+        wants); returns the new count of freed ids."""
+        retained = self._retained
+        assert retained is not None
+        e = retained.pop()
+        if e is None:
+            return got
+        n: int = e.num_blocks
+        k = min(num_blocks - got, n)
+        run = self._drop_tail(e, k)
+        out.append(run)
+        retained.dropped(e, k, whole=k == n)
+        if k < n or not e.owner:
+            loose.append(run)
+        else:
+            self._release_owner(e.owner, run)
+        if k < n:
+            self._refresh(e)  # back among the retained leaves
+            return got + k
+        self.entries_freed += 1
+        if self._gone is not None:
+            self._gone(e)
+        self._refresh(e.parent)  # a leaf now: the heap, or the retained leaves
+        return got + k
 
     def _parent_next(self, e: E, more: bool, top: Any) -> tuple[E | None, Any]:
         """After ``e`` left whole: its parent and the heap's smallest key when the parent, left
@@ -209,7 +250,8 @@ class Evictor(Generic[E]):
         # a parent left with children is unchanged (not a leaf, so not in the heap)
         if parent is None or parent.num_children or parent.is_root:
             return None, top
-        if more and parent.num_blocks and parent.lock_ref == 0 and parent.pin_ref == 0:
+        if (more and parent.num_blocks and parent.lock_ref == 0 and parent.pin_ref == 0
+                and parent.retention is None):
             if top is _UNKNOWN:
                 top = self._heap.peek_key()
             if top is None or self._policy.key(parent) < top:  # it would be popped next

@@ -27,6 +27,7 @@ from prefixkv.cache.protocol import Namespace
 
 if TYPE_CHECKING:
     from prefixkv.cache.evictable import EvictableHeap
+    from prefixkv.cache.retention import Retained
     from prefixkv.cache.eviction import WholeLeaves
 
 
@@ -42,6 +43,8 @@ class Entry(CacheEntry, Protocol):
     pin_ref: int
     heap_ver: int
     in_heap: bool
+    retention: Retained | None
+    """The entry's live soft retention (:mod:`prefixkv.cache.retention`), or ``None``."""
     owner: int
     """The owner tag its ids carry in the driver's :class:`~prefixkv.cache.held_ids.HeldIds`
     (its own or shared with the other parts of a split entry; releasing an entry whole through
@@ -74,7 +77,7 @@ class EntryState:
     it (a slotted record, not a template: it has no methods)."""
 
     __slots__ = ("access_count", "created_time", "heap_ver", "in_heap", "last_access_time",
-                 "lock_ref", "num_children", "pin_ref", "tick")
+                 "lock_ref", "num_children", "pin_ref", "retention", "tick")
 
     def __init__(self, now: float) -> None:
         self.lock_ref = 0
@@ -86,6 +89,7 @@ class EntryState:
         self.tick = 0
         self.heap_ver = 0
         self.in_heap = False
+        self.retention: Retained | None = None  # a soft retention's record (retention.py)
 
 
 E = TypeVar("E", bound=Entry)

@@ -258,7 +258,8 @@ class HashPrefixCache(PrefixIndex[HashBlock]):
         max_blocks: size of the block-id space ``[0, max_blocks)``.
         block_size: tokens per block (default 16, vLLM's).
         hash_algo: ``"sha256"`` (default), ``"xxhash"`` or ``"builtin"``.
-        eviction_policy, max_pinned_blocks, clock: as for the radix index.
+        eviction_policy, max_pinned_blocks, clock, max_blocks_per_tenant: as for the radix
+            index.
 
     ``extra_keys`` gives one extra key per block (multimodal hashes); blocks with different
     extra keys never match. Namespaces must be None/int/str/bytes or tuples of those.
@@ -273,11 +274,12 @@ class HashPrefixCache(PrefixIndex[HashBlock]):
         eviction_policy: str | EvictionPolicy = "lru",
         max_pinned_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_blocks_per_tenant: int | None = None,
     ) -> None:
         self._hash_forest = HashForest(block_size, hash_algo)
         super().__init__(self._hash_forest, max_blocks, block_size,
                          eviction_policy=eviction_policy, max_pinned_blocks=max_pinned_blocks,
-                         clock=clock)
+                         clock=clock, max_blocks_per_tenant=max_blocks_per_tenant)
         self.hash_algo = hash_algo
 
     @property

@@ -26,7 +26,7 @@ from prefixkv.cache.forest import E, Entry, ExtraKeys, Forest
 from prefixkv.cache.held_ids import BlockIds, HeldIds
 from prefixkv.cache.pins import PinRegistry, pin_key
 from prefixkv.cache.policies import EvictionPolicy, make_policy
-from prefixkv.cache.protection import Protection
+from prefixkv.cache.protection import Protection, path_up
 from prefixkv.cache.protocol import (
     CacheStats,
     LockHandle,
@@ -36,6 +36,7 @@ from prefixkv.cache.protocol import (
     PrefixMatch,
     PrefixNode,
 )
+from prefixkv.cache.retention import Retention
 from prefixkv.cache.stats import Counters
 
 
@@ -49,7 +50,9 @@ class PrefixIndex(Generic[E]):
         block_size: tokens per block (the forest's).
         eviction_policy: ``"lru"`` (default), ``"lfu"``, ``"fifo"``, ... or an ``EvictionPolicy``.
         max_pinned_blocks: pinned-block budget (default 20% of ``max_blocks``).
-        clock: time source for recency (injectable for tests).
+        clock: time source for recency and retention expiries (injectable for tests).
+        max_blocks_per_tenant: at most this many blocks a namespace may retain (soft
+            retention, :meth:`retain`); ``None``: no cap.
     """
 
     def __init__(
@@ -61,8 +64,11 @@ class PrefixIndex(Generic[E]):
         eviction_policy: str | EvictionPolicy = "lru",
         max_pinned_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_blocks_per_tenant: int | None = None,
     ) -> None:
         self._max_blocks = check_positive_int(max_blocks, "max_blocks")
+        self._quota = (None if max_blocks_per_tenant is None
+                       else check_count(max_blocks_per_tenant, "max_blocks_per_tenant"))
         self._ids = HeldIds(max_blocks)  # ValueError past 2**32 ids (uint32)
         self._bs = check_positive_int(block_size, "block_size")
         if max_pinned_blocks is None:
@@ -76,7 +82,7 @@ class PrefixIndex(Generic[E]):
         self._has_evict_hook = type(self._policy).on_evict is not EvictionPolicy.on_evict
         self._clock = clock
         self._lock = threading.RLock()
-        self._prot = Protection(self._policy)
+        self._prot = Protection(self._policy, clock)
         self._evictor = Evictor(self._prot.heap, self._policy, drop_tail=forest.drop_tail,
                                 release=self._ids.release,
                                 release_owner=self._ids.release_owner,
@@ -84,7 +90,8 @@ class PrefixIndex(Generic[E]):
                                         or partial(forest.key_at, self._policy)),
                                 refresh=self._prot.refresh,
                                 gone=self._policy.on_evict if self._has_evict_hook else None,
-                                whole=forest.whole_leaves(self._prot.heap, self._ids, self._policy))
+                                whole=forest.whole_leaves(self._prot.heap, self._ids, self._policy),
+                                retained=self._prot.retained)
         self._counters = Counters()
         self._pins: PinRegistry[E] = PinRegistry(self._prot, budget)
         self.last_pin_error: str | None = None
@@ -199,11 +206,13 @@ class PrefixIndex(Generic[E]):
         extra_keys: ExtraKeys = None,
         lock: bool = False,
         description: str | None = None,
+        retention: Retention | None = None,
     ) -> PrefixNode:
         """Cache the full blocks of ``token_ids`` (see :class:`PrefixCache` for ownership).
 
         ``len(kv_block_ids)`` must be ``len(token_ids) // block_size``; ``pin=True`` also pins
-        the inserted prefix (with ``description``), ``lock=True`` locks it until ``unlock``.
+        the inserted prefix (with ``description``), ``lock=True`` locks it until ``unlock``;
+        ``retention`` retains it (:meth:`retain`; not beyond the namespace's quota, silently).
         """
         tokens = self._forest.as_tokens(token_ids)
         bs = self._bs
@@ -234,6 +243,8 @@ class PrefixIndex(Generic[E]):
             if added.path:
                 self._prot.touch(added.path, now)
             target = added.target
+            if retention is not None and target is not None:
+                self._retain_at(target, retention, namespace, now, strict=False)
             handle = self._take_lock(target, nb) if lock else None
             is_pinned = False
             if pin and nb:
@@ -263,6 +274,7 @@ class PrefixIndex(Generic[E]):
         """
         check_count(num_blocks, "num_blocks")
         with self._lock:
+            self._prot.retained.expire()
             try:
                 out = self._evictor.evict(num_blocks)
             finally:
@@ -273,6 +285,38 @@ class PrefixIndex(Generic[E]):
     def evict_lru(self, num_blocks: int) -> BlockIds:
         """Seed 004's name for :meth:`evict`."""
         return self.evict(num_blocks)
+
+    # ----------------------------------------------------------------- retention
+    def retain(self, token_ids: Sequence[int], retention: Retention, *,
+               namespace: Namespace = None, extra_keys: ExtraKeys = None) -> int:
+        """Retain the cached full blocks of a prefix (soft: evicted only after every
+        unretained block and lower priorities, until ``retention.ttl_s`` after its last hit;
+        :mod:`prefixkv.cache.retention`). Returns how many blocks it covers (0: none cached);
+        :class:`~prefixkv.cache.retention.RetentionError` if the namespace would retain more
+        than its quota."""
+        if not isinstance(retention, Retention):
+            raise ValueError(f"retention must be a Retention, got {type(retention).__name__}")  # noqa: TRY004
+        tokens = self._forest.as_tokens(token_ids)
+        with self._lock:
+            w = self._forest.walk(tokens, len(tokens) // self._bs * self._bs, namespace,
+                                  extra_keys)
+            if not w.path:
+                return 0
+            target = self._cut(w.path[-1], w.last_used)
+            self._retain_at(target, retention, namespace, self._clock(), strict=True)
+            return len(w.ids)
+
+    def _retain_at(self, target: E, retention: Retention, namespace: Namespace, now: float,
+                   *, strict: bool) -> None:
+        if not self._prot.retained.ask(path_up(target), retention, namespace, now,
+                                       self._quota, strict=strict):
+            self._counters.retentions_refused += 1
+
+    def retained_by_tenant(self) -> dict[Namespace, int]:
+        """Blocks each namespace retains now (expired retentions cleared first)."""
+        with self._lock:
+            self._prot.retained.expire()
+            return dict(self._prot.retained.by_tenant)
 
     # ---------------------------------------------------------------------- pins
     def pin(
@@ -355,7 +399,9 @@ class PrefixIndex(Generic[E]):
     def get_stats(self) -> CacheStats:
         """Snapshot of counters and sizes."""
         with self._lock:
+            self._prot.retained.expire()
             return self._counters.snapshot(
+                retained_blocks=self._prot.retained.blocks,
                 index=self._forest.name,
                 block_size=self._bs,
                 max_blocks=self._max_blocks,

@@ -5,16 +5,20 @@ ancestor, so an entry whose counts are zero has no locked or pinned descendant a
 leaves can never strand a protected block. Block counts of locked, pinned and *protected*
 (either) entries are kept as the counts cross zero, so an index knows in O(1) how many blocks
 it could evict. An entry is in the heap exactly when it is an evictable leaf: unprotected, no
-children, holding blocks. :meth:`Protection.touch` records an access and keeps that true.
+children, holding blocks, and no live soft retention: a retained evictable leaf is filed in
+the :class:`~prefixkv.cache.retention.RetainedSet` beside the heap instead.
+:meth:`Protection.touch` records an access (renewing retentions) and keeps that true.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from prefixkv.cache.evictable import EvictableHeap
 from prefixkv.cache.policies import EvictionPolicy
+from prefixkv.cache.retention import RetainedSet
 
 if TYPE_CHECKING:
     from prefixkv.cache.forest import Entry
@@ -38,10 +42,12 @@ class Protection:
     """Lock/pin accounting for one index (guarded by the index's lock)."""
 
     __slots__ = ("_access_hook", "_tick", "heap", "locked_blocks", "pinned_blocks",
-                 "protected_blocks")
+                 "protected_blocks", "retained")
 
-    def __init__(self, policy: EvictionPolicy) -> None:
+    def __init__(self, policy: EvictionPolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.heap = EvictableHeap(policy)
+        self.retained = RetainedSet(policy, clock, self.refresh)
         self.locked_blocks = 0
         self.pinned_blocks = 0
         self.protected_blocks = 0
@@ -61,6 +67,8 @@ class Protection:
         if self._access_hook:
             for e in entries:
                 policy.on_access(e)
+        if self.retained.blocks:  # a hit renews the retentions it reaches
+            self.retained.renew(entries, now)
         # Only the last entry of a path can be a leaf. A new leaf joins the heap here; one
         # already in it is re-filed, unless keys are monotone: then its stored key stays a valid
         # lower bound and the heap refreshes it lazily.
@@ -77,9 +85,14 @@ class Protection:
         if e is None or e.is_root:
             return
         if is_evictable_leaf(e) and e.num_blocks:
+            if e.retention is not None and self.retained.hold(e):
+                self.heap.discard(e)  # retained: evicted after the heap's leaves
+                return
             self.heap.push(e)
         else:
             self.heap.discard(e)
+            if e.retention is not None:
+                self.retained.discard(e)
 
     def add_lock(self, target: Entry, delta: int) -> None:
         """Lock (``+1``) or unlock (``-1``) ``target`` and its ancestors."""
@@ -124,7 +137,8 @@ class Protection:
             locked += n if e.lock_ref else 0
             pinned += n if e.pin_ref else 0
             protected += n if (e.lock_ref or e.pin_ref) else 0
-            assert e.in_heap == is_evictable_leaf(e), "heap out of sync"
+            assert e.in_heap == (is_evictable_leaf(e) and e.retention is None), "heap out of sync"
         assert (locked, pinned, protected) == (
             self.locked_blocks, self.pinned_blocks, self.protected_blocks)
+        self.retained.check(entries, is_evictable_leaf)
         return seen

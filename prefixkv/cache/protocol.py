@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from prefixkv.cache.policies import EvictionPolicy
+    from prefixkv.cache.retention import Retention
 
 Namespace = Hashable | None
 """Cache partition key (LoRA id, tenant salt, ...). ``None`` is the default namespace."""
@@ -194,6 +195,11 @@ class CacheStats:
     num_nodes: int
     memory_bytes: int
     policy: str
+    retained_blocks: int = 0
+    """Blocks under a live soft retention (:mod:`prefixkv.cache.retention`; evictable, after
+    every other block)."""
+    retentions_refused: int = 0
+    """Retentions not applied because the tenant had reached its quota."""
 
 
 @runtime_checkable
@@ -254,11 +260,23 @@ class PrefixCache(Protocol):
         extra_keys: Sequence[Hashable | None] | None = None,
         lock: bool = False,
         description: str | None = None,
+        retention: Retention | None = None,
     ) -> PrefixNode:
         """Cache the full blocks of ``token_ids``; ``len(kv_block_ids)`` must equal
         ``len(token_ids) // block_size``. See the module docstring for who owns which id after.
-        ``pin=True`` also pins the prefix (with ``description``); ``lock=True`` locks it.
+        ``pin=True`` also pins the prefix (with ``description``); ``lock=True`` locks it;
+        ``retention`` retains it (:meth:`retain`, within the namespace's quota).
         """
+        ...
+
+    def retain(self, token_ids: Sequence[int], retention: Retention, *,
+               namespace: Namespace = None,
+               extra_keys: Sequence[Hashable | None] | None = None) -> int:
+        """Soft-retain the cached full blocks of a prefix (:mod:`prefixkv.cache.retention`):
+        evicted only after every unretained block and after lower priorities, until
+        ``retention.ttl_s`` after its last hit; returns the blocks covered (0: not cached).
+        :class:`~prefixkv.cache.retention.RetentionError` (a ``ValueError``) past the
+        namespace's quota."""
         ...
 
     def unlock(self, ref: PrefixMatch | PrefixNode) -> None:

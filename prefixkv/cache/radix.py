@@ -211,6 +211,7 @@ class RadixForest:
                           node.start_depth)
         upper.lock_ref = node.lock_ref
         upper.pin_ref = node.pin_ref
+        upper.retention = node.retention  # the same blocks, so the retained count stands
         upper.access_count = node.access_count
         upper.created_time = node.created_time
         upper.tick = node.tick
@@ -386,7 +387,8 @@ class RadixPrefixCache(PrefixIndex[RadixNode]):
         block_size: tokens per block (1 = token-exact reuse).
         eviction_policy: ``"lru"`` (default), ``"lfu"``, ``"fifo"`` or an ``EvictionPolicy``.
         max_pinned_blocks: pinned-block budget (default 20% of ``max_blocks``).
-        clock: time source for recency (injectable for tests).
+        clock: time source for recency and retention expiries (injectable for tests).
+        max_blocks_per_tenant: the most blocks a namespace may retain (``None``: no cap).
 
     ``extra_keys`` is not supported here (use ``namespace``); passing it is a ``ValueError``.
     """
@@ -399,7 +401,8 @@ class RadixPrefixCache(PrefixIndex[RadixNode]):
         eviction_policy: str | EvictionPolicy = "lru",
         max_pinned_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_blocks_per_tenant: int | None = None,
     ) -> None:
         super().__init__(RadixForest(block_size), max_blocks, block_size,
                          eviction_policy=eviction_policy, max_pinned_blocks=max_pinned_blocks,
-                         clock=clock)
+                         clock=clock, max_blocks_per_tenant=max_blocks_per_tenant)

@@ -20,6 +20,7 @@ class Counters:
     evictions: int = 0
     evicted_blocks: int = 0
     match_ns: int = 0
+    retentions_refused: int = 0
 
     def record_query(self, num_tokens: int, match_length: int, partial: int,
                      elapsed_ns: int = 0) -> None:
@@ -45,6 +46,7 @@ class Counters:
         num_nodes: int,
         memory_bytes: int,
         policy: str,
+        retained_blocks: int = 0,
     ) -> CacheStats:
         """Freeze the counters together with the index's current sizes."""
         return CacheStats(
@@ -71,4 +73,6 @@ class Counters:
             num_nodes=num_nodes,
             memory_bytes=memory_bytes,
             policy=policy,
+            retained_blocks=retained_blocks,
+            retentions_refused=self.retentions_refused,
         )
