@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.server.admin import admin_dependency, build_admin_router
@@ -48,26 +48,17 @@ from prefixkv.server.kv_events import build_kv_events_router
 from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.engine_metrics import engine_gauges
 from prefixkv.server.metrics import CONTENT_TYPE, ServerMetrics
-from prefixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.openai.serving import OpenAIServing
 from prefixkv.server.anthropic.messages_stream import build_messages_router
 from prefixkv.engine.lora import lora_requests_info
 from prefixkv.server.lora_routes import adapter_names, adapter_of, build_lora_router
 from prefixkv.server.openai.render_routes import build_render_router
+from prefixkv.server.openai.routes import build_openai_router
 from prefixkv.server.openai.responses_stream import build_responses_router
 from prefixkv.server.sglang.routes import build_sglang_router
 from prefixkv.server.openai.tokenizer_routes import build_tokenizer_router
 
 DEFAULT_MODEL_NAME = "prefixkv-demo"
-
-
-def _take_request_id(body: CompletionRequest | ChatCompletionRequest, request: Request) -> None:
-    """vLLM's request id: the body's ``request_id``, else a usable ``X-Request-Id`` header
-    (the router forwards it); an unusable header is ignored, not an error."""
-    header = request.headers.get("x-request-id", "")
-    if body.request_id is None and 0 < len(header) <= 256 and header.isascii() and header.isprintable() \
-            and " " not in header:
-        body.request_id = header
 
 
 def _auth_dependency(api_key: str | None) -> Any:
@@ -163,22 +154,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         check_model(model_id)
         return card(model_id)
 
-    @v1.post("/completions", response_model=None, responses=_JSON_OR_EVENTS)
-    async def completions(body: CompletionRequest,
-                          request: Request) -> JSONResponse | StreamingResponse:
-        policy.check(body)
-        check_model(body.model)
-        _take_request_id(body, request)
-        return await serving.completions(body, request.is_disconnected)
-
-    @v1.post("/chat/completions", response_model=None, responses=_JSON_OR_EVENTS)
-    async def chat_completions(body: ChatCompletionRequest,
-                               request: Request) -> JSONResponse | StreamingResponse:
-        policy.check(body)
-        check_model(body.model)
-        _take_request_id(body, request)
-        return await serving.chat(body, request.is_disconnected)
-
+    v1.include_router(build_openai_router(serving, policy, check_model))
     v1.include_router(build_responses_router(serving, policy, check_model))
     v1.include_router(build_messages_router(serving, policy, check_model))
     v1.include_router(build_render_router(serving, policy, check_model))
@@ -212,18 +188,6 @@ _ERROR_SCHEMA = {
         "code": {"type": ["string", "integer", "null"]}}}},
 }
 
-
-_JSON_OR_EVENTS: dict[int | str, dict[str, Any]] = {200: {
-    "description": "the completion as JSON, or with `stream: true` as server-sent events "
-                   "(`data: {chunk}` lines, then `data: [DONE]`)",
-    "content": {"application/json": {}, "text/event-stream": {"schema": {
-        # each event, as OpenAPI 3.2's sequential media types describe one
-        "type": "object", "required": ["data"],
-        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-    }}},
-}}
-"""The 200 answers of the completion routes: both media types are documented, so a client
-generated from ``/openapi.json`` (and an API fuzzer) expects the stream."""
 
 _AUTHED_PATHS = {"/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version",
                  "/kv_events", "/generate", "/flush_cache", "/model_info", "/get_model_info"}
