@@ -25,6 +25,15 @@ import time
 from pathlib import Path
 
 
+def reset(llm: object) -> None:
+    """``reset_prefix_cache()``, retried while vLLM still holds blocks of a finished request
+    whose saves the connector is copying (it frees them a step or two later)."""
+    deadline = time.monotonic() + 30
+    while not llm.reset_prefix_cache():  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
+        time.sleep(0.02)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -53,7 +62,7 @@ def main() -> None:
     kill = {int(k): v for k, v in (spec.get("kill_after") or {}).items()}
     for i, run in enumerate(spec["runs"]):
         if run.get("reset"):
-            llm.reset_prefix_cache()
+            reset(llm)
         salts = run.get("salts") or [None] * len(run["prompts"])
         prompts = []
         for ids, salt in zip(run["prompts"], salts):

@@ -58,7 +58,9 @@ def child(spec: dict[str, Any]) -> None:
         llm.generate([prompt], one, use_tqdm=False)
     times, cached = [], []
     for _ in range(spec["rounds"]):
-        llm.reset_prefix_cache()
+        deadline = time.monotonic() + 30  # a finished request's blocks wait for their saves
+        while not llm.reset_prefix_cache() and time.monotonic() < deadline:
+            time.sleep(0.02)
         t0 = time.perf_counter()
         out = llm.generate([prompt], one, use_tqdm=False)
         times.append(time.perf_counter() - t0)

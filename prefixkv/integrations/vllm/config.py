@@ -18,16 +18,27 @@ from prefixkv.tiers.spec import TierSpec, parse_size
 _BARE_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 KEYS = frozenset({
     "kv_offload_size", "kv_disk_dir", "kv_disk_size", "kv_remote", "kv_remote_timeout",
-    "kv_remote_ttl", "kv_remote_secret", "kv_namespace",
+    "kv_remote_ttl", "kv_remote_secret", "kv_namespace", "kv_pin_prefixes",
 })
 """The ``kv_connector_extra_config`` keys the connector reads."""
 
 
 @dataclass(frozen=True, slots=True)
+class PinnedPrefix:
+    """One ``kv_pin_prefixes`` entry: a prompt (text, tokenized by the model's tokenizer as
+    vLLM tokenizes a completion prompt, or token ids) and the ``cache_salt`` its requests carry."""
+
+    prompt: str | tuple[int, ...]
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectorConfig:
-    """The tiers the connector runs, as a :class:`TierSpec` (host size in bytes or blocks)."""
+    """The tiers the connector runs, as a :class:`TierSpec` (host size in bytes or blocks),
+    and the pinned prefixes."""
 
     spec: TierSpec
+    pins: tuple[PinnedPrefix, ...] = ()
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -60,8 +71,37 @@ class ConnectorConfig:
         if not spec.enabled:
             raise ValueError("kv_connector_extra_config names no tier: set kv_offload_size, "
                              "kv_disk_dir or kv_remote")
-        return cls(spec)
+        return cls(spec, parse_pins(extra.get("kv_pin_prefixes")))
 
     def host_blocks(self, block_nbytes: int) -> int:
         """Host-tier capacity in blocks of ``block_nbytes`` (0: no host tier)."""
         return parse_size(self.spec.offload_size, block_nbytes, "kv_offload_size")
+
+
+def parse_pins(value: Any) -> tuple[PinnedPrefix, ...]:
+    """``kv_pin_prefixes``: a list whose entries are a prompt (a string or a list of token ids)
+    or ``{"prompt": ..., "cache_salt": "..."}``; ``ValueError`` naming a bad entry."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ValueError(f"kv_pin_prefixes must be a list of prompts, got {value!r}")
+    out = []
+    for i, entry in enumerate(value):
+        salt: Any = ""
+        if isinstance(entry, dict):
+            unknown = sorted(set(entry) - {"prompt", "cache_salt"})
+            if unknown or "prompt" not in entry:
+                raise ValueError(f"kv_pin_prefixes[{i}]: keys are 'prompt' and 'cache_salt', "
+                                 f"got {sorted(entry)}")
+            entry, salt = entry["prompt"], entry.get("cache_salt") or ""
+        if not isinstance(salt, str):
+            raise ValueError(f"kv_pin_prefixes[{i}].cache_salt must be a string, got {salt!r}")
+        if isinstance(entry, str) and entry:
+            out.append(PinnedPrefix(entry, salt))
+        elif isinstance(entry, list) and entry and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in entry):
+            out.append(PinnedPrefix(tuple(entry), salt))
+        else:
+            raise ValueError(f"kv_pin_prefixes[{i}] must be a non-empty string or list of "
+                             f"token ids, got {entry!r}")
+    return tuple(out)

@@ -3,25 +3,41 @@
 vLLM builds the class once per role: in the engine-core process (``SCHEDULER``: a
 :class:`SchedulerSide`, which decides every load and save) and in each worker process
 (``WORKER``: a :class:`WorkerSide`, which copies the bytes). Loads are synchronous (before the
-step's forward pass) and saves complete in ``wait_for_save``, so vLLM may free a finished
-request's blocks at once. See docs/vllm.md.
+step's forward pass); saves are copied out on the worker's save thread after the step
+(``wait_for_save`` only queues them), and vLLM keeps a finished request's blocks until
+``get_finished`` reports its saves copied. The host and disk tiers are announced in vLLM's KV
+events (``take_events``). See docs/vllm.md.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
 )
 
-from prefixkv.integrations.vllm.config import ConnectorConfig
-from prefixkv.integrations.vllm.identity import KVGeometry, make_keyer, weights_fingerprint
+from prefixkv.integrations.vllm.config import ConnectorConfig, PinnedPrefix
+from prefixkv.integrations.vllm.events import BlockFacts, TierEvent, TierEvents
+from prefixkv.integrations.vllm.identity import (
+    KVGeometry,
+    make_keyer,
+    prefix_keys,
+    weights_fingerprint,
+)
 from prefixkv.integrations.vllm.plan import StepPlan
 from prefixkv.integrations.vllm.scheduler_side import SchedulerSide
 from prefixkv.integrations.vllm.stats import PrefixKVStats, stats_from
@@ -35,6 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.prefixkv")  # under vLLM's handlers, with its log lines
@@ -45,6 +62,20 @@ class PrefixKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class PrefixKVWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, once a step: the keys the disk tier wrote and dropped."""
+
+    def __init__(self, disk_stored: list[bytes], disk_dropped: list[bytes]) -> None:
+        self.disk_stored = disk_stored
+        self.disk_dropped = disk_dropped
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Both workers' changes (one worker is all the connector supports today)."""
+        assert isinstance(other, PrefixKVWorkerMeta)
+        return PrefixKVWorkerMeta(self.disk_stored + other.disk_stored,
+                                  self.disk_dropped + other.disk_dropped)
 
 
 def geometry_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVGeometry:
@@ -84,6 +115,48 @@ def fingerprint_of(vllm_config: VllmConfig) -> tuple[str, str]:
         return "", ref
 
 
+def pin_tokens(pin: PinnedPrefix, vllm_config: VllmConfig) -> list[int]:
+    """A pinned prefix's token ids (a text is tokenized as vLLM tokenizes a completion's
+    prompt, with the model's tokenizer)."""
+    if not isinstance(pin.prompt, str):
+        return list(pin.prompt)
+    from transformers import AutoTokenizer
+
+    mc = vllm_config.model_config
+    tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                        trust_remote_code=mc.trust_remote_code)
+    ids: list[int] = tok(pin.prompt)["input_ids"]
+    return ids
+
+
+def describe_block(request: Request, j: int, block_size: int) -> BlockFacts | None:
+    """The facts vLLM's own ``BlockStored`` gives for ``request``'s ``j``-th block (None when
+    vLLM keeps no block hashes: prefix caching off)."""
+    hashes = request.block_hashes
+    if j >= len(hashes):
+        return None
+    start, end = j * block_size, (j + 1) * block_size
+    extra, _ = generate_block_hash_extra_keys(request, start, end, 0)
+    lora = request.lora_request
+    return BlockFacts(
+        block_hash=maybe_convert_block_hash(hashes[j]),
+        parent_hash=maybe_convert_block_hash(hashes[j - 1]) if j else None,
+        token_ids=tuple(request.all_token_ids[start:end]),
+        lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
+        extra_keys=to_event_extra_keys([extra]))
+
+
+def to_vllm_event(event: TierEvent) -> KVCacheEvent:
+    """vLLM's ``BlockStored`` / ``BlockRemoved`` for one tier change."""
+    f = event.facts
+    if not event.stored:
+        return BlockRemoved(block_hashes=[f.block_hash], medium=event.medium, group_idx=0)
+    return BlockStored(block_hashes=[f.block_hash], parent_block_hash=f.parent_hash,
+                       token_ids=list(f.token_ids), block_size=len(f.token_ids),
+                       lora_id=f.lora_id, medium=event.medium, lora_name=f.lora_name,
+                       extra_keys=f.extra_keys, group_idx=0)
+
+
 class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """prefixkv's KV tiers (host memory, disk, shared Valkey) as a vLLM KV connector."""
 
@@ -111,16 +184,24 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if spec.remote is not None:
                 self.remote = RemoteTier(spec.remote, "", self.geometry.block_nbytes,
                                          timeout=spec.remote_timeout)
+            events = None
+            ev_config = vllm_config.kv_events_config
+            if ev_config is not None and ev_config.enable_kv_cache_events:
+                events = TierEvents(lambda req, j: describe_block(req, j, keyer.block_size))
+            pins = [k for p in self.config.pins
+                    for k in prefix_keys(keyer, pin_tokens(p, vllm_config), p.cache_salt)]
             self.scheduler = SchedulerSide(keyer, host_blocks, spec.disk_dir,
-                                           self.remote.present if self.remote else None)
+                                           self.remote.present if self.remote else None,
+                                           pins=pins, events=events)
             if transfer.kv_load_failure_policy != "recompute":
                 logger.warning("prefixkv: kv_load_failure_policy is %r: a block that cannot "
                                "be read fails its request; set \"kv_load_failure_policy\": "
                                "\"recompute\" to recompute it instead",
                                transfer.kv_load_failure_policy)
-            logger.info("prefixkv connector: host %d blocks, disk %s, remote %s, keys %s",
-                        host_blocks, spec.disk_dir, self.remote.url if self.remote else None,
-                        "weights " + weights if weights else ref)
+            logger.info("prefixkv connector: host %d blocks, disk %s, remote %s, keys %s, "
+                        "%d pinned blocks, KV events %s", host_blocks, spec.disk_dir,
+                        self.remote.url if self.remote else None,
+                        "weights " + weights if weights else ref, len(pins), events is not None)
         else:
             self.worker = WorkerSide(self.config, host_blocks)
 
@@ -145,12 +226,33 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Saves run once per step in :meth:`wait_for_save`, over all layers."""
 
     def wait_for_save(self) -> None:
-        """Store the blocks this step completed (host now; disk and remote queued)."""
+        """Queue the blocks this step completed for the save thread (host arena, then the
+        disk and Valkey writers); the step does not wait for the copies."""
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, PrefixKVMetadata)
             if meta.plan.saves:
                 self.worker.save(meta.plan.saves)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Blocks vLLM freed by preempting requests may be reused this step: finish the
+        queued copies first."""
+        if self.worker is not None and isinstance(kv_connector_metadata, PrefixKVMetadata):
+            self.worker.preempted(kv_connector_metadata.plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished requests whose saves are all copied: vLLM frees their blocks now, None:
+        loads are synchronous)."""
+        if self.worker is None:
+            return None, None
+        return self.worker.finished(finished_req_ids) or None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """What the disk tier wrote and dropped since the last step (for the KV events)."""
+        if self.worker is None:
+            return None
+        stored, dropped = self.worker.take_disk_changes()
+        return PrefixKVWorkerMeta(stored, dropped) if stored or dropped else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of this step whose load failed (vLLM recomputes them)."""
@@ -202,10 +304,24 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.scheduler.track(request)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are done within each step: vLLM may free the blocks now."""
-        if self.scheduler is not None:
-            self.scheduler.forget(request.request_id)
-        return False, None
+        """True (keep the blocks until ``get_finished`` names the request) when a save of it
+        was planned; else vLLM may free them now."""
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.finished(request.request_id), None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The worker's disk changes, for the KV events."""
+        meta = connector_output.kv_connector_worker_meta
+        if self.scheduler is not None and isinstance(meta, PrefixKVWorkerMeta):
+            self.scheduler.disk_changed(meta.disk_stored, meta.disk_dropped)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The host and disk tiers' ``BlockStored`` / ``BlockRemoved`` since the last call
+        (``medium`` ``CPU`` / ``DISK``); vLLM publishes them with its own."""
+        if self.scheduler is None or self.scheduler.events is None:
+            return ()
+        return [to_vllm_event(e) for e in self.scheduler.events.take()]
 
     def reset_cache(self) -> bool:
         """``reset_prefix_cache(reset_connector=True)``: drop the host tier (disk and remote

@@ -122,3 +122,10 @@ class RequestKeys:
         if num_blocks > len(self.chain):
             self.keyer.extend(self.chain, token_ids, num_blocks, self.namespace)
         return self.chain[:num_blocks]
+
+
+def prefix_keys(keyer: BlockKeyer, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
+    """The keys of every full block of ``token_ids`` as a request with ``cache_salt`` (no LoRA)
+    would key them: what pinning that prefix protects."""
+    return keyer.extend([], token_ids, len(token_ids) // keyer.block_size,
+                        request_namespace(cache_salt, None))

@@ -1,9 +1,10 @@
 """StepPlan: what the scheduler half tells the worker half to copy in one engine step.
 
 Plain records (pickled into vLLM's scheduler output). The worker runs a plan in order: every
-load in ``start_load_kv`` (before the forward pass), every save in ``wait_for_save`` (after
-it). The scheduler relies on that order: a host slot released by this step's loads may be
-reserved for this step's saves.
+load in ``start_load_kv`` (before the forward pass), every save queued in ``wait_for_save``
+(after it; copied out on the worker's save thread, in order). The scheduler relies on that
+order: a host slot released by this step's loads may be reserved for this step's saves, and a
+slot reserved by an earlier step's save is only read after that copy (the worker waits).
 """
 
 from __future__ import annotations
@@ -37,11 +38,18 @@ class SaveBlock:
     block_id: int
     key: bytes
     slot: int | None = None
+    req_id: str = ""
+    """The request whose block it is (vLLM keeps a finished request's blocks until all of
+    its saves are copied)."""
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step's loads and saves."""
+    """One step's loads and saves; ``preempted``: vLLM freed some request's blocks this step
+    (the worker finishes pending copies first); ``pins``: the pinned prefixes' keys (sent once,
+    in the first plan)."""
 
     loads: list[LoadBlock] = field(default_factory=list)
     saves: list[SaveBlock] = field(default_factory=list)
+    preempted: bool = False
+    pins: tuple[bytes, ...] = ()

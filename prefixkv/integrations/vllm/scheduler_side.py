@@ -11,6 +11,12 @@ It decides, the worker copies. How the scheduler knows what each tier holds:
   :class:`~prefixkv.tiers.disk.DiskTier` writes, evicts and verifies on read.
 * **remote**: one pipelined ``EXISTS`` per lookup on the shared Valkey/Redis.
 
+Saves: every planned save names its request; :meth:`SchedulerSide.finished` (vLLM's
+``request_finished``) says whether a finished request had any, i.e. whether vLLM must keep its
+blocks until the worker reports the copies done. KV events of the host and disk tiers are
+collected in :class:`~prefixkv.integrations.vllm.events.TierEvents` when vLLM publishes events.
+Pinned keys (``kv_pin_prefixes``) are never evicted from the host index.
+
 A block counted here that cannot be read when its load runs (a corrupt or vanished file, the
 remote down) is reported by the worker through ``get_block_ids_with_load_errors``; with
 ``kv_load_failure_policy: recompute`` vLLM recomputes it.
@@ -25,11 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixkv.integrations.vllm.events import DISK_MEDIUM, HOST_MEDIUM, TierEvents
 from prefixkv.integrations.vllm.identity import RequestKeys, request_namespace
 from prefixkv.integrations.vllm.plan import DISK, GONE, HOST, REMOTE, LoadBlock, SaveBlock, StepPlan
 from prefixkv.tiers.disk import SUFFIX
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
+from prefixkv.tiers.pins import PinnedKeys
 
 Present = Callable[[Sequence[bytes]], list[bool]]
 """Which of some keys the remote tier holds (``RemoteTier.present``)."""
@@ -52,15 +60,24 @@ class SchedulerSide:
     """Lookups, load plans and save plans for one engine."""
 
     def __init__(self, keyer: BlockKeyer, host_blocks: int, disk_dir: str | Path | None,
-                 remote_present: Present | None) -> None:
+                 remote_present: Present | None, pins: Sequence[bytes] = (),
+                 events: TierEvents | None = None) -> None:
         self.keyer = keyer
-        self.host = HostTier(host_blocks) if host_blocks else None
+        self.pins = tuple(pins)
+        pinned = PinnedKeys()
+        pinned.add(self.pins)
+        self.host = HostTier(host_blocks, pinned) if host_blocks else None
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.remote_present = remote_present
+        self.events = events
+        if self.host is not None and events is not None:
+            self.host.on_drop = lambda keys: events.change(False, HOST_MEDIUM, keys)
         self._requests: dict[str, _Tracked] = {}
         self._lookups: dict[str, tuple[int, list[str]]] = {}
         self._loads: list[LoadBlock] = []
         self._held: list[bytes] = []
+        self._saving: set[str] = set()  # requests with a save planned (told to request_finished)
+        self._pins_sent = not self.pins
 
     # ------------------------------------------------------------------ lookups
     def track(self, request: Any) -> _Tracked:
@@ -139,12 +156,16 @@ class SchedulerSide:
         step, then saves of every block that becomes full in this step."""
         plan = StepPlan(loads=self._loads)
         self._loads = []
+        if not self._pins_sent:
+            plan.pins, self._pins_sent = self.pins, True
         if self.host is not None:  # the worker reads them before this step's saves
             for key in self._held:
                 self.host.release(key)
         self._held = []
         scheduled = out.num_scheduled_tokens
-        for rid in getattr(out, "preempted_req_ids", None) or ():
+        preempted = getattr(out, "preempted_req_ids", None) or ()
+        plan.preempted = bool(preempted)
+        for rid in preempted:
             if rid in self._requests:
                 self._requests[rid].loaded = range(0)
         for new in out.scheduled_new_reqs:
@@ -175,13 +196,34 @@ class SchedulerSide:
             return
         keys = t.keys.upto(tokens, full)
         lower = self.disk_dir is not None or self.remote_present is not None
+        rid = t.request.request_id
         for j in range(t.saved, full):
             if j in t.loaded:
                 continue
             slot = self.host.reserve(keys[j]) if self.host is not None else None
             if slot is not None or lower:
-                saves.append(SaveBlock(t.block_ids[j], keys[j], slot))
+                saves.append(SaveBlock(t.block_ids[j], keys[j], slot, rid))
+                self._saving.add(rid)
+                if self.events is not None:
+                    self.events.learn(t.request, j, keys[j])
+                    if slot is not None:
+                        self.events.change(True, HOST_MEDIUM, [keys[j]])
         t.saved = full
+
+    def finished(self, request_id: str) -> bool:
+        """vLLM's ``request_finished``: whether the request had a save planned (then vLLM keeps
+        its blocks until the worker reports its copies done)."""
+        self.forget(request_id)
+        if request_id in self._saving:
+            self._saving.discard(request_id)
+            return True
+        return False
+
+    def disk_changed(self, stored: Sequence[bytes], dropped: Sequence[bytes]) -> None:
+        """The worker's disk tier wrote ``stored`` and dropped ``dropped`` (KV events)."""
+        if self.events is not None:
+            self.events.change(True, DISK_MEDIUM, stored)
+            self.events.change(False, DISK_MEDIUM, dropped)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state."""
