@@ -5,6 +5,7 @@ the save thread and vLLM's ``get_finished`` contract, the scheduler half's answe
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -101,11 +102,19 @@ def test_worker_preemption_waits_for_queued_copies() -> None:
     worker.register(kv, 6)
     gate = threading.Event()
     copy = worker.saver._copy
-    worker.saver._copy = lambda saves: (gate.wait(10), copy(saves))  # a slow copy
+
+    def slow_copy(saves: Sequence[SaveBlock]) -> None:
+        gate.wait(10)
+        copy(saves)
+
+    def preempt() -> None:
+        worker.preempted(StepPlan(preempted=True))
+        done.set()
+
+    worker.saver._copy = slow_copy
     worker.save([SaveBlock(2, b"p" * 32, 0, "r")])
     done = threading.Event()
-    waiter = threading.Thread(target=lambda: (worker.preempted(StepPlan(preempted=True)),
-                                              done.set()))
+    waiter = threading.Thread(target=preempt)
     waiter.start()
     assert not done.wait(0.1)  # blocks 2's copy is still queued: vLLM must not reuse it yet
     gate.set()
@@ -209,6 +218,7 @@ def test_config_reads_pinned_prefixes_and_names_bad_entries() -> None:
         "You are a helpful assistant.", [1, 2, 3], {"prompt": [4, 5], "cache_salt": "t"}]})
     assert cfg.pins == (PinnedPrefix("You are a helpful assistant."), PinnedPrefix((1, 2, 3)),
                         PinnedPrefix((4, 5), "t"))
+    bad: Any
     for bad in ("sys", [[]], [[1, -2]], [{"tokens": [1]}], [{"prompt": "x", "cache_salt": 3}],
                 [True], [""]):
         with pytest.raises(ValueError, match="kv_pin_prefixes"):
