@@ -40,6 +40,7 @@ import torch
 
 from prefixkv.models import cpu_gemv, cpu_ops
 from prefixkv.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, Linear, RMSNorm
+from prefixkv.models.lora import LoRAStep
 from prefixkv.runner import cpu_attention
 from prefixkv.runner.attention import PagedAttention
 from prefixkv.runner.kv_pool import KVPool
@@ -129,6 +130,10 @@ class CpuDecode:
             v_new, self._out.data_ptr(), self._gate_up.data_ptr(), self._act.data_ptr(),
             self._cos.data_ptr(), self._sin.data_ptr())
         self._views: dict[int, torch.Tensor] = {}  # m -> the first m rows of _normed
+        self._lora_views: dict[int, tuple[torch.Tensor, ...]] = {}  # m -> each matmul's in / out
+        self._lora_names = [tuple(f"model.layers.{i}.{m}" for m in (
+            "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+            for i in range(cfg.num_hidden_layers)]  # the modules' names, as LoRAStep keys them
         self._k0 = pool.layer(0)[0]  # the attention kernel's strides (every layer's alike)
         self.output: _Matmul | None = None  # the output layer's C matmul (build sets it)
 
@@ -185,11 +190,14 @@ class CpuDecode:
         return made
 
     def run(
-        self, tokens: Sequence[int], positions: Sequence[int], attention: PagedAttention
+        self, tokens: Sequence[int], positions: Sequence[int], attention: PagedAttention,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor | None:
         """Hidden states ``[T, hidden]`` (after the final norm) of a step's ``tokens`` at
         ``positions`` (ids checked by the caller; a bad one raises ``IndexError``), K/V written
         as the module path writes them; ``None`` (nothing done) when the step does not fit.
+        ``lora``: the step's adapters, each matmul's delta added to its output buffer as
+        ``Linear.forward`` adds it (``LoRAStep.apply``, the same ops on the same values).
         The result is a view of this object's buffer: read it before the next call."""
         batch = attention.kernel_batch()
         m = len(tokens)
@@ -215,11 +223,16 @@ class CpuDecode:
         eps = self.eps
         attend = cpu_attention.bind(self._out, self._q, self._k0, batch, threads)  # per layer:
         # its K / V addresses only
+        add = None if lora is None else lora.apply  # and each matmul's rows it reads / adds to:
+        v = () if lora is None else self._lora_views.get(m) or self._make_lora_views(m)
         for i, L in enumerate(self.layers):
+            names = self._lora_names[i]
             # the stream is in `stream` (+ `other` from layer 1 on: the MLP's output and the
             # stream before it, added here as the module path adds them)
             rms(s_addr, hid, o_addr if i else 0, hid, n_addr, hid, L.norm_in, m, hid, eps, threads)
             gemv(*L.qkv.weight, n_addr, hid, qkv_addr, width, L.qkv.bias, m, threads)
+            if add is not None:
+                add(names[0], v[0], v[1])
             if L.q_norm:  # in place, per head
                 rms(qkv_addr, width, 0, 0, qkv_addr, width, L.q_norm, m, dim, eps, threads, heads)
                 rms(k_addr, width, 0, 0, k_addr, width, L.k_norm, m, dim, eps, threads, kvh)
@@ -228,15 +241,30 @@ class CpuDecode:
             scatter(v_addr, width, L.v_addr, slots_addr, m, kv_size, pool_rows)  # into the pool
             attend(L.k_addr, L.v_addr)
             gemv(*L.o.weight, out_addr, q_size, o_addr, hid, L.o.bias, m, threads)
+            if add is not None:
+                add(names[1], v[2], v[3])
             rms(o_addr, hid, s_addr, hid, n_addr, hid, L.norm_post, m, hid, eps, threads)
             gemv(*L.gate_up.weight, n_addr, hid, gu_addr, 2 * inter, L.gate_up.bias, m, threads)
+            if add is not None:
+                add(names[2], v[0], v[4])
             silu(gu_addr, 2 * inter, act_addr, inter, m, inter, threads)
             gemv(*L.down.weight, act_addr, inter, s_addr, hid, L.down.bias, m, threads)
+            if add is not None:
+                add(names[3], v[5], v[6])
         rms(s_addr, hid, o_addr, hid, n_addr, hid, self.final_norm, m, hid, eps, threads)
         view = self._views.get(m)
         if view is None:
             view = self._views[m] = self._normed[:m]
         return view
+
+    def _make_lora_views(self, m: int) -> tuple[torch.Tensor, ...]:
+        """The first ``m`` rows of each matmul's input and output buffer: normed, qkv, the
+        attention's output, o's (``other``), gate_up, the activation, down's (``stream``)."""
+        q_size = self.heads * self.dim
+        views = (self._normed[:m], self._qkv[:m], self._out[:m].view(m, q_size), self._other[:m],
+                 self._gate_up[:m], self._act[:m], self._stream[:m])
+        self._lora_views[m] = views
+        return views
 
     def logits(self, hidden: torch.Tensor, ends: Sequence[int]) -> torch.Tensor | None:
         """float32 logits ``[len(ends), vocab]`` of each item's last row of ``hidden`` (the view

@@ -17,7 +17,7 @@ import torch
 from prefixkv.models.config import ModelConfig
 from prefixkv.models.llama import CausalLM, Linear
 from prefixkv.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
-from prefixkv.models.lora import LoRAAdapter, LoRAStep, applied, load_adapter
+from prefixkv.models.lora import LoRAAdapter, LoRAStacks, LoRAStep, applied, load_adapter
 from prefixkv.runner.attention import PagedAttention
 from prefixkv.runner.cpu_decode import CpuDecode
 from prefixkv.runner.kv_pool import KVPool
@@ -170,6 +170,7 @@ class ModelRunner:
         )
         # CPU float32: decode steps as raw C calls (cpu_decode.py); None where it cannot apply
         self.cpu_decode = CpuDecode.build(self.model, self.kv_pool)
+        self._lora_stacks = LoRAStacks()  # steps' adapter sets, stacked (models/lora.py)
 
     def execute(self, items: list[RunItem]) -> torch.Tensor:
         """Compute ``items``' new tokens; float32 logits ``[len(items), vocab]`` of each last one.
@@ -216,10 +217,10 @@ class ModelRunner:
             query_lens=[len(it.token_ids) for it in items],
             block_tables=[it.block_table for it in items],
         )
-        lora = (LoRAStep([(it.lora, len(it.token_ids)) for it in items], self.device)
-                if any(it.lora is not None for it in items) else None)
-        hidden = (self.cpu_decode.run(tokens, positions, attention)
-                  if self.cpu_decode and lora is None else None)  # the C path has no LoRA
+        lora = (LoRAStep([(it.lora, len(it.token_ids)) for it in items], self._lora_stacks,
+                         self.device) if any(it.lora is not None for it in items) else None)
+        hidden = (self.cpu_decode.run(tokens, positions, attention, lora)
+                  if self.cpu_decode else None)
         if hidden is None:
             input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -231,11 +232,12 @@ class ModelRunner:
         return hidden, list(accumulate(len(it.token_ids) for it in items))
 
     def load_lora(self, path: str | Path, *, name: str, max_rank: int) -> LoRAAdapter:
-        """A PEFT LoRA directory loaded for this model (``ValueError`` if it does not fit)."""
+        """A PEFT LoRA directory or GGUF LoRA file loaded for this model (``ValueError`` if it
+        does not fit)."""
         adapter = load_adapter(path, self.config, name=name, max_rank=max_rank,
                                dtype=self.dtype, device=self.device)
         modules = dict(self.model.named_modules())
-        missing = [n for n in adapter.pieces if not isinstance(modules.get(n), Linear)]
+        missing = [n for n in adapter.modules if not isinstance(modules.get(n), Linear)]
         if missing:
             raise ValueError(f"lora adapter {name!r}: this model cannot apply it to {missing[0]} "
                              "(quantized matmuls take no adapters)")

@@ -169,3 +169,37 @@ def test_kv_events_name_the_adapter_and_hash_its_blocks_apart(
     ours = {h for e in stored if e.get("lora_name") == "a" for h in e["block_hashes"]}
     base = {h for e in stored if e.get("lora_name") is None for h in e["block_hashes"]}
     assert ours and base and not ours & base
+
+
+def test_decode_steps_with_adapters_take_the_c_path_and_give_the_module_paths_answer(
+        demo_model: Path, adapters: dict[str, Path], gemv_layout: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixkv.runner import cpu_decode
+
+    ran: list[tuple[bool, bool]] = []  # (the step had adapters, the C path computed it)
+    run = cpu_decode.CpuDecode.run
+
+    def spy(self: Any, tokens: Any, positions: Any, attention: Any, lora: Any = None) -> Any:
+        out = run(self, tokens, positions, attention, lora)
+        ran.append((lora is not None, out is not None))
+        return out
+
+    monkeypatch.setattr(cpu_decode.CpuDecode, "run", spy)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    plans: list[Any] = ["a", None, "b", "a"]  # two adapters, the base, an adapter twice
+    got = {}
+    for c_path in (True, False):
+        monkeypatch.setattr(cpu_decode, "ENABLED", c_path)
+        with LLM(demo_model, dtype="float32", num_kv_blocks=128, enable_lora=True,
+                 lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"]) as llm:
+            got[c_path] = llm.generate([PROMPT, PROMPT, PROMPT, PROMPT[:20]], params,
+                                       lora_request=plans)
+    assert (True, True) in ran  # decode steps with adapters ran in C (they used to leave it)
+    for c, m in zip(got[True], got[False]):
+        assert c.outputs[0].token_ids == m.outputs[0].token_ids
+        for step_c, step_m in zip(c.outputs[0].logprobs or [], m.outputs[0].logprobs or []):
+            for tok, lp in step_c.items():
+                assert lp.logprob == pytest.approx(step_m[tok].logprob, abs=1e-5)
+    assert [o.outputs[0].token_ids for o in got[True][:3]] == [
+        peft_greedy(demo_model, adapters["a"], PROMPT, 8), peft_greedy(demo_model, None, PROMPT, 8),
+        peft_greedy(demo_model, adapters["b"], PROMPT, 8)]
