@@ -22,11 +22,8 @@ from typing import Any
 
 from prefixkv.cache import POLICIES as CACHE_POLICIES
 from prefixkv.router.config import KEEP_ALIVE_S
+from prefixkv.router.local import LAUNCHED_KV_EVENTS
 from prefixkv.router.policies import POLICY_NAMES
-
-LAUNCHED_KV_EVENTS = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
-                      '"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}')
-"""Launched workers' KV events (``--policy precise``): free loopback ports, found by discovery."""
 
 
 def register(subparsers: Any) -> None:

@@ -17,7 +17,11 @@ import sys
 from collections.abc import Sequence
 from typing import Self
 
-__all__ = ["LocalWorkers", "free_port"]
+__all__ = ["LAUNCHED_KV_EVENTS", "LocalWorkers", "free_port"]
+
+LAUNCHED_KV_EVENTS = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+                      '"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}')
+"""Launched workers' KV events (``--policy precise``): free loopback ports, found by discovery."""
 
 _PR_SET_PDEATHSIG = 1
 

@@ -21,7 +21,7 @@ pytest.importorskip("msgspec")
 from prefixkv.wire.kv_events import block_hashes
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
 from prefixkv.bench.route.run import ready
-from prefixkv.cli.route import LAUNCHED_KV_EVENTS
+from prefixkv.router.local import LAUNCHED_KV_EVENTS
 from prefixkv.router.health import wait_until_healthy
 from prefixkv.router.local import LocalWorkers
 from prefixkv.router.precise import PrecisePolicy

@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             worker_args = shlex.split(spec.worker_args)
             if "precise" in args.policies:  # the precise policy needs the workers' KV events
-                from prefixkv.cli.route import LAUNCHED_KV_EVENTS
+                from prefixkv.router.local import LAUNCHED_KV_EVENTS
 
                 worker_args += ["--kv-events-config", LAUNCHED_KV_EVENTS]
             launched = LocalWorkers(args.workers, args.model, worker_args)
