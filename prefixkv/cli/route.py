@@ -1,5 +1,5 @@
 """Owns: ``prefixkv route``: the router's flags and its process (workers launched, EPP beside).
-Imports: prefixkv.cache (policy names), prefixkv.router (config, policies; the rest lazily).
+Imports: prefixkv.cache (policy names), prefixkv.router (config, policies, local; the rest lazily).
 
 ``prefixkv route``: run the cache-aware router in front of OpenAI-compatible workers.
 
