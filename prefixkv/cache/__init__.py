@@ -33,6 +33,7 @@ from prefixkv.cache.protocol import (
     PrefixNode,
 )
 from prefixkv.cache.radix import RadixPrefixCache
+from prefixkv.cache.quotas import TenantUsage
 from prefixkv.cache.retention import Retention, RetentionError
 
 POLICIES[GhostPolicy.name] = GhostPolicy
@@ -86,6 +87,7 @@ __all__ = [
     "RadixPrefixCache",
     "Retention",
     "RetentionError",
+    "TenantUsage",
     "hash_block_chain",
     "make_cache",
     "make_policy",

@@ -28,8 +28,9 @@ once, at the end.
 
 from __future__ import annotations
 
+import heapq
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
@@ -144,15 +145,63 @@ class Evictor(Generic[E]):
                 if got < num_blocks and len(self._heap):  # a parent decayed to the policy
                     got = self._evict(num_blocks, runs, loose, got)
         finally:  # every id dropped from the forest is released, even if a hook raised
-            out = deepest_first(runs)
-            if len(loose) == len(runs):
-                self._release(out)
-            elif len(loose) == 1:
-                self._release(loose[0])
-            elif loose:
-                ids = new_ids()
-                ids.frombytes(b"".join(loose))
-                self._release(ids)
+            out = self._released(runs, loose)
+        return out
+
+    def _released(self, runs: list[BlockIds], loose: list[BlockIds]) -> BlockIds:
+        """The freed ids in order; releases the ``loose`` runs (the others left through their
+        owner tags)."""
+        out = deepest_first(runs)
+        if len(loose) == len(runs):
+            self._release(out)
+        elif len(loose) == 1:
+            self._release(loose[0])
+        elif loose:
+            ids = new_ids()
+            ids.frombytes(b"".join(loose))
+            self._release(ids)
+        return out
+
+    def evict_among(self, entries: Iterable[E], num_blocks: int) -> BlockIds:
+        """Free up to ``num_blocks`` blocks of ``entries`` (a tenant's, over its quota): its
+        evictable leaves in the policy's order, a whole leaf (or the tail still wanted) per
+        step, then the parents they leave as evictable leaves. Retained leaves are not taken."""
+        key, heap, refresh = self._policy.key, self._heap, self._refresh
+        todo = [(key(e), i, e) for i, e in enumerate(entries) if e.in_heap]
+        heapq.heapify(todo)
+        seq = len(todo)
+        runs: list[BlockIds] = []
+        loose: list[BlockIds] = []
+        got = 0
+        self.entries_freed = 0
+        try:
+            while got < num_blocks and todo:
+                e = heapq.heappop(todo)[2]
+                if not e.in_heap:
+                    continue
+                heap.discard(e)
+                n: int = e.num_blocks
+                k = min(num_blocks - got, n)
+                run = self._drop_tail(e, k)
+                runs.append(run)
+                got += k
+                if k < n or not e.owner:
+                    loose.append(run)
+                else:
+                    self._release_owner(e.owner, run)
+                if k < n:
+                    refresh(e)
+                    break
+                self.entries_freed += 1
+                if self._gone is not None:
+                    self._gone(e)
+                parent = e.parent
+                refresh(parent)
+                if parent is not None and parent.in_heap:
+                    seq += 1
+                    heapq.heappush(todo, (key(parent), seq, parent))
+        finally:
+            out = self._released(runs, loose)
         return out
 
     def _evict(self, num_blocks: int, out: list[BlockIds], loose: list[BlockIds], got: int) -> int:

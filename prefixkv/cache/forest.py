@@ -212,6 +212,10 @@ class Forest(Protocol[E]):
         """Estimated bytes held by the structure."""
         ...
 
+    def entries(self, namespace: Namespace) -> Iterator[E]:
+        """Every entry of ``namespace`` (a tenant's, for its quota), parents before children."""
+        ...
+
     def check(self) -> Iterator[E]:
         """Assert the structural invariants; yield every entry (tests and debugging)."""
         ...

@@ -234,6 +234,16 @@ class HashForest:
         return key_at_depth(policy, entry, depth)
 
     # -------------------------------------------------------------- inspection
+    def entries(self, namespace: Namespace) -> Iterator[HashBlock]:
+        """The blocks of ``namespace``, parents first."""
+        stack = [b for kids in self._root_children.get(namespace, {}).values() for b in kids]
+        while stack:
+            blk = stack.pop()
+            yield blk
+            if blk.children:
+                for kids in blk.children.values():
+                    stack.extend(kids)
+
     def memory_bytes(self) -> int:
         """Blocks, their token lists (8 bytes a token) and table slots."""
         per_block = (sys.getsizeof(HashBlock(0, 0, None, [], None, None, 0, 0.0))

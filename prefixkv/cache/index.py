@@ -27,6 +27,7 @@ from prefixkv.cache.held_ids import BlockIds, HeldIds
 from prefixkv.cache.pins import PinRegistry, pin_key
 from prefixkv.cache.policies import EvictionPolicy, make_policy
 from prefixkv.cache.protection import Protection, path_up
+from prefixkv.cache.quotas import TenantBlocks, TenantUsage, tenant_usage
 from prefixkv.cache.protocol import (
     CacheStats,
     LockHandle,
@@ -51,8 +52,8 @@ class PrefixIndex(Generic[E]):
         eviction_policy: ``"lru"`` (default), ``"lfu"``, ``"fifo"``, ... or an ``EvictionPolicy``.
         max_pinned_blocks: pinned-block budget (default 20% of ``max_blocks``).
         clock: time source for recency and retention expiries (injectable for tests).
-        max_blocks_per_tenant: at most this many blocks a namespace may retain (soft
-            retention, :meth:`retain`); ``None``: no cap.
+        max_blocks_per_tenant: a namespace's quota: its cached blocks beyond it are evicted
+            first, and it retains at most this many (:meth:`retain`); ``None``: no quota.
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class PrefixIndex(Generic[E]):
         self._counters = Counters()
         self._pins: PinRegistry[E] = PinRegistry(self._prot, budget)
         self.last_pin_error: str | None = None
+        self._tenants = None if self._quota is None else TenantBlocks(max_blocks, self._quota)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -228,15 +230,19 @@ class PrefixIndex(Generic[E]):
         with self._lock:
             w = self._forest.walk(tokens, nb * bs, namespace, extra_keys)
             returned: list[int] = []
+            new: list[BlockIds] = []
 
             def claim(stop: int) -> tuple[BlockIds, int]:  # the last check: holds ids[m:stop]
                 got, taken, owner = self._ids.claim(ids, w.ids, stop)
                 returned.extend(got)
+                new.append(taken)
                 return taken, owner
 
             now = self._clock()
             added = self._forest.add(tokens, nb, w, namespace, extra_keys, claim, now)
             # --- stored: nothing below fails
+            if self._tenants is not None and new:
+                self._tenants.stored(namespace, new[0])
             for e in added.refile:
                 self._prot.refresh(e)
             self._counters.inserts += 1
@@ -275,12 +281,22 @@ class PrefixIndex(Generic[E]):
         check_count(num_blocks, "num_blocks")
         with self._lock:
             self._prot.retained.expire()
+            if self._tenants is not None:  # over-quota tenants' blocks first
+                return self._tenants.evict(num_blocks, self._evictor, self._forest.entries,
+                                           self._counters)
             try:
                 out = self._evictor.evict(num_blocks)
             finally:
                 self._counters.evictions += self._evictor.entries_freed
             self._counters.evicted_blocks += len(out)
             return out
+
+    def tenants(self) -> dict[Namespace, TenantUsage]:
+        """Cached and retained blocks per namespace holding any (cached ones counted only with
+        a quota)."""
+        with self._lock:
+            self._prot.retained.expire()
+            return tenant_usage(self._tenants, self._prot.retained.by_tenant)
 
     def evict_lru(self, num_blocks: int) -> BlockIds:
         """Seed 004's name for :meth:`evict`."""
@@ -289,11 +305,8 @@ class PrefixIndex(Generic[E]):
     # ----------------------------------------------------------------- retention
     def retain(self, token_ids: Sequence[int], retention: Retention, *,
                namespace: Namespace = None, extra_keys: ExtraKeys = None) -> int:
-        """Retain the cached full blocks of a prefix (soft: evicted only after every
-        unretained block and lower priorities, until ``retention.ttl_s`` after its last hit;
-        :mod:`prefixkv.cache.retention`). Returns how many blocks it covers (0: none cached);
-        :class:`~prefixkv.cache.retention.RetentionError` if the namespace would retain more
-        than its quota."""
+        """Soft-retain the cached full blocks of a prefix (see :class:`PrefixCache`); returns
+        how many blocks it covers (0: none cached)."""
         if not isinstance(retention, Retention):
             raise ValueError(f"retention must be a Retention, got {type(retention).__name__}")  # noqa: TRY004
         tokens = self._forest.as_tokens(token_ids)
@@ -311,12 +324,6 @@ class PrefixIndex(Generic[E]):
         if not self._prot.retained.ask(path_up(target), retention, namespace, now,
                                        self._quota, strict=strict):
             self._counters.retentions_refused += 1
-
-    def retained_by_tenant(self) -> dict[Namespace, int]:
-        """Blocks each namespace retains now (expired retentions cleared first)."""
-        with self._lock:
-            self._prot.retained.expire()
-            return dict(self._prot.retained.by_tenant)
 
     # ---------------------------------------------------------------------- pins
     def pin(
@@ -424,3 +431,5 @@ class PrefixIndex(Generic[E]):
             for e in entries:
                 assert not e.owner or all(self._ids.owner_of(b) == e.owner for b in e.blocks)
             assert len(entries) == self._forest.num_entries
+            if self._tenants is not None:
+                self._tenants.check(self._forest.entries)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from prefixkv.cache.policies import EvictionPolicy
+    from prefixkv.cache.quotas import TenantUsage
     from prefixkv.cache.retention import Retention
 
 Namespace = Hashable | None
@@ -277,6 +278,12 @@ class PrefixCache(Protocol):
         ``retention.ttl_s`` after its last hit; returns the blocks covered (0: not cached).
         :class:`~prefixkv.cache.retention.RetentionError` (a ``ValueError``) past the
         namespace's quota."""
+        ...
+
+    def tenants(self) -> dict[Namespace, TenantUsage]:
+        """Per namespace holding any: cached blocks (counted only with a quota,
+        ``max_blocks_per_tenant``; beyond it a tenant's blocks are evicted first) and blocks
+        under a live retention."""
         ...
 
     def unlock(self, ref: PrefixMatch | PrefixNode) -> None:

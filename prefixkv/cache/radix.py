@@ -350,6 +350,17 @@ class RadixForest:
             entry.start_depth = saved
 
     # -------------------------------------------------------------- inspection
+    def entries(self, namespace: Namespace) -> Iterator[RadixNode]:
+        """The nodes of ``namespace``'s tree, parents first."""
+        root = self._roots.get(namespace)
+        stack = [] if root is None else [root]
+        while stack:
+            node = stack.pop()
+            if not node.is_root:
+                yield node
+            for found in node.children.values():
+                stack.extend(kids(found))
+
     def memory_bytes(self) -> int:
         """Nodes, their keys (2, 2.25 packed, or 4 bytes a token) and id arrays (4 bytes an
         id)."""

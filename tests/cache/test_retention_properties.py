@@ -102,12 +102,31 @@ class Model:
                 p[0] != k[0] or p[1][: len(k[1])] != k[1] for p in self.pins), "evicted a pin"
         top = max((self.rank(k) for k in freed), default=-1)
         if top < 0:
+            self.check_quota(freed, self.pinned_cover() | set(locked))
             return
         held = self.pinned_cover() | set(locked)
+        self.check_quota(freed, held)
         for k in self.cached:  # every block freeable below rank `top` went first
             sub = self.subtree(k)
             if all(self.rank(s) < top and s not in held for s in sub):
                 assert k in freed, f"{k} (rank {self.rank(k)}) kept, a rank {top} block evicted"
+
+    def check_quota(self, freed, held):
+        """A tenant within its quota lost a block only if every tenant over its quota lost its
+        excess, or every block it could lose without touching a retained or held one."""
+        if not any(self.count(k[0]) <= QUOTA for k in freed):
+            return
+        for ns in {k[0] for k in self.cached}:
+            excess = self.count(ns) - QUOTA
+            if excess <= 0 or sum(1 for k in freed if k[0] == ns) >= excess:
+                continue
+            for k in self.cached:
+                if k[0] == ns and k not in freed and all(
+                        self.rank(s) < 0 and s not in held for s in self.subtree(k)):
+                    raise AssertionError(f"tenant {ns!r} over quota kept {k}")
+
+    def count(self, ns) -> int:
+        return sum(1 for k in self.cached if k[0] == ns)
 
     def pinned_cover(self):
         return {k for k in self.cached for p in self.pins if p[0] == k[0] and p[1][: len(k[1])] == k[1]}
@@ -187,8 +206,10 @@ def run(cache, bs, ops, clock):
         per_ns: dict = {}
         for k in model.rec:
             per_ns[k[0]] = per_ns.get(k[0], 0) + 1
-        assert cache.retained_by_tenant() == per_ns
+        assert {t: u.retained_blocks for t, u in cache.tenants().items() if u.retained_blocks} == per_ns
         assert cache.get_stats().retained_blocks == len(model.rec)
+        assert {t: u.cached_blocks for t, u in cache.tenants().items() if u.cached_blocks} == {
+            ns: model.count(ns) for ns in {k[0] for k in model.cached}}
 
 
 SETTINGS = settings(max_examples=int(os.environ.get("PREFIXKV_HYPOTHESIS_EXAMPLES", "150")),
