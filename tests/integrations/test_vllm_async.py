@@ -5,6 +5,7 @@ the save thread and vLLM's ``get_finished`` contract, the scheduler half's answe
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from prefixkv.integrations.vllm.events import (
     TierEvents,
 )
 from prefixkv.integrations.vllm.identity import make_keyer, prefix_keys
-from prefixkv.integrations.vllm.plan import HOST, LoadBlock, SaveBlock, StepPlan
+from prefixkv.integrations.vllm.plan import DISK, HOST, LoadBlock, SaveBlock, StepPlan
 from prefixkv.integrations.vllm.saver import SaveQueue
 from prefixkv.integrations.vllm.scheduler_side import SchedulerSide
 from prefixkv.integrations.vllm.worker_side import WorkerSide
@@ -87,7 +88,7 @@ def test_worker_saves_asynchronously_and_host_loads_wait_for_their_copy(tmp_path
     worker.run_loads(StepPlan(loads=[LoadBlock(5, b"k" * 32, HOST, 1)]))
     assert worker.take_failed() == set()
     assert all(torch.equal(t[5], w) for t, w in zip(kv.values(), want))
-    assert worker.finished({"r1"}) == {"r1"}
+    assert worker.finished({"r1"}) == ({"r1"}, set())
     assert worker.flush()
     stored, dropped = worker.take_disk_changes()
     assert stored == [b"k" * 32] and dropped == []
@@ -125,6 +126,30 @@ def test_worker_preemption_waits_for_queued_copies() -> None:
     worker.close()
 
 
+def test_worker_async_loads_report_the_request_and_its_failed_blocks(tmp_path: Path) -> None:
+    cfg = ConnectorConfig.from_extra({"kv_offload_size": "1MiB", "kv_disk_dir": str(tmp_path)})
+    worker = WorkerSide(cfg, host_blocks=2)
+    kv = _kv()
+    worker.register(kv, 6)
+    worker.save([SaveBlock(0, b"h" * 32, 0, "w"), SaveBlock(1, b"d" * 32, None, "w")])
+    assert worker.flush()
+    want = [t[1].clone() for t in kv.values()]
+    worker.run_loads(StepPlan(recv=[
+        LoadBlock(3, b"h" * 32, HOST, 0, "r"), LoadBlock(4, b"d" * 32, DISK, None, "r"),
+        LoadBlock(5, b"missing" + b"." * 25, DISK, None, "s")]))
+    assert worker.take_failed() == set()  # nothing is known before the loads finish
+    deadline = time.monotonic() + 10
+    recving: set[str] = set()
+    while recving != {"r", "s"} and time.monotonic() < deadline:
+        recving |= worker.finished(set())[1]
+        time.sleep(0.01)
+    assert recving == {"r", "s"}
+    assert worker.take_failed() == {5}  # reported with its request
+    assert all(torch.equal(t[4], w) for t, w in zip(kv.values(), want))
+    assert worker.finished(set()) == (set(), set())
+    worker.close()
+
+
 # ---------------------------------------------------------------------- scheduler half
 def _side(host: int = 8, pins: Any = (), events: TierEvents | None = None,
           disk: Path | None = None) -> SchedulerSide:
@@ -151,6 +176,24 @@ def test_request_finished_keeps_blocks_only_for_requests_with_saves() -> None:
     assert {s.req_id for s in plan.saves} == {"a"}
     assert side.finished("a") is True and side.finished("b") is False
     assert side.finished("a") is False  # asked once per request
+
+
+def test_async_loads_go_to_recv_and_hold_host_slots_until_done() -> None:
+    side = SchedulerSide(make_keyer("w", "m", GEOM, ""), 8, None, None, load_async=True)
+    tokens = list(range(9))
+    side.track(_request("a", tokens))
+    side.build(_output(new=[_new("a", [1, 2, 3])], scheduled={"a": 9}))
+    side.forget("a")
+    req = _request("b", tokens)
+    n = side.matched_tokens(req, 0)
+    side.after_alloc(req, [4, 5, 6], n)
+    plan = side.build(_output())
+    assert plan.loads == [] and [(ld.block_id, ld.req_id) for ld in plan.recv] == \
+        [(4, "b"), (5, "b")]
+    assert side.host is not None and side.host.num_held == 2  # held past the step's build
+    side.after_alloc(req, [4, 5, 6], 0)  # vLLM's second call, once loaded: nothing new
+    side.recv_done({"b"})
+    assert side.host.num_held == 0
 
 
 def test_plans_flag_preemptions_and_carry_pins_once() -> None:
@@ -219,6 +262,9 @@ def test_config_reads_pinned_prefixes_and_names_bad_entries() -> None:
     assert cfg.pins == (PinnedPrefix("You are a helpful assistant."), PinnedPrefix((1, 2, 3)),
                         PinnedPrefix((4, 5), "t"))
     bad: Any
+    with pytest.raises(ValueError, match="kv_load_async"):
+        ConnectorConfig.from_extra({"kv_offload_size": 1, "kv_load_async": "yes"})
+    assert ConnectorConfig.from_extra({"kv_offload_size": 1, "kv_load_async": True}).load_async
     for bad in ("sys", [[]], [[1, -2]], [{"tokens": [1]}], [{"prompt": "x", "cache_salt": 3}],
                 [True], [""]):
         with pytest.raises(ValueError, match="kv_pin_prefixes"):

@@ -163,3 +163,22 @@ def test_openai_server_loads_from_the_host_tier(
             server.kill()
             server.wait()
         log.close()
+
+
+def test_async_loads_from_disk_in_a_fresh_process_and_a_corrupt_record_is_recomputed(
+        vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]],
+        tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    kv = {"kv_disk_dir": str(disk), "kv_load_async": True}
+    first = vllm_run([{"prompts": [prompt_ids[0]]}], kv=kv)
+    assert _tokens(first[0]) == [baseline[0]]
+    written = set(disk.glob("*.kvb"))
+    vllm_run([{"prompts": [prompt_ids[1]]}], kv=kv)
+    for f in set(disk.glob("*.kvb")) - written:  # the second prompt's records: damaged
+        f.write_bytes(f.read_bytes()[:-64] + bytes(64))
+    # a fresh process: the loads run on the loader thread while the request waits
+    # (WAITING_FOR_REMOTE_KVS); the damaged blocks are reported with the request, recomputed
+    runs = vllm_run([{"prompts": prompt_ids}], kv=kv)
+    full = (len(prompt_ids[0]) - 1) // BLOCK * BLOCK
+    assert _cached(runs[0])[0] == full
+    assert _tokens(runs[0]) == baseline

@@ -6,9 +6,11 @@ spec: ``model`` (HF directory), ``kv`` (``kv_connector_extra_config`` of PrefixK
 null: no connector), ``example_dir`` (use vLLM's ExampleConnector there instead), ``runs``: a
 list of ``{"prompts": [[token ids], ...], "salts": [str|null, ...], "max_tokens": n,
 "reset": bool}`` (``reset``: ``reset_prefix_cache()`` before the run, so hits can only come from
-the connector), ``kill_after`` (``{run index: pid}``: SIGKILL that process after the run),
+the connector; ``reset_connector``: with the connector's host tier, after the run),
+``kill_after`` (``{run index: pid}``: SIGKILL that process after the run),
 ``max_num_batched_tokens`` (chunked prefill), ``num_blocks`` (vLLM's KV blocks), ``stats``
-(report each request's preemptions), a run's
+(report each request's preemptions), ``kv_events`` (``KVEventsConfig`` fields: publish
+KV events over ZMQ), a run's
 ``batch`` (its prompts in one ``generate``; else one at a time), ``dtype`` (default float32: a
 bfloat16 run's greedy ids can flip with the batch's shape), ``out``: the file that receives,
 as JSON, per run, per prompt, the greedy token ids, ``num_cached_tokens`` and preemptions, and
@@ -25,11 +27,11 @@ import time
 from pathlib import Path
 
 
-def reset(llm: object) -> None:
+def reset(llm: object, connector: bool = False) -> None:
     """``reset_prefix_cache()``, retried while vLLM still holds blocks of a finished request
     whose saves the connector is copying (it frees them a step or two later)."""
     deadline = time.monotonic() + 30
-    while not llm.reset_prefix_cache():  # type: ignore[attr-defined]
+    while not llm.reset_prefix_cache(reset_connector=connector):  # type: ignore[attr-defined]
         assert time.monotonic() < deadline, "reset_prefix_cache kept failing"
         time.sleep(0.02)
 
@@ -48,7 +50,12 @@ def main() -> None:
     elif spec.get("example_dir"):
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": spec["example_dir"]})
-    extra = {}
+    extra: dict[str, object] = {}
+    if spec.get("kv_events"):  # publish KV events over ZMQ (this process binds)
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
+                                                   publisher="zmq", **spec["kv_events"])
     if spec.get("stats"):  # per-request stats: RequestOutput.metrics.num_preemptions
         extra["disable_log_stats"] = False
     if spec.get("num_blocks"):
@@ -80,6 +87,8 @@ def main() -> None:
         results.append({"seconds": secs, "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
              "preemptions": getattr(o.metrics, "num_preemptions", None)} for o in outs]})
+        if run.get("reset_connector"):  # after the run: vLLM's cache and the host tier
+            reset(llm, connector=True)
         if i in kill:  # e.g. the Valkey server, to see requests go on without it
             os.kill(kill[i], signal.SIGKILL)
     Path(spec["out"]).write_text(json.dumps(results))  # not stdout: vLLM's workers log there

@@ -18,7 +18,7 @@ from prefixkv.tiers.spec import TierSpec, parse_size
 _BARE_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 KEYS = frozenset({
     "kv_offload_size", "kv_disk_dir", "kv_disk_size", "kv_remote", "kv_remote_timeout",
-    "kv_remote_ttl", "kv_remote_secret", "kv_namespace", "kv_pin_prefixes",
+    "kv_remote_ttl", "kv_remote_secret", "kv_namespace", "kv_pin_prefixes", "kv_load_async",
 })
 """The ``kv_connector_extra_config`` keys the connector reads."""
 
@@ -39,6 +39,9 @@ class ConnectorConfig:
 
     spec: TierSpec
     pins: tuple[PinnedPrefix, ...] = ()
+    load_async: bool = False
+    """Load on the worker's loader thread while vLLM runs other requests (the request waits in
+    ``WAITING_FOR_REMOTE_KVS``); off: loads run before the step's forward pass."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -71,7 +74,10 @@ class ConnectorConfig:
         if not spec.enabled:
             raise ValueError("kv_connector_extra_config names no tier: set kv_offload_size, "
                              "kv_disk_dir or kv_remote")
-        return cls(spec, parse_pins(extra.get("kv_pin_prefixes")))
+        load_async = extra.get("kv_load_async", False)
+        if not isinstance(load_async, bool):
+            raise ValueError(f"kv_load_async must be true or false, got {load_async!r}")
+        return cls(spec, parse_pins(extra.get("kv_pin_prefixes")), load_async)
 
     def host_blocks(self, block_nbytes: int) -> int:
         """Host-tier capacity in blocks of ``block_nbytes`` (0: no host tier)."""

@@ -192,7 +192,8 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     for k in prefix_keys(keyer, pin_tokens(p, vllm_config), p.cache_salt)]
             self.scheduler = SchedulerSide(keyer, host_blocks, spec.disk_dir,
                                            self.remote.present if self.remote else None,
-                                           pins=pins, events=events)
+                                           pins=pins, events=events,
+                                           load_async=self.config.load_async)
             if transfer.kv_load_failure_policy != "recompute":
                 logger.warning("prefixkv: kv_load_failure_policy is %r: a block that cannot "
                                "be read fails its request; set \"kv_load_failure_policy\": "
@@ -241,11 +242,12 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.worker.preempted(kv_connector_metadata.plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(finished requests whose saves are all copied: vLLM frees their blocks now, None:
-        loads are synchronous)."""
+        """(finished requests whose saves are all copied: vLLM frees their blocks now,
+        requests whose asynchronous loads are done: vLLM schedules them now)."""
         if self.worker is None:
             return None, None
-        return self.worker.finished(finished_req_ids) or None, None
+        sending, recving = self.worker.finished(finished_req_ids)
+        return sending or None, recving or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """What the disk tier wrote and dropped since the last step (for the KV events)."""
@@ -280,9 +282,11 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ------------------------------------------------------------------ scheduler role
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    **kwargs: Any) -> tuple[int | None, bool]:
-        """Leading tokens past vLLM's hit that some tier holds (loaded synchronously)."""
+        """Leading tokens past vLLM's hit that some tier holds, and whether they load
+        asynchronously (``kv_load_async``)."""
         assert self.scheduler is not None
-        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+        n = self.scheduler.matched_tokens(request, num_computed_tokens)
+        return n, n > 0 and self.scheduler.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -311,9 +315,13 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self.scheduler.finished(request.request_id), None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The worker's disk changes, for the KV events."""
+        """Finished asynchronous loads (their host slots released) and the worker's disk
+        changes (for the KV events)."""
+        if self.scheduler is None:
+            return
+        self.scheduler.recv_done(connector_output.finished_recving or ())
         meta = connector_output.kv_connector_worker_meta
-        if self.scheduler is not None and isinstance(meta, PrefixKVWorkerMeta):
+        if isinstance(meta, PrefixKVWorkerMeta):
             self.scheduler.disk_changed(meta.disk_stored, meta.disk_dropped)
 
     def take_events(self) -> Iterable[KVCacheEvent]:

@@ -28,6 +28,7 @@ class LoadBlock:
     key: bytes
     tier: str
     slot: int | None = None
+    req_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +46,13 @@ class SaveBlock:
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step's loads and saves; ``preempted``: vLLM freed some request's blocks this step
-    (the worker finishes pending copies first); ``pins``: the pinned prefixes' keys (sent once,
-    in the first plan)."""
+    """One step's loads and saves; ``recv``: loads run asynchronously (``kv_load_async``: the
+    worker names each request in ``finished_recving`` once all of its loads are done);
+    ``preempted``: vLLM freed some request's blocks this step (the worker finishes pending
+    copies first); ``pins``: the pinned prefixes' keys (sent once, in the first plan)."""
 
     loads: list[LoadBlock] = field(default_factory=list)
+    recv: list[LoadBlock] = field(default_factory=list)
     saves: list[SaveBlock] = field(default_factory=list)
     preempted: bool = False
     pins: tuple[bytes, ...] = ()

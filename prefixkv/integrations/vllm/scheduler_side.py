@@ -26,7 +26,7 @@ vLLM objects are read by attribute only (``Request``, ``KVCacheBlocks``, ``Sched
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ class SchedulerSide:
 
     def __init__(self, keyer: BlockKeyer, host_blocks: int, disk_dir: str | Path | None,
                  remote_present: Present | None, pins: Sequence[bytes] = (),
-                 events: TierEvents | None = None) -> None:
+                 events: TierEvents | None = None, load_async: bool = False) -> None:
         self.keyer = keyer
         self.pins = tuple(pins)
         pinned = PinnedKeys()
@@ -74,8 +74,12 @@ class SchedulerSide:
             self.host.on_drop = lambda keys: events.change(False, HOST_MEDIUM, keys)
         self._requests: dict[str, _Tracked] = {}
         self._lookups: dict[str, tuple[int, list[str]]] = {}
+        self.load_async = load_async
+        """Loads run while vLLM schedules other requests (its ``WAITING_FOR_REMOTE_KVS``)."""
         self._loads: list[LoadBlock] = []
         self._held: list[bytes] = []
+        self._recv: list[LoadBlock] = []
+        self._recv_held: dict[str, list[bytes]] = {}  # async loads' host keys, until done
         self._saving: set[str] = set()  # requests with a save planned (told to request_finished)
         self._pins_sent = not self.pins
 
@@ -131,7 +135,7 @@ class SchedulerSide:
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Plan the loads of the ``num_external_tokens`` counted for ``request`` into its
         blocks ``block_ids`` (all of them, vLLM's hits first); host slots stay held until
-        this step's plan is built."""
+        this step's plan is built (asynchronous loads: until :meth:`recv_done`)."""
         found = self._lookups.pop(request.request_id, None)
         if num_external_tokens <= 0 or found is None:
             return
@@ -139,6 +143,9 @@ class SchedulerSide:
         t = self.track(request)
         n = num_external_tokens // self.keyer.block_size
         keys = t.keys.chain[start : start + n]
+        rid = request.request_id
+        loads, held = (self._recv, self._recv_held.setdefault(rid, [])) if self.load_async \
+            else (self._loads, self._held)
         for j, (key, tier) in enumerate(zip(keys, sources)):
             slot = None
             if tier == HOST:
@@ -146,16 +153,24 @@ class SchedulerSide:
                 if slot is None:
                     tier = GONE
                 else:
-                    self._held.append(key)
-            self._loads.append(LoadBlock(block_ids[start + j], key, tier, slot))
+                    held.append(key)
+            loads.append(LoadBlock(block_ids[start + j], key, tier, slot, rid))
         t.loaded = range(start, start + n)
+
+    def recv_done(self, request_ids: Iterable[str]) -> None:
+        """The worker finished these requests' asynchronous loads: their host slots are free
+        to evict again."""
+        for rid in request_ids:
+            for key in self._recv_held.pop(rid, ()):
+                if self.host is not None:
+                    self.host.release(key)
 
     # ------------------------------------------------------------------ one step
     def build(self, out: Any) -> StepPlan:
         """This step's plan from vLLM's ``SchedulerOutput``: the loads planned since the last
         step, then saves of every block that becomes full in this step."""
-        plan = StepPlan(loads=self._loads)
-        self._loads = []
+        plan = StepPlan(loads=self._loads, recv=self._recv)
+        self._loads, self._recv = [], []
         if not self._pins_sent:
             plan.pins, self._pins_sent = self.pins, True
         if self.host is not None:  # the worker reads them before this step's saves

@@ -19,9 +19,11 @@ drops are collected for the scheduler's KV events (:meth:`WorkerSide.take_disk_c
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -36,6 +38,7 @@ from prefixkv.tiers.remote import RemoteTier
 from prefixkv.tiers.store import DEFAULT_DISK_SIZE
 from prefixkv.tiers.spec import parse_size
 
+logger = logging.getLogger("vllm.prefixkv")
 REMOTE_BATCH = 64
 """Blocks fetched from the remote tier per round trip."""
 
@@ -54,6 +57,9 @@ class WorkerSide:
         self.pinned = PinnedKeys()
         self._remote_pinned: set[bytes] = set()
         self.saver = SaveQueue(self._copy_out)
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="prefixkv-loader")
+        self._recv: dict[str, tuple[Future[set[int]], list[LoadBlock]]] = {}
+        """Asynchronous loads in flight, per request."""
         self.failed: set[int] = set()
         self._lock = threading.Lock()  # counts and disk changes: the save / writer threads add
         self.counts: defaultdict[str, float] = defaultdict(float)
@@ -86,10 +92,12 @@ class WorkerSide:
                                      timeout=spec.remote_timeout, ttl=spec.remote_ttl, secret=secret)
 
     # ------------------------------------------------------------------ loads
-    def load(self, loads: Sequence[LoadBlock]) -> None:
-        """Copy ``loads`` into vLLM's blocks; the ones that cannot be read go to :attr:`failed`."""
+    def load(self, loads: Sequence[LoadBlock]) -> set[int]:
+        """Copy ``loads`` into vLLM's blocks; returns the block ids that could not be read
+        (any thread: the step's, or the loader's for asynchronous loads)."""
         kv = self.kv
         assert kv is not None
+        failed: set[int] = set()
         host = [ld for ld in loads if ld.tier == HOST]
         if host:
             t0 = time.perf_counter()
@@ -101,16 +109,16 @@ class WorkerSide:
                     kv.write(ld.block_id, self.arena[ld.slot])
                     good += 1
                 else:
-                    self.failed.add(ld.block_id)
+                    failed.add(ld.block_id)
             self._count(HOST, good, t0)
         t0 = time.perf_counter()
         good = 0
         for ld in loads:
             if ld.tier == DISK:
                 good += self._write_payload(ld.block_id, self.disk.read(ld.key) if self.disk
-                                            else None)
+                                            else None, failed)
             elif ld.tier not in (HOST, REMOTE):
-                self.failed.add(ld.block_id)
+                failed.add(ld.block_id)
         self._count(DISK, good, t0)
         t0 = time.perf_counter()
         remote = [ld for ld in loads if ld.tier == REMOTE]
@@ -120,16 +128,17 @@ class WorkerSide:
             got = self.remote.read_many([ld.key for ld in batch]) if self.remote else \
                 [None] * len(batch)
             for ld, payload in zip(batch, got):
-                good += self._write_payload(ld.block_id, payload)
+                good += self._write_payload(ld.block_id, payload, failed)
         self._count(REMOTE, good, t0)
         with self._lock:
-            self.counts["failed_blocks"] += len(self.failed)
+            self.counts["failed_blocks"] += len(failed)
+        return failed
 
-    def _write_payload(self, block_id: int, payload: bytes | None) -> int:
+    def _write_payload(self, block_id: int, payload: bytes | None, failed: set[int]) -> int:
         """Copy a read record's payload into vLLM's block (1), or note the failure (0)."""
         assert self.kv is not None
         if payload is None or len(payload) != self.kv.nbytes:
-            self.failed.add(block_id)
+            failed.add(block_id)
             return 0
         self.kv.write(block_id, row_of(payload))
         return 1
@@ -195,7 +204,12 @@ class WorkerSide:
             self.pinned.add(plan.pins)
         self.failed = set()
         if plan.loads:
-            self.load(plan.loads)
+            self.failed = self.load(plan.loads)
+        by_request: dict[str, list[LoadBlock]] = {}
+        for ld in plan.recv:
+            by_request.setdefault(ld.req_id, []).append(ld)
+        for rid, loads in by_request.items():  # in order, on the loader thread
+            self._recv[rid] = (self.loader.submit(self.load, loads), loads)
 
     def preempted(self, plan: StepPlan) -> None:
         """vLLM's ``handle_preemptions``: freed blocks may be reused this step, so every
@@ -203,9 +217,20 @@ class WorkerSide:
         if plan.preempted:
             self.saver.wait()
 
-    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """vLLM's ``get_finished``: the finished requests whose saves are all copied."""
-        return self.saver.finished(finished_req_ids)
+    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """vLLM's ``get_finished``: (the finished requests whose saves are all copied, the
+        requests whose asynchronous loads are done). The blocks those loads could not read
+        join this step's :attr:`failed` (vLLM wants them no later than the request)."""
+        recving = {rid for rid, (job, _) in self._recv.items() if job.done()}
+        for rid in recving:
+            job, loads = self._recv.pop(rid)
+            if job.exception() is None:
+                self.failed |= job.result()
+            else:  # a failed load job: all of its blocks are recomputed
+                logger.warning("prefixkv: a load failed (%s); its blocks are recomputed",
+                               job.exception())
+                self.failed |= {ld.block_id for ld in loads}
+        return self.saver.finished(finished_req_ids), recving
 
     def _disk_changed(self, keys: list[bytes], into: list[bytes]) -> None:
         with self._lock:
@@ -239,7 +264,8 @@ class WorkerSide:
         return ok
 
     def close(self) -> None:
-        """Finish the copies, flush and stop the writer threads (idempotent)."""
+        """Finish the loads and copies, flush and stop the writer threads (idempotent)."""
+        self.loader.shutdown(wait=True)
         self.saver.close()
         for tier in (self.disk, self.remote):
             if tier is not None:
