@@ -182,3 +182,26 @@ def test_async_loads_from_disk_in_a_fresh_process_and_a_corrupt_record_is_recomp
     full = (len(prompt_ids[0]) - 1) // BLOCK * BLOCK
     assert _cached(runs[0])[0] == full
     assert _tokens(runs[0]) == baseline
+
+
+def test_pinned_prefix_holds_in_host_and_disk_when_others_would_evict_it(
+        vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]],
+        tmp_path: Path) -> None:
+    p, q = prompt_ids
+    full = (len(p) - 1) // BLOCK * BLOCK  # 4 blocks of 128, 5.9 MB each in float32
+    pins = {"kv_pin_prefixes": [p[:full]]}
+    # host tier only, room for 5 blocks: q's blocks would evict p's, then the tier is cleared
+    runs = vllm_run([
+        {"prompts": [p]},
+        {"prompts": [q], "reset_connector": True},
+        {"prompts": [p], "reset": True},  # only the host tier can answer: p is still there
+        {"prompts": [q], "reset": True},
+    ], kv={"kv_offload_size": "30MiB", **pins})
+    assert _cached(runs[2]) == [full] and _cached(runs[3]) == [0]
+    assert [_tokens(r) for r in runs] == [[baseline[0]], [baseline[1]], [baseline[0]],
+                                          [baseline[1]]]
+    disk = {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_size": 5}  # 5 blocks
+    vllm_run([{"prompts": [p]}, {"prompts": [q]}], kv={**disk, **pins})
+    fresh = vllm_run([{"prompts": [p]}], kv=disk)  # a new process: the disk kept p's blocks
+    assert _cached(fresh[0]) == [full]
+    assert _tokens(fresh[0]) == [baseline[0]]
