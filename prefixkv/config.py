@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixkv.cache import HASH_ALGOS, INDEXES, POLICIES, EvictionPolicy
+from prefixkv.cache import HASH_ALGOS, INDEXES, POLICIES, EvictionPolicy, PrefixCache, make_cache
 from prefixkv.wire.kv_events import KVEventsConfig
 from prefixkv.tiers.spec import TierSpec
 
@@ -167,6 +167,15 @@ class CacheSettings:
     max_pinned_blocks_per_tenant: int | None = field(default=None, metadata=_meta(
         "most blocks one cache_salt may keep pinned", shown="only the global budget",
         kind="int"))
+    max_cached_blocks_per_tenant: int | None = field(default=None, metadata=_meta(
+        "a cache_salt's quota: its cached blocks beyond it are evicted first (one tenant cannot "
+        "flush another's), and it may retain at most this many", shown="the whole pool",
+        kind="int"))
+    kv_cache_metrics: bool = field(default=False, metadata=_meta(
+        "sample KV block residency (lifetime, idle time before eviction, reuse gap) per tier",
+        group="vllm"))
+    kv_cache_metrics_sample: float = field(default=0.01, metadata=_meta(
+        "fraction of blocks sampled by --kv-cache-metrics", group="vllm"))
     kv_events_config: KVEventsConfig | None = field(default=None, metadata=_meta(
         "vLLM's KV events JSON, e.g. '{\"enable_kv_cache_events\": true}': publish BlockStored / "
         "BlockRemoved / AllBlocksCleared over ZMQ (the router's precise policy subscribes); "
@@ -191,8 +200,26 @@ class CacheSettings:
         _check_choice(self, "hash_algo", HASH_ALGOS)
         _check_int(self, "max_pinned_blocks", 0, optional=True)
         _check_int(self, "max_pinned_blocks_per_tenant", 0, optional=True)
+        _check_int(self, "max_cached_blocks_per_tenant", 0, optional=True)
+        if not isinstance(self.kv_cache_metrics, bool):
+            raise ValueError(f"kv_cache_metrics must be a bool, got {self.kv_cache_metrics!r}")
+        rate = self.kv_cache_metrics_sample
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+            raise ValueError(f"kv_cache_metrics_sample must be in (0, 1], got {rate!r}")
         if self.kv_events_config is not None:  # JSON text or a dict, parsed (ValueError) once
             object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+
+    def make_index(self, num_blocks: int, block_size: int) -> PrefixCache | None:
+        """The prefix index these settings describe over a pool of ``num_blocks`` (``None``
+        with prefix caching off). Blocks are always counted per tenant (the quota defaults to
+        the whole pool: counted, never over)."""
+        if not self.enable_prefix_caching:
+            return None
+        quota = self.max_cached_blocks_per_tenant
+        return make_cache(index=self.index, max_blocks=num_blocks, block_size=block_size,
+                          eviction_policy=self.eviction_policy, hash_algo=self.hash_algo,
+                          max_pinned_blocks=self.max_pinned_blocks,
+                          max_blocks_per_tenant=num_blocks if quota is None else quota)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ on a background thread and streams :class:`RequestOutput` snapshots (the server 
 
 from __future__ import annotations
 
+from prefixkv.cache.retention import Retention
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.llm import LLM, build_engine
 from prefixkv.engine.llm_engine import LLMEngine
@@ -27,6 +28,7 @@ __all__ = [
     "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
+    "Retention",
     "SamplingParams",
     "build_engine",
 ]

@@ -48,12 +48,14 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Self, TypeVar
 
 from prefixkv.cache.protocol import PinError, PinnedPrefix
+from prefixkv.cache.retention import Retention
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
 from prefixkv.engine.lora import LoRARequest
-from prefixkv.engine.llm_engine import LLMEngine
+from prefixkv.engine.llm_engine import LLMEngine, _namespace
 from prefixkv.engine.outputs import EngineStats, RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
@@ -235,6 +237,23 @@ class AsyncEngine:
                 error = exc
         assert error is not None
         raise error
+
+    async def retain_prefix(
+        self, prompt: PromptInput, retention: Retention, *, cache_salt: Hashable | None = None,
+        lora_id: Hashable | None = None,
+    ) -> int:
+        """Soft-retain a prefix (text or token ids) as :meth:`LLM.retain_prefix` does: a 1-token
+        request carrying ``retention``, then the retention of its full blocks in every tier;
+        returns how many blocks are retained. :class:`~prefixkv.cache.RetentionError` past the
+        tenant's quota; ``ValueError`` with prefix caching off."""
+        _, ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+        await self.call(lambda e: e.kv.require_cache())
+        async for _ in self.generate({"prompt_token_ids": ids},
+                                     replace(PIN_PREFILL, retention=retention),
+                                     cache_salt=cache_salt, lora_id=lora_id):
+            pass
+        ns = _namespace(cache_salt, lora_id)
+        return await self.call(lambda e: e.cache_admin.retain(ids, ns, retention))
 
     async def unpin_prefix(
         self, prompt: PromptInput, *, cache_salt: Hashable | None = None, lora_id: Hashable | None = None

@@ -1,6 +1,7 @@
 """CacheAdmin: the one implementation of the prefix cache's admin operations.
 
-Stats, reset, "is it cached", pin budgets, pin and unpin live here once; ``LLMEngine`` exposes
+Stats, reset, "is it cached", pin budgets, pin and unpin, soft retention, per-tenant usage,
+hit rates and residency metrics live here once; ``LLMEngine`` exposes
 them per request namespace, and ``LLM``, ``AsyncEngine`` and the server's admin routes call
 those (``LLM.pin_prefix`` and ``AsyncEngine.pin_prefix`` run the same steps: ``prepare_pin``,
 prefill with ``PIN_PREFILL`` if it says so, ``pin``; ``PIN_ATTEMPTS`` times).
@@ -11,9 +12,13 @@ Single-threaded like the engine: call it on the engine's thread. Pure Python.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from contextlib import suppress
 
 from prefixkv.cache.protocol import PinError, PinnedPrefix
+from prefixkv.cache.quotas import TenantUsage
+from prefixkv.cache.retention import Retention
 from prefixkv.engine.kv_manager import KVManager
+from prefixkv.engine.residency import HitRates, ResidencyStats
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.tiers.spec import reset_tiers
 
@@ -102,6 +107,36 @@ class CacheAdmin:
         :class:`~prefixkv.cache.PinError` says why not (e.g. not cached)."""
         self.prepare_pin(token_ids, namespace)
         return self.kv.pin(list(token_ids), namespace, description)
+
+    def retain(self, token_ids: Sequence[int], namespace: Hashable | None,
+               retention: Retention) -> int:
+        """Soft-retain the cached full blocks of ``token_ids`` (docs/cache.md, "Retention"),
+        in the pool and every lower tier; returns how many blocks are retained (0: not cached;
+        a prefix is cached by a request carrying the retention: ``LLM.retain_prefix``).
+        :class:`~prefixkv.cache.RetentionError` (a ``ValueError``) past the tenant's quota
+        (``max_cached_blocks_per_tenant``); ``ValueError`` with prefix caching off."""
+        ids = list(token_ids)
+        n = self.kv.require_cache().retain(ids, retention, namespace=namespace)
+        tiers = self.kv.tiers
+        if n and tiers is not None:
+            with suppress(ValueError):  # a namespace with no stable serialisation: pool only
+                keys = tiers.keyer.extend([], ids, n, namespace)
+                tiers.retain(keys, retention.priority, retention.ttl_s)
+        return n
+
+    def tenants(self) -> dict[Hashable | None, TenantUsage]:
+        """Cached and retained blocks per tenant (namespace) holding any (empty with prefix
+        caching off); a tenant over ``max_cached_blocks_per_tenant`` loses its blocks first."""
+        return {} if self.kv.cache is None else self.kv.cache.tenants()
+
+    def hit_rates(self) -> HitRates:
+        """Prompt-token hit rates over the last window, per tenant and per ``cache_key``."""
+        return self.kv.observer.hits.snapshot()
+
+    def residency(self) -> list[ResidencyStats]:
+        """Sampled block residency per tier, the pool first (empty unless
+        ``kv_cache_metrics``): lifetime, idle time before eviction, reuse gap."""
+        return self.kv.observer.residency()
 
     def unpin(self, token_ids: Sequence[int], namespace: Hashable | None) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""

@@ -23,11 +23,14 @@ and they enter the index exactly as if they had been computed.
 from __future__ import annotations
 
 import logging
+from contextlib import suppress
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from prefixkv.cache.block_pool import BlockPool
 from prefixkv.cache.protocol import PinnedPrefix, PrefixCache
+from prefixkv.cache.retention import RetentionError
+from prefixkv.engine.residency import CacheObserver
 from prefixkv.engine.sequence import Sequence
 from prefixkv.tiers.spec import TierSpec, parse_size
 from prefixkv.tiers.stats import TierCounters, TierStats
@@ -48,7 +51,7 @@ class KVManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, cache: PrefixCache | None, copy_rows: CopyRows,
-        tiers: TieredStore | None = None,
+        tiers: TieredStore | None = None, observer: CacheObserver | None = None,
     ) -> None:
         if cache is not None and cache.block_size != block_size:
             raise ValueError(
@@ -68,6 +71,9 @@ class KVManager:
         self._pinned_keys: dict[tuple[Hashable | None, tuple[int, ...]], list[bytes]] = {}
         self._pool_counters = TierCounters("pool", num_blocks)
         self._events: KVEventSink | None = None
+        self.observer = observer if observer is not None else CacheObserver()
+        if tiers is not None:
+            tiers.observe(self.observer.tier)
 
     @property
     def events(self) -> KVEventSink | None:
@@ -125,6 +131,7 @@ class KVManager:
             )
             matched = list(match.matched_kv_blocks)
             cached, partial = match.match_length, match.partial_tokens
+            self._retain(seq, tokens[:cached])
         hits = []
         asked = 0
         if self.tiers is not None and use_tiers and not computes:  # nor from a lower tier
@@ -168,6 +175,7 @@ class KVManager:
         seq.cache_handle = match if match is not None and match.lock is not None else None
         seq.num_computed_tokens = cached + loaded + partial
         seq.tier_tokens = (asked, loaded)
+        self.observer.admitted(seq, matched, readable, cached + loaded + partial)
         if matched:
             self._pool_counters.add_load(len(matched), cached, 0, 0.0)
         if hits:
@@ -209,6 +217,7 @@ class KVManager:
             if self.cache is None or self.cache.num_evictable_blocks < short:
                 return None
             freed = self.cache.evict(short)
+            self.observer.evicted(freed)
             kept: list[tuple[int, bytes]] = []
             if self.tiers is not None:
                 pairs = [(b, self._keys.pop(b)) for b in freed if b in self._keys]
@@ -258,6 +267,7 @@ class KVManager:
             table[:k],
             namespace=seq.request.namespace,
             lock=True,
+            retention=seq.request.params.retention,
         )
         duplicates = []
         for i, cached_id in enumerate(node.kv_block_ids):
@@ -270,6 +280,7 @@ class KVManager:
         # normally k; fewer only if a (verified) hash collision stopped the insert early: the
         # blocks past it stay private to the sequence and are freed on release
         seq.num_indexed_blocks = len(node.kv_block_ids)
+        self.observer.stored(table[first : seq.num_indexed_blocks])
         pairs: list[tuple[int, bytes]] = []
         chain: list[bytes] = []
         if self.tiers is not None and seq.num_indexed_blocks > first:
@@ -286,8 +297,9 @@ class KVManager:
                                seq.token_ids[first * self.block_size : seq.num_indexed_blocks
                                              * self.block_size], seq.request.namespace,
                                [k for _, k in pairs])
-        if pairs and self.tiers is not None:
-            self.tiers.publish(pairs, chain[: seq.num_indexed_blocks])
+        if pairs and self.tiers is not None:  # (a retention's TTL goes down with them)
+            self.tiers.publish(pairs, chain[: seq.num_indexed_blocks],
+                               retention=seq.request.params.retention)
         if old is not None:
             self.cache.unlock(old)
         self.pool.free(duplicates)
@@ -305,6 +317,13 @@ class KVManager:
         if seq.seq_id in self._prefetched and self.tiers is not None:
             self._prefetched.discard(seq.seq_id)
             self.tiers.cancel_prefetch(seq.seq_id)
+
+    def _retain(self, seq: Sequence, tokens: list[int]) -> None:
+        """Retain a request's cached prefix as it asked (none beyond its tenant's quota)."""
+        retention = seq.request.params.retention
+        if retention is not None and tokens and self.cache is not None:
+            with suppress(RetentionError):
+                self.cache.retain(tokens, retention, namespace=seq.request.namespace)
 
     def require_cache(self) -> PrefixCache:
         """The prefix index; ``ValueError`` with prefix caching off."""
@@ -385,6 +404,7 @@ class KVManager:
         self._pinned_keys.clear()
         if self.tiers is not None:
             self.tiers.pinned.clear()
+            self.tiers.retained.clear()
             out.update(self.tiers.clear(tiers))
         self.pool.free(freed)
         out["pool"] = len(freed)

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from prefixkv.cache.protocol import CacheStats, PinError, PinnedPrefix
+from prefixkv.cache.retention import Retention
 from prefixkv.config import EngineConfig, parse_size
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
 from prefixkv.engine.lora import LoRARequest
-from prefixkv.engine.llm_engine import LLMEngine
+from prefixkv.engine.llm_engine import LLMEngine, _namespace
 from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput, template_options
 from prefixkv.engine.sampling_params import SamplingParams
@@ -314,6 +316,19 @@ class LLM:
                 error = exc
         assert error is not None
         raise error
+
+    def retain_prefix(self, prompt: PromptInput, retention: Retention, *,
+                      cache_salt: Hashable | None = None) -> int:
+        """Soft-retain a prefix (docs/cache.md, "Retention"): one 1-token request carrying
+        ``retention`` computes what is not cached, then its full blocks are retained in the
+        pool and every lower tier; returns how many. :class:`~prefixkv.cache.RetentionError`
+        (a ``ValueError``) past the tenant's quota; ``ValueError`` with prefix caching off."""
+        _, ids = self.engine.tokenize(prompt)
+        self.engine.kv.require_cache()
+        self.generate({"prompt_token_ids": ids}, replace(PIN_PREFILL, retention=retention),
+                      cache_salt=cache_salt)
+        with self._lock:
+            return self.engine.cache_admin.retain(ids, _namespace(cache_salt, None), retention)
 
     def unpin_prefix(self, prompt: PromptInput, *, cache_salt: Hashable | None = None) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""

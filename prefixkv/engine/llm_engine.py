@@ -20,7 +20,6 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
-from prefixkv.cache import make_cache
 from prefixkv.cache.protocol import PinnedPrefix
 from prefixkv.config import EngineConfig
 from prefixkv.engine.cache_admin import CacheAdmin
@@ -31,6 +30,7 @@ from prefixkv.engine.output_processor import OutputProcessor
 from prefixkv.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from prefixkv.engine.prompt_logprobs import PromptLogprobsRunner
 from prefixkv.engine.prompts import PromptInput, render_chat, resolve_prompt
+from prefixkv.engine.residency import make_observer
 from prefixkv.engine.sampling import Pick, SeqSampler
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.scheduler import Scheduler
@@ -84,13 +84,10 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         self.clock = clock
         cc, sc = config.cache, config.scheduler
-        cache = None
-        if cc.enable_prefix_caching:
-            cache = make_cache(index=cc.index, max_blocks=runner.num_kv_blocks,
-                               block_size=runner.block_size, eviction_policy=cc.eviction_policy,
-                               hash_algo=cc.hash_algo, max_pinned_blocks=cc.max_pinned_blocks)
+        cache = cc.make_index(runner.num_kv_blocks, runner.block_size)
         self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows,
-                            make_tier_store(config.tiers, runner))
+                            make_tier_store(config.tiers, runner),
+                            make_observer(cc.kv_cache_metrics, cc.kv_cache_metrics_sample))
         # dropped without close() (or failing below): the tier / KV-event threads finish
         weakref.finalize(self, _release_threads, self.kv)
         if cc.kv_events_config is not None:

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from prefixkv.cache.retention import Retention
 from prefixkv.engine.stop_regex import StopRegex, compile_stop_regex
 from prefixkv.engine.structured_output import StructuredOutputsParams
 
@@ -100,6 +101,11 @@ class SamplingParams:
         skip_reading_prefix_cache: compute the whole prompt, reading nothing from the prefix
             cache or a lower tier (vLLM's field; the prompt still fills the cache for later
             requests). ``None`` or ``False``: read it, unless ``prompt_logprobs`` is set.
+        retention: keep the prompt's cached prefix (and what the request caches) a while:
+            a :class:`~prefixkv.cache.Retention` (priority 0-100, TTL renewed by every hit;
+            docs/cache.md, "Retention"); ``None``: the eviction policy alone.
+        cache_key: OpenAI's ``prompt_cache_key`` or a session id: hit rates are kept per key
+            (``LLMEngine.cache_admin.hit_rates()``); at most 1,024 characters.
     """
 
     n: int = 1
@@ -128,6 +134,8 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     stop_regex: str | Sequence[str] | None = None
     logprob_token_ids: Sequence[int] | None = None
+    retention: Retention | None = None
+    cache_key: str | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_regex: tuple[StopRegex, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -233,6 +241,11 @@ class SamplingParams:
         skip = self.skip_reading_prefix_cache
         if skip is not None and not isinstance(skip, bool):
             raise ValueError(f"skip_reading_prefix_cache must be a bool or None, got {skip!r}")  # noqa: TRY004
+        if self.retention is not None and not isinstance(self.retention, Retention):
+            raise ValueError(f"retention must be a Retention or None, got {self.retention!r}")
+        key = self.cache_key
+        if key is not None and (not isinstance(key, str) or len(key) > 1024):
+            raise ValueError(f"cache_key must be a string of at most 1024 characters, got {key!r:.80}")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {so!r}")

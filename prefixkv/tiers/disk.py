@@ -17,8 +17,9 @@ Reads check the record (magic, version, key, layout, length, xxhash64; the MAC w
 secret); a corrupt or truncated file is a miss and is deleted. A read refreshes the file's
 mtime; where that fails (a read-only directory) the hit stands, with one warning (then one a
 minute). Capacity is in blocks; the least recently used file goes first, skipping pinned keys
-(:class:`~prefixkv.tiers.pins.PinnedKeys`): when only pinned files could make room, the new
-block is the one not kept. Recency is per prefix chain, with the pool's tie-break:
+(:class:`~prefixkv.tiers.pins.PinnedKeys`) and taking soft-retained keys only after every other
+(:class:`~prefixkv.tiers.retained.RetainedKeys`, an index in memory: retentions are not written
+to disk): when only pinned or retained files could make room, the new block is the one not kept. Recency is per prefix chain, with the pool's tie-break:
 :meth:`DiskTier.touch` makes a chain the most recent with its *first* block the most recent of
 all, so a full tier drops a prompt's tail before its head (a head block lost makes
 every block after it unreachable). The writer thread stamps the same order into the files'
@@ -30,7 +31,6 @@ thread writes and evicts. The index is guarded by one lock.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import re
@@ -49,7 +49,8 @@ from prefixkv.tiers.codec import (
     is_record_of,
 )
 from prefixkv.tiers.pins import PinnedKeys
-from prefixkv.tiers.stats import TierCounters
+from prefixkv.tiers.retained import RetainedKeys
+from prefixkv.tiers.stats import Residency, TierCounters
 from prefixkv.tiers.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class DiskTier:
         self._unreported: dict[str, int] = {}  # failures of a kind since its last warning
         self._warned_at: dict[str, float] = {}
         self.pinned = pinned if pinned is not None else PinnedKeys()
+        self.retained = RetainedKeys(clock)  # shared with the host tier by a TieredStore
+        self.residency: Residency | None = None  # sampled block lives (kv_cache_metrics)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first; pending keys too
         self._pending: set[bytes] = set()  # submitted, not written yet (never evicted)
@@ -189,6 +192,8 @@ class DiskTier:
             self.counters.add(errors=1)
             self._warn("read", f"cannot read {path.name}: {exc}", "that block is recomputed")
             return None
+        if self.residency is not None:
+            self.residency.hit([key])
         try:
             os.utime(path)
         except OSError as exc:  # read-only directory: the hit stands, the recency is not kept
@@ -268,9 +273,8 @@ class DiskTier:
             if key not in self._index:  # forgotten meanwhile: newest
                 self._index[key] = None
             over = len(self._index) - len(pending) - self.capacity
-            victims = list(itertools.islice(
-                (k for k in self._index if k not in pending and k not in self.pinned),
-                max(0, over)))
+            victims = self.retained.victims(
+                (k for k in self._index if k not in pending and k not in self.pinned), over)
             for v in victims:
                 del self._index[v]
         kept = key not in victims  # False: only pinned files could have made room
@@ -283,6 +287,10 @@ class DiskTier:
         gone = [v for v in victims if v != key]
         if gone and self.on_drop is not None:
             self.on_drop(gone)
+        if self.residency is not None:
+            self.residency.evicted(gone)
+            if kept:
+                self.residency.stored([key])
 
     def _write_failed(self, exc: BaseException) -> None:
         """Count a failed write and warn (throttled: a full or read-only disk fails every block)."""

@@ -6,7 +6,8 @@ Ownership: a slot is either free or holds exactly one key. :meth:`reserve` takes
 new key, evicting the least recently used key that is neither *held* nor *pinned*: a held key
 (a request is about to copy it into the pool) is never evicted until :meth:`release`, and a
 pinned key (:class:`~prefixkv.tiers.pins.PinnedKeys`, a pinned prefix's block) not until it is
-unpinned. ``on_drop`` (set by the engine's KV event sink) hears every key that leaves the tier.
+unpinned; a retained key (:class:`~prefixkv.tiers.retained.RetainedKeys`, a soft-retained
+prefix's block) only when every other candidate is retained too. ``on_drop`` (set by the engine's KV event sink) hears every key that leaves the tier.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from prefixkv.tiers.pins import PinnedKeys
-from prefixkv.tiers.stats import TierCounters
+from prefixkv.tiers.retained import RetainedKeys
+from prefixkv.tiers.stats import Residency, TierCounters
 
 
 class HostTier:
@@ -31,6 +33,8 @@ class HostTier:
         self.pinned = pinned if pinned is not None else PinnedKeys()
         self.counters = TierCounters("host", capacity)
         self.on_drop: Callable[[list[bytes]], None] | None = None  # keys evicted or cleared
+        self.retained = RetainedKeys()  # shared with the disk tier by a TieredStore
+        self.residency: Residency | None = None  # sampled block lives (kv_cache_metrics)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -51,17 +55,22 @@ class HostTier:
             self._slots.move_to_end(key)
             return None
         if not self._free:
-            victim = next(
-                (k for k in self._slots if k not in self._held and k not in self.pinned), None)
-            if victim is None:
+            found = self.retained.victims(
+                (k for k in self._slots if k not in self._held and k not in self.pinned), 1)
+            if not found:
                 self.counters.add(dropped=1)
                 return None
+            victim = found[0]
             self._free.append(self._slots.pop(victim))
             self.counters.add(evictions=1)
             if self.on_drop is not None:
                 self.on_drop([victim])
+            if self.residency is not None:
+                self.residency.evicted([victim])
         slot = self._free.pop()
         self._slots[key] = slot
+        if self.residency is not None:
+            self.residency.stored([key])
         return slot
 
     def hold(self, key: bytes) -> int | None:
@@ -71,6 +80,8 @@ class HostTier:
             return None
         self._slots.move_to_end(key)
         self._held[key] = self._held.get(key, 0) + 1
+        if self.residency is not None:
+            self.residency.hit([key])
         return slot
 
     def touch(self, chain: Sequence[bytes]) -> None:

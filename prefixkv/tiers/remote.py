@@ -20,7 +20,8 @@ Authenticity: with a ``secret`` every record carries an HMAC (:mod:`~prefixkv.ti
 a record whose MAC fails is a miss, counted in ``unauthenticated`` and deleted; the checksum
 alone stops accidents, not a client that can write to the server.
 
-Eviction is the server's own. Pins: :meth:`RemoteTier.pin` counts a pin per block in
+Eviction is the server's own. Soft retention (:meth:`RemoteTier.retain`): a retained prefix's
+blocks get an expiry at least as long as its TTL. Pins: :meth:`RemoteTier.pin` counts a pin per block in
 ``pkv:pin:<key>`` (shared by every engine on the server) and makes sure the block is stored
 without an expiry; unpinning the last pin gives it back its ``ttl``. Run the server with
 ``maxmemory-policy volatile-lru`` and give the tier a ``ttl``: unpinned blocks then carry an
@@ -73,6 +74,15 @@ for i = 1, #KEYS, 2 do
 end
 return 0
 """
+# KEYS: blocks. ARGV: seconds. A block whose expiry is sooner gets that long; one without an
+# expiry (pinned, or a tier without a ttl) keeps none.
+_RETAIN = """
+for i = 1, #KEYS do
+  local left = redis.call('TTL', KEYS[i])
+  if left >= 0 and left < tonumber(ARGV[1]) then redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+end
+return 0
+"""
 # KEYS as for _PIN. ARGV: ttl seconds (0: none).
 _UNPIN = """
 for i = 1, #KEYS, 2 do
@@ -116,6 +126,7 @@ class RemoteTier:
         self._set = self._client.register_script(_SET)
         self._pin = self._client.register_script(_PIN)
         self._unpin = self._client.register_script(_UNPIN)
+        self._retain = self._client.register_script(_RETAIN)
         self._clock = clock
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -170,6 +181,22 @@ class RemoteTier:
         gets the tier's ``ttl`` back."""
         if keys and not self._writer.submit(lambda: self._unpin(keys=_pairs(keys), args=[self.ttl])):
             self.counters.add(dropped=len(keys))
+
+    def retain(self, keys: Sequence[bytes], ttl_s: float) -> bool:
+        """Make ``keys`` (a soft-retained prefix's blocks) live on the server at least
+        ``ttl_s`` seconds from now (in the background, after the writes queued before): a
+        shorter expiry is extended, a block without one keeps none. ``False`` if not queued."""
+        if not keys:
+            return True
+        if not self.is_up:
+            self.counters.add(dropped=len(keys))
+            return False
+        names = [PREFIX + k for k in keys]
+        seconds = max(1, math.ceil(ttl_s))
+        ok = self._writer.submit(lambda: self._retain(keys=names, args=[seconds]))
+        if not ok:
+            self.counters.add(dropped=len(keys))
+        return ok
 
     def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Payloads for ``keys`` (``None`` for a miss); all misses while the remote is down."""

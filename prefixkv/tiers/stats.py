@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +83,17 @@ class TierCounters:
                          n["stored_bytes"], n["loaded_bytes"], secs, n["evictions"],
                          occupancy_blocks, self.capacity_blocks, n["errors"], n["corrupt"],
                          n["dropped"], n["prefetched"], n["unauthenticated"])
+
+
+class Residency(Protocol):
+    """Where a tier reports its blocks' lives (the engine's sampled residency metrics,
+    ``prefixkv.engine.residency``); keys are tier keys."""
+
+    def stored(self, keys: Iterable[Hashable]) -> None:
+        """``keys`` were stored."""
+
+    def hit(self, keys: Iterable[Hashable]) -> None:
+        """``keys`` were read for a request."""
+
+    def evicted(self, keys: Iterable[Hashable]) -> None:
+        """``keys`` were evicted for room."""

@@ -13,6 +13,8 @@ prompt's next blocks can be found:
                        held (not evictable) until ``load`` / ``cancel``
 ``load(hits, ids)``    copies the hits into freshly allocated pool blocks, releases holds
 ``pinned``             keys of pinned prefixes: the host and disk tiers never evict them
+``retain(keys, ...)``  a soft retention's priority and TTL travel with the blocks: the host
+                       and disk evict them last, the remote keeps them at least the TTL
 ``prefetch(keys)``     start reading a queued request's disk/remote blocks into host
                        staging in the background (:mod:`prefixkv.tiers.prefetch`)
 ``clear(tiers)``       an admin reset of the named tiers (pinned keys stay)
@@ -44,16 +46,31 @@ from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
 from prefixkv.tiers.pins import PinnedKeys
+from prefixkv.tiers.retained import RetainedKeys
 from prefixkv.tiers.prefetch import Prefetcher
 from prefixkv.tiers.remote import RemoteTier
 from prefixkv.tiers.spec import LOWER_TIERS, TierSpec, parse_size
-from prefixkv.tiers.stats import TierStats
+from prefixkv.tiers.stats import Residency, TierStats
 
 REMOTE_BATCH = 8
 """Blocks fetched from the remote tier per round trip."""
 DEFAULT_DISK_SIZE = "10GiB"
 PREFETCH_WAIT = 1.0
 """Seconds admission waits for a block the prefetch thread is reading at that moment."""
+
+
+class Retained(Protocol):
+    """A soft retention as the tiers read it (``prefixkv.cache.Retention``)."""
+
+    @property
+    def priority(self) -> int:
+        """0-100: lower goes first among retained blocks."""
+        ...
+
+    @property
+    def ttl_s(self) -> float:
+        """Seconds it lasts from now."""
+        ...
 
 
 class BlockTransfer(Protocol):
@@ -114,9 +131,11 @@ class TieredStore:
         self.prefetcher = prefetcher
         self._timer = timer
         self.pinned = PinnedKeys()  # one set, shared by the tiers that evict on their own
+        self.retained = RetainedKeys()  # likewise
         for tier in (host, disk):
             if tier is not None:
                 tier.pinned = self.pinned
+                tier.retained = self.retained
 
     @classmethod
     def create(
@@ -168,10 +187,12 @@ class TieredStore:
                                    stored_bytes=len(ids) * self.transfer.block_nbytes)
         return [(b, k) for b, k in kept if k in self.host]  # (a tiny tier may drop its own)
 
-    def publish(self, pairs: Sequence[tuple[int, bytes]], chain: Sequence[bytes] = ()) -> None:
+    def publish(self, pairs: Sequence[tuple[int, bytes]], chain: Sequence[bytes] = (), *,
+                retention: Retained | None = None) -> None:
         """Queue newly computed ``(pool block id, key)`` blocks for the disk and remote tiers;
         ``chain``: the keys of the whole prefix they extend (theirs included), then marked
-        most recently used on disk, head first (see :meth:`DiskTier.touch`)."""
+        most recently used on disk, head first (see :meth:`DiskTier.touch`). A ``retention``
+        (its ``priority`` and ``ttl_s``) retains the chain in every tier (:meth:`retain`)."""
         disk, remote = self.disk, self.remote
         todo = [
             (b, k) for b, k in pairs
@@ -187,6 +208,8 @@ class TieredStore:
                     remote.submit(key, payload)
         if disk is not None and chain:
             disk.touch(chain)
+        if retention is not None:
+            self.retain(chain or [k for _, k in pairs], retention.priority, retention.ttl_s)
 
     # ------------------------------------------------------------------ out of the tiers
     def prefetch(self, job: int, keys: Sequence[bytes]) -> bool:
@@ -303,6 +326,21 @@ class TieredStore:
         self.pinned.add(keys)
         if self.remote is not None and keys:
             self.remote.pin(keys, self.transfer.read_blocks(list(block_ids)))
+
+    def retain(self, keys: Sequence[bytes], priority: int, ttl_s: float) -> None:
+        """Retain a prefix's block ``keys`` in every tier (renewed by each call): the host and
+        disk evict them after every unretained key, lowest ``priority`` first, until ``ttl_s``
+        seconds from now; the remote tier keeps them at least that long."""
+        self.retained.add(keys, priority, ttl_s)
+        if self.remote is not None and keys:
+            self.remote.retain(keys, ttl_s)
+
+    def observe(self, residency: Callable[[str], Residency | None]) -> None:
+        """Have the host and disk tiers report their blocks' lives to ``residency(tier)``
+        (the engine's sampled residency metrics; ``None``: not reported)."""
+        for name, tier in (("host", self.host), ("disk", self.disk)):
+            if tier is not None:
+                tier.residency = residency(name)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         """Undo one :meth:`pin` of ``keys``."""
