@@ -32,7 +32,7 @@ def _pins() -> dict[str, Version]:
 def _requirements() -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = [Requirement(r) for r in project["dependencies"]]
-    for extra in ("test",):
+    for extra in ("test", "examples"):
         reqs += [Requirement(r) for r in project["optional-dependencies"][extra]]
     return reqs
 
