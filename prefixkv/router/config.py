@@ -13,7 +13,7 @@ __all__ = ["KEEP_ALIVE_S", "RouterConfig"]
 
 KEEP_ALIVE_S = 20
 """The default ``timeout_keep_alive``: longer than clients keep an idle connection (httpx 5 s,
-aiohttp 15 s), so none sends on one the router is closing (``prefixkv.server.cli.KEEP_ALIVE_S``)."""
+aiohttp 15 s), so none sends on one the router is closing (``prefixkv.cli.serve.KEEP_ALIVE_S``)."""
 
 
 @dataclass(frozen=True, slots=True)

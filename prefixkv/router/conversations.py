@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from prefixkv.router.errors import error_response
 
 RESPONSE_ID_HEADER = "x-prefixkv-response-id"
-"""A worker's stored Responses API answer names its id here (``prefixkv.server.responses``)."""
+"""A worker's stored Responses API answer names its id here (``prefixkv.server.openai.responses``)."""
 MAX_REMEMBERED = 65536
 """Stored responses whose worker the router remembers (the oldest forgotten first)."""
 
