@@ -134,6 +134,7 @@ class PrecisePolicy:
         # an entry from before the worker's cache was last cleared no longer counts
         self._pending: dict[str, deque[tuple[float, int, list[int]]]] = {}
         self._hashes: dict[int, list[int]] = {}  # block size -> this request's hashes
+        self._models: dict[str, bool] = {}  # model names the workers list -> is a LoRA adapter
 
     # ---------------------------------------------------------------- streams
     async def start(self, client: httpx.AsyncClient) -> None:
@@ -207,6 +208,13 @@ class PrecisePolicy:
         live = [u for u in urls if self.index.workers[u].live]
         if not live or path.endswith(("/responses", "/messages")):  # (no ids for those inputs here)
             return key
+        auth = {"authorization": headers["authorization"]} if headers and \
+            "authorization" in headers else None
+        if await self._is_adapter(client, live[0], body.get("model"), auth):
+            # its blocks are keyed by the adapter's weights, which the index cannot hash (their
+            # events are not indexed): never score it on the base model's blocks of its prompt;
+            # the approximate trees, keyed by model name, keep its requests together
+            return key
         salt = body_salt(body)
         ns = (salt, None) if salt is not None else None
         ids: Any = None
@@ -229,8 +237,6 @@ class PrecisePolicy:
         if ids is None:
             if isinstance(body.get("model"), str):
                 payload["model"] = body["model"]
-            auth = {"authorization": headers["authorization"]} if headers and \
-                "authorization" in headers else None
             try:
                 resp = await client.post(f"{live[0]}/tokenize", json=payload, headers=auth,
                                          timeout=self.tokenize_timeout)
@@ -240,6 +246,22 @@ class PrecisePolicy:
         if not isinstance(ids, list) or not all(type(t) is int for t in ids):
             return key
         return TokenRouteKey(key.namespace, key.chunks, key.size, key.unit, tuple(ids), ns)
+
+    async def _is_adapter(self, client: httpx.AsyncClient, url: str, model: object,
+                          auth: Mapping[str, str] | None) -> bool:
+        """Whether ``model`` is a LoRA adapter (``/v1/models`` lists it with a ``parent``, as
+        vLLM and prefixkv do); a name not seen yet is looked up once on ``url``."""
+        if not isinstance(model, str) or model in self._models:
+            return isinstance(model, str) and self._models[model]
+        try:
+            resp = await client.get(f"{url}/v1/models", headers=auth, timeout=self.tokenize_timeout)
+            listed = resp.json().get("data", []) if resp.status_code == 200 else []
+            for entry in listed:
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                    self._models[entry["id"]] = bool(entry.get("parent"))
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
+        return self._models.get(model, False)
 
     # ---------------------------------------------------------------- choosing
     def exact_matches(self, urls: Sequence[str], key: RouteKey) -> dict[str, float]:
