@@ -27,6 +27,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("route", "prefixkv.bench.route.run"),
     ("load", "prefixkv.bench.load"),
     ("stall", "prefixkv.bench.stall"),
+    ("hostile", "prefixkv.bench.hostile"),
 )
 """(subcommand, module) pairs added after ``trace``, in ``--help`` order."""
 

@@ -74,3 +74,12 @@ def test_the_default_battery_covers_every_prompt_route() -> None:
         "/v1/responses", "/tokenize", "/generate"}
     assert all(json.loads(c.body) is not None for c in cases)
     assert len(default_cases(10)[0].body) > 10_000_000
+
+
+def test_it_is_a_prefixkv_bench_subcommand() -> None:
+    from prefixkv.bench import hostile
+    from prefixkv.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "hostile", "--url", "http://127.0.0.1:1",
+                                      "--only", "tokenize", "--big-mb", "0.5"])
+    assert args.func is hostile.run_from_args and args.only == ["tokenize"] and args.big_mb == 0.5
