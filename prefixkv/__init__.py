@@ -25,6 +25,8 @@ from prefixkv.cache import (
     PrefixMatch,
     PrefixNode,
     RadixPrefixCache,
+    Retention,
+    RetentionError,
     make_cache,
     make_policy,
 )
@@ -74,6 +76,8 @@ __all__ = [
     "PrefixMatch",
     "PrefixNode",
     "RadixPrefixCache",
+    "Retention",
+    "RetentionError",
     "RequestOutput",
     "SamplingParams",
     "SchedulerSettings",

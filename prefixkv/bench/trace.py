@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixkv.bench.belady import BeladyPolicy
-from prefixkv.cache import BlockPool, EvictionPolicy, HashPrefixCache, RadixPrefixCache
+from prefixkv.cache import BlockPool, EvictionPolicy, HashPrefixCache, RadixPrefixCache, Retention
 from prefixkv.cache.policies import POLICIES, make_policy
 from prefixkv.cache.policy_ghost import GhostPolicy
 
@@ -186,13 +186,16 @@ def replay(
     index: str = "hash",
     clock: str = "timestamp",
     progress: Callable[[int], None] | None = None,
+    retention: Retention | None = None,
 ) -> TraceRow:
     """Replay ``requests`` through a fresh index of ``capacity_tokens // block_size`` blocks.
 
     ``capacity_tokens=None`` means unbounded (nothing is ever evicted). ``policy`` is a policy
     name or object (``belady`` needs the future: pass
     :func:`prefixkv.bench.belady.BeladyPolicy.for_trace`). ``progress(n)`` is called with the
-    number of requests done since the last call.
+    number of requests done since the last call. ``retention``: every request retains its
+    prefix (soft retention, renewed by the session's next request; the row's policy is then
+    labelled ``<policy>+retain<ttl>s``).
     """
     if index not in INDEXES:
         raise ValueError(f"index must be one of {INDEXES}, got {index!r}")
@@ -211,7 +214,7 @@ def replay(
     if isinstance(policy, str):
         policy = (BeladyPolicy.for_trace(requests, times) if policy == BeladyPolicy.name
                   else make_online_policy(policy))
-    label = label or policy.name
+    label = label or policy.name + ("" if retention is None else f"+retain{retention.ttl_s:g}s")
     now = [0.0]
 
     def index_clock() -> float:
@@ -247,9 +250,12 @@ def replay(
         if new is None:
             raise RuntimeError(f"request {i}: could not allocate {n} blocks (pool accounting)")
         if n > 0:
-            node = cache.insert_prefix(ids[: k + n], [*m.matched_kv_blocks, *new])
+            node = cache.insert_prefix(ids[: k + n], [*m.matched_kv_blocks, *new],
+                                       retention=retention)
             if node.returned_block_ids:
                 pool.free(node.returned_block_ids)
+        elif retention is not None and k:
+            cache.retain(ids[:k], retention)
         cache.unlock(m)
         if chosen is not None:
             name = chosen()
