@@ -102,6 +102,7 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
         return await router.models()
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # uptime probes ask HEAD; no body
     async def health() -> Response:
         healthy = router.workers.healthy()
         return JSONResponse({"status": "ok" if healthy else "no_healthy_worker",
@@ -112,6 +113,7 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
         return JSONResponse({"policy": config.policy, "workers": router.describe()})
 
     @app.get("/metrics")
+    @app.head("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         text = router.metrics.render(router.workers, router.policy.describe())
         return Response(text, media_type=CONTENT_TYPE)

@@ -6,8 +6,8 @@ The FastAPI app: OpenAI-compatible routes, health, metrics and the cache admin A
 ``create_app(engine)`` wires an already running ``AsyncEngine`` (owned by the caller, who
 shuts it down) to HTTP. Routes::
 
-    GET  /health (also GET/POST /ping) 200 {"status": "ok"}
-    GET  /metrics                     Prometheus text (see metrics.py)
+    GET  /health (also GET/POST /ping) 200 {"status": "ok"} (HEAD: the status, no body)
+    GET  /metrics                     Prometheus text (see metrics.py; HEAD too)
     GET  /v1/models                   the served model names (with max_model_len)
     GET  /v1/models/{id}              one of them
     POST /v1/completions              OpenAI completions (stream, n, stop, logprobs, echo, ...)
@@ -122,6 +122,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                            code="model_not_found")
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # uptime probes ask HEAD; 200, no body
     @app.get("/ping")  # vLLM's SageMaker-style alias
     @app.post("/ping")
     async def health() -> dict[str, str]:
@@ -131,6 +132,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
 
     @app.get("/metrics", response_class=Response, responses={
         200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE: {}}}})
+    @app.head("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
         gauges = engine_gauges(await engine.get_stats())
         metrics.set_lora(await engine.call(lora_requests_info))
