@@ -172,3 +172,28 @@ def test_sglang_generate_takes_lora_path_per_prompt(
     chat = httpx.post(f"{live.url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "lora_path": "sql"})
     assert chat.status_code == 400  # the OpenAI routes pick adapters by model name
+
+
+def test_every_answer_names_the_adapter_it_ran_on(
+        lora_server: tuple[LiveServer, dict[str, Path]]) -> None:
+    """vLLM's: a request for an adapter is answered with ``model`` the adapter's name (the base
+    model's name otherwise), whole and streamed, on completions, chat, Responses and Messages."""
+    anthropic = pytest.importorskip("anthropic")
+    live, _ = lora_server
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    claude = anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0, timeout=60)
+    messages: Any = [{"role": "user", "content": "Which model answers?"}]
+    for model in ("sql", MODEL):
+        seen = [client.completions.create(model=model, prompt="Hi", max_tokens=2).model,
+                client.chat.completions.create(model=model, messages=messages, max_tokens=2).model,
+                client.responses.create(model=model, input="Hi", max_output_tokens=2).model,
+                claude.messages.create(model=model, messages=messages, max_tokens=2).model]
+        seen += [c.model for c in client.completions.create(
+            model=model, prompt="Hi", max_tokens=2, stream=True)]
+        seen += [c.model for c in client.chat.completions.create(
+            model=model, messages=messages, max_tokens=2, stream=True)]
+        seen += [e.response.model for e in client.responses.create(
+            model=model, input="Hi", max_output_tokens=2, stream=True) if hasattr(e, "response")]
+        seen += [e.message.model for e in claude.messages.create(
+            model=model, messages=messages, max_tokens=2, stream=True) if e.type == "message_start"]
+        assert len(seen) >= 10 and set(seen) == {model}, (model, seen)

@@ -62,8 +62,9 @@ def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
         answer = await serving.chat(chat, request.is_disconnected)
         mid = new_id("msg")
         if isinstance(answer, StreamingResponse):
-            return EngineStreamingResponse(_events(mid, serving.model_name, answer.body_iterator),
-                                           media_type="text/event-stream")
+            return EngineStreamingResponse(
+                _events(mid, serving.served_name(body.model), answer.body_iterator),
+                media_type="text/event-stream")
         data = json.loads(bytes(answer.body))
         choice = data["choices"][0]
         return JSONResponse(message_object(

@@ -75,7 +75,7 @@ def build_responses_router(serving: OpenAIServing, policy: FieldPolicy,
         rid, created = new_id("resp"), now()
         headers = {RESPONSE_ID_HEADER: rid} if body.store else None
         if isinstance(answer, StreamingResponse):
-            events = _Events(rid, body, serving.model_name, created, store, history)
+            events = _Events(rid, body, serving.served_name(body.model), created, store, history)
             return EngineStreamingResponse(events.run(answer.body_iterator), headers=headers,
                                            media_type="text/event-stream")
         data = json.loads(bytes(answer.body))

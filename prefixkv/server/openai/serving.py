@@ -80,6 +80,11 @@ class OpenAIServing:
         self.limits = limits if limits is not None else ServerLimits()
         self._pool_tokens: int | None = None
 
+    def served_name(self, model: str | None) -> str:
+        """The ``model`` an answer reports: the LoRA adapter the request named (vLLM's), else
+        the base model's name."""
+        return adapter_of(self.engine, model) or self.model_name
+
     def check_limits(self, req: SamplingRequest, num_prompts: int) -> None:
         problems = req.problems()
         if problems:
@@ -173,11 +178,13 @@ class OpenAIServing:
         chat = view.chat
         rid = f"{kind}-{req.request_id or uuid.uuid4().hex}"
         engine_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if req.request_id else rid
-        jobs = await self._submit(engine_rid, prompts, params, req, chat=chat, t0=t0)
+        lora = adapter_of(self.engine, req.model)
+        model = lora or self.model_name
+        jobs = await self._submit(engine_rid, prompts, params, req, lora, chat=chat, t0=t0)
         if req.stream:
             opts = req.stream_options
             return EngineStreamingResponse(
-                self._stream(rid, jobs, params.n, view, t0=t0,
+                self._stream(rid, model, jobs, params.n, view, t0=t0,
                              include_usage=bool(opts and opts.include_usage),
                              continuous_usage=bool(opts and opts.continuous_usage_stats)),
                 media_type="text/event-stream",
@@ -193,10 +200,11 @@ class OpenAIServing:
             await finish_unless_gone(asyncio.ensure_future(drain()), is_disconnected)
         finally:
             await self._abort_unfinished(jobs, t0)
-        return JSONResponse(self._final_body(rid, jobs, params.n, view))
+        return JSONResponse(self._final_body(rid, model, jobs, params.n, view))
 
     async def _submit(self, rid: str, prompts: list[Any], params: SamplingParams,
-                      req: SamplingRequest, *, chat: bool, t0: float) -> list[_Job]:
+                      req: SamplingRequest, lora: str | None, *, chat: bool, t0: float
+                      ) -> list[_Job]:
         """Start one engine request per prompt and wait for each one's first output, so a
         submission error becomes a 400 before the response starts. On any failure every
         request already started is aborted."""
@@ -206,7 +214,7 @@ class OpenAIServing:
             sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
             stream = self.engine.generate(prompt, params, request_id=sub_id,
                                           cache_salt=req.cache_namespace,
-                                          lora_request=adapter_of(self.engine, req.model))
+                                          lora_request=lora)
             try:
                 first = await stream.__anext__()
             except ValueError as exc:
@@ -279,7 +287,7 @@ class OpenAIServing:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _final_body(self, rid: str, jobs: list[_Job], n: int, view: ChoiceRenderer
+    def _final_body(self, rid: str, model: str, jobs: list[_Job], n: int, view: ChoiceRenderer
                     ) -> dict[str, Any]:
         choices = [view.final(p * n + o.index, job.last, o)
                    for p, job in enumerate(jobs) for o in job.last.outputs]
@@ -287,7 +295,7 @@ class OpenAIServing:
             "id": rid,
             "object": "chat.completion" if view.chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": model,
             "choices": choices,
             "usage": self._usage(jobs, view),
         }
@@ -295,7 +303,7 @@ class OpenAIServing:
             body["prompt_token_ids"] = list(jobs[0].last.prompt_token_ids)
         return body
 
-    async def _stream(self, rid: str, jobs: list[_Job], n: int, view: ChoiceRenderer, *,
+    async def _stream(self, rid: str, model: str, jobs: list[_Job], n: int, view: ChoiceRenderer, *,
                       include_usage: bool, continuous_usage: bool, t0: float
                       ) -> AsyncIterator[bytes]:
         """SSE chunks: per-choice deltas (with ``continuous_usage`` each carries the usage so
@@ -307,7 +315,7 @@ class OpenAIServing:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                   **extra: Any) -> bytes:
             body: dict[str, Any] = {"id": rid, "object": obj, "created": created,
-                                    "model": self.model_name, "choices": choices, **extra}
+                                    "model": model, "choices": choices, **extra}
             if include_usage or continuous_usage:
                 body["usage"] = self._usage(jobs, view) if continuous_usage and usage is None else usage
             return sse(body)
