@@ -62,15 +62,23 @@ def write_random_adapter(out: Path, llm: LLM, rank: int, seed: int) -> Path:
 
 def run_row(llm: LLM, loras: list[str | None], args: argparse.Namespace,
             rng: random.Random) -> dict[str, float]:
-    """One batch: prefill and decode tokens/s."""
+    """One batch: prefill and decode tokens/s (of wall time, or with ``--cpu-time`` of this
+    process's CPU time: a prefill-only batch, then a full one; decode is the difference)."""
     from prefixkv.engine.sampling_params import SamplingParams
 
-    prompts = [[rng.randrange(32, 127) for _ in range(args.prompt_len)] for _ in loras]
+    def prompts() -> list[list[int]]:
+        return [[rng.randrange(32, 127) for _ in range(args.prompt_len)] for _ in loras]
+
     params = SamplingParams(temperature=0, max_tokens=args.decode_len, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, lora_request=loras)
-    total = time.perf_counter() - t0
-    first = max(o.ttft or 0.0 for o in outs)
+    if args.cpu_time:
+        t0 = time.process_time()
+        llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=1), lora_request=loras)
+        first = time.process_time() - t0
+    t0 = time.perf_counter() if not args.cpu_time else time.process_time()
+    outs = llm.generate(prompts(), params, lora_request=loras)
+    total = (time.perf_counter() if not args.cpu_time else time.process_time()) - t0
+    if not args.cpu_time:
+        first = max(o.ttft or 0.0 for o in outs)
     decoded = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     return {"prefill_tok_s": len(loras) * args.prompt_len / first,
             "decode_tok_s": decoded / max(total - first, 1e-9)}
@@ -91,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="tokens per CPU second of this process, not per wall second (steadier "
+                        "on a shared machine; use with --threads 1)")
     args = p.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, enable_lora=True, max_loras=4, max_lora_rank=args.rank,
               threads=args.threads, num_kv_blocks=max(64, 2 * args.batch * -(-(
@@ -118,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"args": vars(args), "rows": {}, "hits": hits}
     base = {k: statistics.median(r[k] for r in rows["base"]) for k in ("prefill_tok_s", "decode_tok_s")}
     print(f"batch {args.batch} x {args.prompt_len} prompt + {args.decode_len} decode tokens, "
-          f"rank {args.rank}, {args.dtype}, medians of {args.rounds} rounds")
+          f"rank {args.rank}, {args.dtype}, medians of {args.rounds} rounds"
+          + (", per CPU second" if args.cpu_time else ""))
     print(f"{'row':<12}{'prefill tok/s':>15}{'vs base':>9}{'decode tok/s':>15}{'vs base':>9}")
     for name, runs in rows.items():
         med = {k: statistics.median(r[k] for r in runs) for k in base}
