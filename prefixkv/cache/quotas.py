@@ -42,7 +42,7 @@ class TenantBlocks:
 
     def __init__(self, max_blocks: int, quota: int) -> None:
         self.quota = quota
-        self._of = np.zeros(max_blocks, dtype=np.uint32)  # tenant number + 1 (0: not cached)
+        self._of = np.zeros(max_blocks, dtype=np.uint32)  # a cached id's tenant number + 1
         self._names: list[Tenant] = []
         self._index: dict[Tenant, int] = {}
         self._counts: list[int] = []
@@ -63,15 +63,20 @@ class TenantBlocks:
         """``ids`` left the index."""
         if not ids:
             return
-        idx = np.frombuffer(ids, dtype=np.uint32)
-        per = np.bincount(self._of[idx], minlength=len(self._names) + 1)
-        self._of[idx] = 0
+        if len(self._counts) == 1:  # one tenant: nothing to look up (stale stamps are
+            self._counts[0] -= len(ids)  # overwritten when an id is stored again)
+            return
+        per = np.bincount(self._of[np.frombuffer(ids, dtype=np.uint32)],
+                          minlength=len(self._names) + 1)
         for t in np.flatnonzero(per[1:]):
             self._counts[t] -= int(per[t + 1])
 
     def over(self) -> list[tuple[Tenant, int]]:
         """Tenants over their quota and by how many blocks, most over first."""
         q = self.quota
+        if len(self._counts) == 1:
+            n = self._counts[0]
+            return [(self._names[0], n - q)] if n > q else []
         out = [(self._names[t], n - q) for t, n in enumerate(self._counts) if n > q]
         out.sort(key=lambda x: -x[1])
         return out
