@@ -10,10 +10,12 @@ import pytest
 from prefixkv.bench import lora
 
 
-def test_lora_bench_rows_and_per_adapter_hits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("clock", [[], ["--cpu-time", "--threads", "1"]])
+def test_lora_bench_rows_and_per_adapter_hits(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              clock: list[str]) -> None:
     out = tmp_path / "lora.json"
     assert lora.main(["--rank", "4", "--batch", "4", "--prompt-len", "48", "--decode-len", "4",
-                      "--rounds", "1", "--json", str(out)]) == 0
+                      "--rounds", "1", "--json", str(out), *clock]) == 0
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {"base", "1 adapter", "4 adapters"}
     assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in result["rows"].values())
