@@ -10,7 +10,7 @@ projections; DoRA, per-module rank/alpha patterns, trained biases, extra saved m
 embedding/output-layer targets are refused (``ValueError`` naming them).
 
 Each module an adapter targets holds one :class:`LoRAWeights`: its pieces' ``A`` stacked and
-their scaled ``B`` side by side (each in its own output columns, zeros elsewhere), so a
+their scaled ``B`` side by side (each in its own output rows, zeros elsewhere), so a
 module's delta is ``x A^T B^T``, a shrink and an expand, whatever it fuses. A step's rows run
 every adapter of the step at once (:class:`LoRAStep`: one adapter, two matmuls; several, its
 rows gathered per adapter and one ``bmm`` per shrink / expand over the groups, as vLLM's
