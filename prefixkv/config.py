@@ -242,12 +242,14 @@ class SchedulerSettings:
 
 # TierSpec (prefixkv.tiers) keeps its own field names; its flat names and flags carry "kv_".
 _TIER_OPTIONS: dict[str, dict[str, Any]] = {
-    "offload_size": {"help": "host-memory tier below the pool: blocks (512) or bytes ('2GiB'); "
-                             "blocks evicted from the pool are kept there", "shown": "off",
+    "offload_size": {"help": "host-memory tier below the pool: GiB (2, as vLLM), a size "
+                             "('512MiB') or blocks ('512blocks'); blocks evicted from the pool "
+                             "are kept there", "shown": "off",
                      "kind": "str", "metavar": "SIZE"},
     "disk_dir": {"help": "disk tier: one checksummed file per block, kept across restarts",
                  "shown": "no disk tier", "kind": "str", "metavar": "DIR"},
-    "disk_size": {"help": "disk tier capacity: blocks or bytes", "shown": "10GiB",
+    "disk_size": {"help": "disk tier capacity: GiB (10), a size ('500MiB') or blocks "
+                          "('4096blocks')", "shown": "10GiB",
                   "kind": "str", "metavar": "SIZE"},
     "remote": {"help": "shared tier on Valkey/Redis, redis://[user:pass@]host:port[/db] "
                        "(rediss:// for TLS): workers on it reuse each other's prefixes",

@@ -1,13 +1,16 @@
 """TierSpec: what the operator asked for (sizes as given), resolved to blocks once the block
 size in bytes is known.
 
-Sizes are a block count (``512`` or ``"512"``) or bytes with a unit (``"2GiB"``, ``"512MiB"``,
-``"1.5GB"``); ``0`` / ``None`` turns a tier off. Bad values raise ``ValueError`` naming the
-argument.
+Sizes given as text (the ``--kv-offload-size`` / ``--kv-disk-size`` flags, config strings) are
+GiB when bare (``"2"``, ``"0.5"``: what vLLM's ``--kv-offloading-size``, SGLang's and LMCache's
+sizes mean), bytes with a unit (``"2GiB"``, ``"512MiB"``, ``"1.5GB"``) or a block count with the
+``blocks`` suffix (``"512blocks"``, ``"1 block"``); a Python ``int`` is a block count.
+``0`` / ``None`` turns a tier off. Bad values raise ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,6 +21,9 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_BLOCK_UNITS = ("block", "blocks")
+BARE_UNIT = "gib"
+"""What a bare number in a size string means: GiB, as in vLLM, SGLang and LMCache."""
 
 Size = int | str | None
 
@@ -46,28 +52,52 @@ def reset_tiers(value: str | Iterable[str]) -> frozenset[str]:
 
 
 def parse_size(value: Size, block_nbytes: int, name: str) -> int:
-    """Blocks meant by ``value``: a plain int/str is a block count, a unit means bytes
-    (rounded down to whole blocks). ``None`` is 0. ``ValueError`` naming ``name`` if malformed."""
+    """Blocks meant by ``value``: text is a size (bare: GiB; with a unit: bytes; ``512blocks``:
+    a block count), rounded down to whole blocks of ``block_nbytes``; an ``int`` is a block
+    count; ``None`` is 0. ``ValueError`` naming ``name`` if malformed."""
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        msg = f"{name} must be a block count or a size like '2GiB', got {value!r}"
+        msg = (f"{name} must be a size like '2' (GiB), '512MiB' or '512blocks', or an int "
+               f"block count, got {value!r}")
         raise ValueError(msg)  # noqa: TRY004 - bad arguments are ValueErrors here
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
         return value
     m = _SIZE.match(value)
-    if m is None or (m.group(2) and m.group(2).lower() not in _UNITS):
+    unit = m.group(2).lower() if m is not None else ""
+    if m is None or (unit and unit not in _UNITS and unit not in _BLOCK_UNITS):
         raise ValueError(
-            f"{name} must be a block count or a size like '2GiB' / '512MiB', got {value!r}"
+            f"{name} must be a size like '2' (GiB), '2GiB', '512MiB' or a block count like "
+            f"'512blocks', got {value!r}"
         )
-    number, unit = m.group(1), m.group(2).lower()
-    if not unit:
+    number = m.group(1)
+    if unit in _BLOCK_UNITS:
         if "." in number:
             raise ValueError(f"{name}: a block count must be a whole number, got {value!r}")
         return int(number)
-    return int(float(number) * _UNITS[unit]) // block_nbytes
+    return int(float(number) * _UNITS[unit or BARE_UNIT]) // block_nbytes
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # not a POSIX system that says
+        return None
+
+
+def _check_fits_memory(offload_size: Size) -> None:
+    """``ValueError`` naming ``kv_offload_size`` when a size in bytes (not blocks) is more than
+    this machine's memory: most likely a block count from before bare numbers meant GiB."""
+    if not isinstance(offload_size, str) or offload_size.strip().lower().endswith(_BLOCK_UNITS):
+        return
+    nbytes, total = parse_size(offload_size, 1, "kv_offload_size"), _physical_memory()
+    if total is not None and nbytes > total:
+        raise ValueError(
+            f"kv_offload_size {offload_size!r} is {nbytes / 2**30:,.1f} GiB, more than this "
+            f"machine's {total / 2**30:,.1f} GiB of memory (a bare number is GiB, as in vLLM; "
+            f"a block count takes the suffix: '{offload_size.strip()}blocks')")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +105,8 @@ class TierSpec:
     """The lower tiers an engine should have (the KV pool is always tier 0).
 
     Attributes:
-        offload_size: host-memory tier (L2) capacity: blocks or bytes with a unit.
+        offload_size: host-memory tier (L2) capacity: a size (bare text is GiB) or blocks
+            (an int, or text with the ``blocks`` suffix); see :func:`parse_size`.
         disk_dir: directory of the disk tier (L3); ``None``: no disk tier.
         disk_size: disk tier capacity (default 10GiB when ``disk_dir`` is set).
         remote: URL of a shared Valkey/Redis tier (:data:`REMOTE_SCHEMES`; a password and
@@ -128,6 +159,7 @@ class TierSpec:
             raise ValueError("kv_disk_size needs kv_disk_dir")
         parse_size(self.offload_size, 1, "kv_offload_size")  # malformed sizes fail before loading
         parse_size(self.disk_size, 1, "kv_disk_size")
+        _check_fits_memory(self.offload_size)
 
     @property
     def enabled(self) -> bool:
