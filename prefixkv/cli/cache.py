@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -70,9 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q.set_defaults(func=_cache_list_pinned)
     q = csub.add_parser("reset", help="unpin everything and drop all unused cached blocks")
     common(q)
-    q.add_argument("--tiers", default="local",
+    q.add_argument("--tiers", default="local", nargs="?", const="all",
                    help="lower KV tiers to clear too: local (host tier, default), all (also disk "
-                        "and the shared remote), none, or names: host,disk,remote")
+                        "and the shared remote; a bare --tiers), none, or names: "
+                        "host,disk,remote")
     q.set_defaults(func=_cache_reset)
 
 
@@ -191,11 +193,15 @@ def _cache_pin(args: argparse.Namespace) -> int:
     try:
         d = _request(args, "POST", "/v1/cache/pin", body)
     except RuntimeError as exc:
-        if "shorter than one block" not in str(exc):
+        short = _SHORTER.search(str(exc))
+        if short is None:
             raise
-        raise RuntimeError(f"{exc}. The prefix cache keeps KV in whole blocks only, so a prefix "
-                         "shorter than one block has nothing that can be pinned: give at least "
-                         "one block of tokens (the server's --block-size)") from None
+        return _nothing_to_pin(args, int(short.group(1)), int(short.group(2)))
+    rows = worker_rows(d)
+    errors = [] if rows is None else [json.dumps(w["body"]) for w in rows if w["status"] == 400]
+    shorts = [m for m in map(_SHORTER.search, errors) if m is not None]
+    if rows and len(shorts) == len(rows):  # a router: every worker said the same
+        return _nothing_to_pin(args, int(shorts[0].group(1)), int(shorts[0].group(2)))
     sent = len(body.get("token_ids") or [])
 
     def text(p: dict[str, Any]) -> str:
@@ -207,6 +213,24 @@ def _cache_pin(args: argparse.Namespace) -> int:
                 + (f": {p['description']}" if p.get("description") else "") + note)
 
     return _show(args, d, text)
+
+
+_SHORTER = re.compile(r"prefix of (\d+) tokens is shorter than one block \((\d+)\)")
+
+
+def _nothing_to_pin(args: argparse.Namespace, tokens: int, block_size: int) -> int:
+    """A prefix shorter than one block: not an error (the README's system prompt is 6 tokens
+    on SmolLM2, 16 to a block) but nothing to pin; say so, the minimum, and what to do."""
+    message = (f"nothing pinned: the prefix is {tokens} tokens, shorter than one "
+               f"{block_size}-token KV block (the cache keeps whole blocks only, and a prefix "
+               f"this short costs next to nothing to recompute); pin a longer text, at least "
+               f"{block_size} tokens, such as the whole system prompt")
+    if args.json:
+        print(json.dumps({"num_tokens": 0, "num_blocks": 0, "prompt_tokens": tokens,
+                          "block_size": block_size, "message": message}, indent=2))
+    else:
+        print(message)
+    return 0
 
 
 def _cache_unpin(args: argparse.Namespace) -> int:
