@@ -46,6 +46,7 @@ from prefixkv.server.errors import APIError, install_error_handlers
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.kv_events import build_kv_events_router
 from prefixkv.server.limits import BodySizeLimit, ServerLimits
+from prefixkv.server.prompt_body import PromptBodyLimit
 from prefixkv.server.engine_metrics import engine_gauges
 from prefixkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixkv.server.openai.serving import OpenAIServing
@@ -104,6 +105,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                   lifespan=lifespan)
     limits = limits if limits is not None else ServerLimits()
     app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
+    app.add_middleware(PromptBodyLimit, max_model_len=engine.max_model_len,  # 413 unread
+                       max_body_bytes=limits.max_body_bytes)
     metrics = ServerMetrics(model_name)
     install_error_handlers(app, on_error=metrics.observe_error)
     serving = OpenAIServing(engine, model_name, metrics, limits)
