@@ -75,6 +75,10 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-chat-max-tokens", type=int, default=lim.default_chat_max_tokens,
                    help="max_tokens of a chat request that sets none, capped by the room left "
                         f"in the context (default {lim.default_chat_max_tokens})")
+    g.add_argument("--max-retention-priority", type=int, default=lim.max_retention_priority,
+                   help="highest retention priority (0-100) a request's 'priority' field can "
+                        "give what it caches; 0: the field retains nothing; admin retentions go "
+                        f"to 100 (default {lim.max_retention_priority})")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) in the API; the first is reported in responses, all are "
                         "listed and accepted (default: the directory name, or prefixkv-demo)")
@@ -137,7 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_prompts=args.max_prompts_per_request,
-                          default_chat_max_tokens=args.default_chat_max_tokens)
+                          default_chat_max_tokens=args.default_chat_max_tokens,
+                          max_retention_priority=args.max_retention_priority)
     apply_kv_compat(args)  # vLLM's / LMCache's offloading settings onto the tier flags
     config = EngineConfig.from_kwargs(**engine_kwargs(args))  # resolves --model first
     sock = _listen(args.host, args.port)

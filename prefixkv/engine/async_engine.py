@@ -54,7 +54,7 @@ from typing import Any, Self, TypeVar
 from prefixkv.cache.protocol import PinError, PinnedPrefix
 from prefixkv.cache.retention import Retention
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
-from prefixkv.engine.lora import LoRARequest
+from prefixkv.engine.lora import LoRARequest, request_lora
 from prefixkv.engine.llm_engine import LLMEngine, _namespace
 from prefixkv.engine.outputs import EngineStats, RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import PromptInput
@@ -254,6 +254,21 @@ class AsyncEngine:
             pass
         ns = _namespace(cache_salt, lora_id)
         return await self.call(lambda e: e.cache_admin.retain(ids, ns, retention))
+
+    async def retain_cached_prefix(
+        self, token_ids: Sequence[int], retention: Retention, *, cache_salt: Hashable | None = None,
+        lora_request: LoRARequest | str | None = None,
+    ) -> int:
+        """``CacheAdmin.retain`` in a request's namespace (its adapter resolved as
+        ``add_request`` does): the cached full blocks of ``token_ids``, nothing computed;
+        returns how many are retained. ``RetentionError`` past the tenant's quota."""
+        ids = list(token_ids)
+
+        def keep(e: LLMEngine) -> int:
+            _, lora_id = request_lora(e.lora, lora_request, None)
+            return e.cache_admin.retain(ids, _namespace(cache_salt, lora_id), retention)
+
+        return await self.call(keep)
 
     async def unpin_prefix(
         self, prompt: PromptInput, *, cache_salt: Hashable | None = None, lora_id: Hashable | None = None

@@ -5,8 +5,11 @@ Cache admin routes (seed 004's ``cache stats | pin | unpin | list-pinned | reset
 
 ::
 
-    GET  /v1/cache/stats     engine + index counters
-    POST /v1/cache/pin       {"token_ids" | "text" | "messages", "description"?, "cache_salt"?}
+    GET  /v1/cache/stats     engine + index counters, "tenants" (cached / retained blocks per
+                             cache_salt), "hit_rates" (per tenant and prompt_cache_key over the
+                             last window)
+    POST /v1/cache/pin       {"token_ids" | "text" | "messages", "description"?, "cache_salt"?,
+                             "ttl_s"?, "priority"?: a soft retention instead of a pin}
     POST /v1/cache/unpin     {"token_ids" | "text" | "messages", "cache_salt"?}
     POST /v1/cache/lookup    the same body -> {"prompt_tokens", "cached_tokens": what a request
                              with that prompt would read, "tiers": {"pool", "host", "disk",
@@ -49,11 +52,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from prefixkv.cache.protocol import PinnedPrefix
+from prefixkv.cache.retention import MAX_PRIORITY, Retention
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import EngineStats
+from prefixkv.engine.residency import HitRate
 from prefixkv.loopback import is_local_client, proxy_header
 from prefixkv.server.errors import APIError
 from prefixkv.server.bodies import LookupRequest, PinRequest, PrefixSpec, UnpinRequest
+from prefixkv.server.retention import REQUEST_TTL_S
 
 
 def _bearer(request: Request) -> str | None:
@@ -143,11 +149,21 @@ def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[..., Aw
 
     @router.get("/stats")
     async def stats() -> dict[str, Any]:
-        return _stats_dict(await engine.get_stats())
+        body = _stats_dict(await engine.get_stats())
+        tenants, hits = await engine.call(lambda e: (e.cache_admin.tenants(), e.cache_admin.hit_rates()))
+        body["tenants"] = [{**_tenant(ns), "cached_blocks": u.cached_blocks,
+                            "retained_blocks": u.retained_blocks} for ns, u in tenants.items()]
+        body["hit_rates"] = {"window_s": hits.window_s,
+                             "tenants": [{**_tenant(ns), **_rate(r)} for ns, r in hits.by_tenant.items()],
+                             "prompt_cache_keys": [{"prompt_cache_key": k, **_rate(r)}
+                                                   for k, r in hits.by_key.items()]}
+        return body
 
     @router.post("/pin")
     async def pin(body: PinRequest) -> dict[str, Any]:
         await require_caching()
+        if body.soft:
+            return await _retain(engine, body)
         try:
             pinned = await engine.pin_prefix(await _prompt(engine, body), cache_salt=body.cache_salt,
                                              description=body.description)
@@ -193,6 +209,33 @@ def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[..., Aw
         return {"reset": cleared is not None, "freed_blocks": freed or 0, "tiers": cleared or {}}
 
     return router, reset
+
+
+async def _retain(engine: AsyncEngine, body: PinRequest) -> dict[str, Any]:
+    """A pin request with ``ttl_s`` / ``priority``: a soft retention (computed first if need be)."""
+    keep = Retention(MAX_PRIORITY if body.priority is None else body.priority,
+                     REQUEST_TTL_S if body.ttl_s is None else body.ttl_s)
+    try:
+        blocks = await engine.retain_prefix(await _prompt(engine, body), keep, cache_salt=body.cache_salt)
+    except ValueError as exc:  # RetentionError (the tenant's quota) included
+        raise APIError(str(exc), param=_param(body)) from exc
+    if not blocks:
+        raise APIError("the prefix is shorter than one KV block: nothing to retain",
+                       param=_param(body))
+    return {"pinned": False, "retained": True, "num_blocks": blocks, "priority": keep.priority,
+            "ttl_s": keep.ttl_s, "cache_salt": body.cache_salt, "description": body.description}
+
+
+def _tenant(namespace: Any) -> dict[str, Any]:
+    """A tenant (the engine's namespace ``(cache_salt, lora_id)`` or ``None``) as JSON."""
+    salt, lora = namespace if isinstance(namespace, tuple) else (namespace, None)
+    return {"cache_salt": None if salt is None else str(salt),
+            "lora": None if lora is None else str(lora)}
+
+
+def _rate(r: HitRate) -> dict[str, Any]:
+    return {"requests": r.requests, "hits": r.hits, "queried_tokens": r.queried_tokens,
+            "hit_tokens": r.hit_tokens, "token_hit_rate": r.token_hit_rate}
 
 
 def _param(spec: PrefixSpec) -> str:

@@ -47,6 +47,7 @@ from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.kv_events import build_kv_events_router
 from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.prompt_body import PromptBodyLimit
+from prefixkv.server.cache_metrics import cache_view
 from prefixkv.server.engine_metrics import engine_gauges
 from prefixkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixkv.server.openai.serving import OpenAIServing
@@ -137,7 +138,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE: {}}}})
     @app.head("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
-        gauges = engine_gauges(await engine.get_stats())
+        gauges = engine_gauges(await engine.get_stats(), await engine.call(cache_view))
         metrics.set_lora(await engine.call(lora_requests_info))
         return Response(metrics.render(gauges), media_type=CONTENT_TYPE)
 

@@ -86,9 +86,18 @@ class PrefixSpec(_Strict):
 
 
 class PinRequest(PrefixSpec):
-    """``POST /v1/cache/pin``: compute the prefix if it is not cached, then pin it."""
+    """``POST /v1/cache/pin``: compute the prefix if it is not cached, then pin it; with
+    ``ttl_s`` or ``priority``, soft-retain it instead (docs/cache.md, "Retention": priority
+    0-100, default 100; TTL in seconds renewed by every hit, default 300)."""
 
     description: str | None = None
+    ttl_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    priority: Annotated[int, Field(strict=True, ge=0, le=100)] | None = None
+
+    @property
+    def soft(self) -> bool:
+        """Whether this asks for a soft retention rather than a pin."""
+        return self.ttl_s is not None or self.priority is not None
 
 
 class LookupRequest(PrefixSpec):

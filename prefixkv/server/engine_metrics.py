@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixkv.engine.outputs import EngineStats
+from prefixkv.server.cache_metrics import CacheView, cache_metrics
 from prefixkv.tiers.stats import TierStats
 
 
@@ -37,6 +38,8 @@ class EngineGauges:
     num_preemptions: int = 0
     block_size: int = 0
     enable_prefix_caching: bool = True
+    cache: CacheView | None = None
+    """Per-tenant usage, windowed hit rates, residency (``cache_metrics.py``)."""
 
 
 class EngineCollector(Collector):
@@ -83,6 +86,8 @@ class EngineCollector(Collector):
         yield counter("num_preemptions", "Running requests preempted (their KV freed, to be "
                       "recomputed) for room.", s.num_preemptions)
         yield from _tier_metrics(self._model, s.tiers)
+        if s.cache is not None:
+            yield from cache_metrics(self._model, s.cache)
         host = next((t.capacity_blocks for t in s.tiers if t.tier == "host"), 0)
         info = GaugeMetricFamily("prefixkv:cache_config_info", "The KV cache's configuration "
                                  "(vLLM's labels: the pool is its GPU blocks, the host tier its "
@@ -122,8 +127,8 @@ def _tier_metrics(model: str, tiers: tuple[TierStats, ...]) -> Iterator[Metric]:
         yield m
 
 
-def engine_gauges(s: EngineStats) -> EngineGauges:
-    """The scrape-time metrics snapshot from the engine's stats."""
+def engine_gauges(s: EngineStats, cache: CacheView | None = None) -> EngineGauges:
+    """The scrape-time metrics snapshot from the engine's stats (and ``cache_metrics``' view)."""
     c = s.cache
     return EngineGauges(
         num_requests_running=s.num_running,
@@ -141,4 +146,5 @@ def engine_gauges(s: EngineStats) -> EngineGauges:
         num_preemptions=s.num_preemptions,
         block_size=s.block_size,
         enable_prefix_caching=s.enable_prefix_caching,
+        cache=cache,
     )

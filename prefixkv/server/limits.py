@@ -38,18 +38,24 @@ class ServerLimits:
         default_chat_max_tokens: a chat request without ``max_tokens`` generates at most this
             many tokens (and never more than the room left in the context or the pool), like
             SGLang's default ``max_new_tokens``; completions default to OpenAI's 16.
+        max_retention_priority: the highest retention priority a request's ``priority`` field
+            reaches (0-100; 0: the field retains nothing; ``server/retention.py``).
     """
 
     max_body_bytes: int = 16 << 20
     max_n: int = 64
     max_prompts: int = 256
     default_chat_max_tokens: int = 1024
+    max_retention_priority: int = 50
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "max_prompts", "default_chat_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        cap = self.max_retention_priority
+        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= 100:
+            raise ValueError(f"max_retention_priority must be an int in [0, 100], got {cap!r}")
 
 
 class BodyTooLarge(HTTPException):

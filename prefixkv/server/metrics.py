@@ -64,6 +64,7 @@ VLLM_ALIASES = (
     "request_prefill_kv_computed_tokens",
     "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
     "num_preemptions", "request_prompt_tokens", "request_generation_tokens", "cache_config_info",
+    "kv_block_lifetime_seconds", "kv_block_idle_before_evict_seconds", "kv_block_reuse_gap_seconds",
     *(name for name, _, _ in _PHASES),
 )
 """Our ``prefixkv:<name>`` series that are also exported as ``vllm:<name>``. Not

@@ -12,13 +12,15 @@ user's ``tool_result`` blocks as ``tool`` messages), ``max_tokens`` (required),
 ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``). The answer is a ``message``: ``content``
 blocks (``text``; ``tool_use`` with the parsed ``input``), ``stop_reason`` (``end_turn``,
 ``max_tokens``, ``stop_sequence`` with ``stop_sequence``, ``tool_use``) and ``usage`` in
-Anthropic's terms: ``cache_read_input_tokens`` the prompt tokens read from the prefix cache,
-``input_tokens`` the rest (computed), ``cache_creation_input_tokens`` 0 (every computed block
-is cached; nothing is billed). Streaming: :mod:`prefixkv.server.anthropic.messages_stream`.
+Anthropic's terms (``cache_read_input_tokens``, ``cache_creation_input_tokens`` at the
+request's ``cache_control`` breakpoints, ``input_tokens`` the rest:
+:mod:`prefixkv.server.anthropic.cache_control`, which also retains the breakpoints' prefixes for
+their TTL). Streaming: :mod:`prefixkv.server.anthropic.messages_stream`.
 
 Not implemented, a 400 naming the field: image and document blocks, ``thinking`` enabled,
 server-side tools (``mcp_servers``, ``container``, and tools without an ``input_schema``).
-``cache_control`` marks are accepted and need nothing: every prefix is cached automatically.
+``cache_control`` (on tools, system blocks, content blocks, and the request itself) is checked
+as Anthropic checks it (``type`` ``"ephemeral"``, ``ttl`` ``"5m"`` or ``"1h"``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 """Chat ``finish_reason`` -> Anthropic ``stop_reason`` (``stop``: see :func:`stop_reason`)."""
 
 
+class CacheControl(_Body):
+    """A breakpoint: ``{"type": "ephemeral", "ttl": "5m" | "1h"}`` (``"5m"`` when absent)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class Block(_Body):
     """A content block: ``text``, ``tool_use`` or ``tool_result`` (others are refused)."""
 
@@ -47,7 +56,7 @@ class Block(_Body):
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
     def plain(self) -> str:
         """A ``tool_result``'s content (or a text block's text) as one string."""
@@ -71,7 +80,7 @@ class Tool(_Body):
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     input_schema: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 class ToolChoice(_Body):
@@ -104,6 +113,8 @@ class MessagesRequest(_Body):
     """vLLM's tenant key (requests with different salts never share cached KV)."""
     extra_key: Annotated[str, Field(min_length=1)] | None = None
     """SGLang's cache-isolation key (combined with ``cache_salt``)."""
+    cache_control: CacheControl | None = None
+    """Anthropic's automatic caching: a breakpoint after the whole conversation."""
 
 
 class CountTokensRequest(_Body):
@@ -113,9 +124,10 @@ class CountTokensRequest(_Body):
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
+    cache_control: CacheControl | None = None
 
 
-def _turns(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+def turns(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
     """The chat messages of a request (``APIError`` naming a block this server refuses)."""
     out: list[dict[str, Any]] = []
     if req.system:
@@ -152,7 +164,7 @@ def chat_body(req: MessagesRequest) -> dict[str, Any]:
     for name in ("mcp_servers", "container"):  # server-side tools: the answer would differ
         if getattr(req, name) is not None:
             raise APIError(f"{name} is not supported by this server", param=name)
-    body: dict[str, Any] = {"model": req.model, "messages": _turns(req), "max_tokens": req.max_tokens,
+    body: dict[str, Any] = {"model": req.model, "messages": turns(req), "max_tokens": req.max_tokens,
                             "stream": req.stream}
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
@@ -160,7 +172,7 @@ def chat_body(req: MessagesRequest) -> dict[str, Any]:
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.tools:
-        body["tools"] = _chat_tools(req.tools)
+        body["tools"] = chat_tools(req.tools)
     choice = req.tool_choice
     if choice is not None:
         if choice.type == "tool":
@@ -186,15 +198,6 @@ def stop_reason(finish: str | None, matched: Any, called: bool = False) -> tuple
     return STOP_REASONS.get(finish, "end_turn"), None
 
 
-def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
-    """Chat ``usage`` in Anthropic's terms (``input_tokens``: the prompt tokens computed)."""
-    u = chat_usage or {}
-    prompt = u.get("prompt_tokens", 0)
-    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"input_tokens": prompt - cached, "output_tokens": u.get("completion_tokens", 0),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
-
-
 def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     """A chat answer's ``message`` as content blocks (text first, then any tool calls)."""
     blocks: list[dict[str, Any]] = []
@@ -217,10 +220,10 @@ def message_object(mid: str, model: str, content: list[dict[str, Any]], reason: 
 def count_body(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The chat messages and tools a count is taken over (the tools as the chat path gives
     them to the template, so the count is the prompt a request renders)."""
-    return _turns(req), _chat_tools(req.tools) if req.tools else None
+    return turns(req), chat_tools(req.tools) if req.tools else None
 
 
-def _chat_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+def chat_tools(tools: list[Tool]) -> list[dict[str, Any]]:
     """Anthropic tools as chat ``tools`` (no ``description`` key when it has none, as the chat
     path's ``model_dump(exclude_none=True)`` hands them to the template)."""
     out = []

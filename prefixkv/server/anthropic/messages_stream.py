@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from prefixkv.engine.outputs import RequestOutput
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import check_prompt_chars
@@ -35,8 +36,9 @@ from prefixkv.server.anthropic.messages import (
     count_body,
     message_object,
     stop_reason,
-    usage,
 )
+from prefixkv.server.anthropic.cache_control import CacheWrites, breakpoints, retain, usage
+from prefixkv.server.lora_routes import adapter_of
 from prefixkv.server.openai.protocol import ChatCompletionRequest
 from prefixkv.server.openai.responses import new_id
 from prefixkv.server.openai.responses_stream import add_tool_calls, chat_chunks
@@ -59,24 +61,31 @@ def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
         except ValidationError as exc:
             err = exc.errors()[0]
             raise APIError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param="messages") from exc
-        answer = await serving.chat(chat, request.is_disconnected)
+        marks, writes = breakpoints(body), CacheWrites()
+
+        async def on_prefilled(out: RequestOutput) -> None:  # the breakpoints' retention
+            await retain(serving.engine, marks, out, writes, cache_salt=chat.cache_namespace,
+                         lora=adapter_of(serving.engine, chat.model))
+
+        answer = await serving.chat(chat, request.is_disconnected, on_prefilled if marks else None)
         mid = new_id("msg")
         if isinstance(answer, StreamingResponse):
             return EngineStreamingResponse(
-                _events(mid, serving.served_name(body.model), answer.body_iterator),
+                _events(mid, serving.served_name(body.model), answer.body_iterator, writes),
                 media_type="text/event-stream")
         data = json.loads(bytes(answer.body))
         choice = data["choices"][0]
         return JSONResponse(message_object(
             mid, data["model"], content_blocks(choice["message"]),
             stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(choice["message"].get("tool_calls"))),
-            usage(data.get("usage"))))
+            usage(data.get("usage"), writes)))
 
     @router.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         check_prompt_chars(serving.engine.max_model_len, _prompt_fields(body))
         policy.check(body)
         check_model(body.model)
+        breakpoints(body)  # checked as a request's are
         messages, tools = count_body(body)
         try:
             extra: dict[str, Any] = {"tools": tools} if tools else {}
@@ -97,8 +106,10 @@ def _event(kind: str, **fields: Any) -> bytes:
     return sse({"type": kind, **fields}, event=kind)
 
 
-async def _events(mid: str, model: str, chat: AsyncIterable[Any]) -> AsyncIterator[bytes]:
-    """The events of one streamed message; closing this closes ``chat`` (aborting its request)."""
+async def _events(mid: str, model: str, chat: AsyncIterable[Any], writes: CacheWrites
+                  ) -> AsyncIterator[bytes]:
+    """The events of one streamed message (``writes``: what its breakpoints created, filled
+    once its prompt is computed); closing this closes ``chat`` (aborting its request)."""
     started = text_open = False
     calls: dict[int, dict[str, str]] = {}
     finish: str | None = None
@@ -111,7 +122,7 @@ async def _events(mid: str, model: str, chat: AsyncIterable[Any]) -> AsyncIterat
                 return
             chat_usage = chunk.get("usage") or chat_usage
             if not started:
-                start = usage(chat_usage)
+                start = usage(chat_usage, writes)
                 start["output_tokens"] = 0
                 yield _event("message_start", message=message_object(mid, model, [], (None, None), start))
                 started = True
@@ -131,7 +142,7 @@ async def _events(mid: str, model: str, chat: AsyncIterable[Any]) -> AsyncIterat
         if aclose is not None:
             await aclose()
     if not started:  # (a chat stream always sends a chunk first; kept for safety)
-        yield _event("message_start", message=message_object(mid, model, [], (None, None), usage(None)))
+        yield _event("message_start", message=message_object(mid, model, [], (None, None), usage(None, writes)))
     index = 0
     if text_open or not calls:
         if not text_open:
@@ -147,5 +158,5 @@ async def _events(mid: str, model: str, chat: AsyncIterable[Any]) -> AsyncIterat
         index += 1
     reason = stop_reason(finish, matched, bool(calls))
     yield _event("message_delta", delta={"stop_reason": reason[0], "stop_sequence": reason[1]},
-                 usage=usage(chat_usage))
+                 usage=usage(chat_usage, writes))
     yield _event("message_stop")

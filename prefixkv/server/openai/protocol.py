@@ -130,9 +130,15 @@ class SamplingRequest(_Body):
     truncation_side: Literal["left", "right"] | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")] | None = None
     user: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     """OpenAI's cache routing hint: this server caches every prefix anyway; ``prefixkv route``
-    sends requests sharing a key to the same worker."""
+    sends requests sharing a key to the same worker; hit rates are kept per key."""
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    """OpenAI's: ``"24h"`` retains the request's cached prefix a day (``server/retention.py``);
+    ``"in_memory"`` leaves it to the eviction policy."""
+    priority: Annotated[int, Field(strict=True)] | None = None
+    """vLLM's / SGLang's: above 0, the retention priority of what the request caches (capped by
+    ``--max-retention-priority``); this server does not schedule by it."""
 
     @field_validator("stop")
     @classmethod

@@ -9,18 +9,29 @@ APIs) and vLLM's render API; an invalid combination the engine refuses is a 400.
 
 from __future__ import annotations
 
+from prefixkv.cache.retention import Retention
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.server.errors import APIError
 from prefixkv.server.openai.protocol import SamplingRequest
+from prefixkv.server.retention import PROMPT_CACHE_RETENTION, request_retention
 
-__all__ = ["sampling_params"]
+__all__ = ["retention_of", "sampling_params"]
+
+
+def retention_of(req: SamplingRequest, max_priority: int) -> Retention | None:
+    """What a body's ``prompt_cache_retention`` and ``priority`` ask the cache to keep
+    (``max_priority``: ``--max-retention-priority``)."""
+    ttl = None if req.prompt_cache_retention is None else PROMPT_CACHE_RETENTION[req.prompt_cache_retention]
+    return request_retention(priority=req.priority, ttl_s=ttl, cap=max_priority)
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: int | None = None,
                     prompt_logprobs: int | None = None,
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
-    """The engine's sampling params for a validated request body."""
+                    structured: StructuredOutputsParams | None = None,
+                    retention: Retention | None = None) -> SamplingParams:
+    """The engine's sampling params for a validated request body (``retention``:
+    :func:`retention_of`'s)."""
     try:
         return SamplingParams(
             n=req.n,
@@ -43,7 +54,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, *, logprobs: i
             skip_special_tokens=req.skip_special_tokens,
             logprobs=0 if req.logprob_token_ids and logprobs is not None else logprobs,  # (vLLM's rule)
             logprob_token_ids=req.logprob_token_ids, prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured,
+            structured_outputs=structured, retention=retention, cache_key=req.prompt_cache_key,
         )
     except ValueError as exc:
         raise APIError(str(exc)) from exc

@@ -134,7 +134,11 @@ class ResponsesRequest(_Body):
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    """OpenAI's: ``"24h"`` retains the request's cached prefix a day (``server/retention.py``)."""
+    priority: Annotated[int, Field(strict=True)] | None = None
+    """vLLM's: above 0, the retention priority of what the request caches (capped)."""
     reasoning: dict[str, Any] | None = None
     background: StrictBool = False
     truncation: Literal["disabled", "auto"] | None = None
@@ -179,7 +183,8 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
                             "max_tokens": req.max_output_tokens}
-    for name in ("temperature", "top_p", "user", "cache_salt", "extra_key"):
+    for name in ("temperature", "top_p", "user", "cache_salt", "extra_key", "prompt_cache_key",
+                 "prompt_cache_retention", "priority"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     fmt = req.text.format if req.text is not None else None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from prefixkv.server.lora_routes import adapter_of
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from prefixkv.server.openai.render import ChoiceRenderer
-from prefixkv.server.openai.request_params import sampling_params
+from prefixkv.server.openai.request_params import retention_of, sampling_params
 from prefixkv.server.openai.tools import output_constraint
 from prefixkv.server.streaming import (Disconnected, EngineStreamingResponse, engine_failure,
                                        finish_unless_gone, sse)
@@ -54,6 +54,11 @@ def _param_of(message: str, default: str) -> str | None:
     return default
 
 
+Prefilled = Callable[[RequestOutput], Awaitable[None]]
+"""Called once per engine request when its prompt is in the cache (its first token, or its end):
+the Messages API retains its ``cache_control`` breakpoints there. It must not raise."""
+
+
 @dataclass(slots=True)
 class _Job:
     """The engine requests of one HTTP request and how far each has got."""
@@ -64,6 +69,15 @@ class _Job:
     last: RequestOutput
     done: bool = False
     ttft: float | None = None
+    on_prefilled: Prefilled | None = None
+
+
+async def _prefilled(job: _Job, out: RequestOutput) -> None:
+    """Run the job's :data:`Prefilled` hook once its prompt is computed (a token, or the end)."""
+    hook = job.on_prefilled
+    if hook is not None and (out.finished or any(o.token_ids for o in out.outputs)):
+        job.on_prefilled = None
+        await hook(out)
 
 
 class OpenAIServing:
@@ -109,7 +123,8 @@ class OpenAIServing:
             prompt_lp = max(prompt_lp or 0, req.logprobs)
         params = sampling_params(
             req, 1 if echo_only else (req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS),
-            logprobs=req.logprobs, prompt_logprobs=prompt_lp, structured=structured)
+            logprobs=req.logprobs, prompt_logprobs=prompt_lp, structured=structured,
+            retention=retention_of(req, self.limits.max_retention_priority))
         view = self._renderer(req, chat=False, num_logprobs=req.logprobs, echo=req.echo,
                               echo_only=echo_only)
         return await self._run("cmpl", prompts, params, req, is_disconnected, view)
@@ -124,9 +139,9 @@ class OpenAIServing:
             token_ids=req.return_token_ids, as_ids=bool(req.return_tokens_as_token_ids),
             prompt_logprobs=req.prompt_logprobs is not None, **kwargs)
 
-    async def chat(self, req: ChatCompletionRequest,
-                   is_disconnected: Disconnected) -> JSONResponse | StreamingResponse:
-        """``POST /v1/chat/completions``."""
+    async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected,
+                   on_prefilled: Prefilled | None = None) -> JSONResponse | StreamingResponse:
+        """``POST /v1/chat/completions`` (``on_prefilled``: see :data:`Prefilled`)."""
         check_prompt_chars(self.engine.max_model_len, {"messages": req.messages, "tools": req.tools})
         self.check_limits(req, 1)
         structured, tool_mode = await output_constraint(self.engine, req)
@@ -139,9 +154,11 @@ class OpenAIServing:
             max_tokens = None if room is None else min(room, self.limits.default_chat_max_tokens)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens, logprobs=num_logprobs,
-                                 prompt_logprobs=req.prompt_logprobs, structured=structured)
+                                 prompt_logprobs=req.prompt_logprobs, structured=structured,
+                                 retention=retention_of(req, self.limits.max_retention_priority))
         view = self._renderer(req, chat=True, num_logprobs=num_logprobs, tool_mode=tool_mode)
-        return await self._run("chatcmpl", [prompt], params, req, is_disconnected, view)
+        return await self._run("chatcmpl", [prompt], params, req, is_disconnected, view,
+                               on_prefilled)
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """A chat body's messages through the chat template (with its ``chat_template_kwargs``
@@ -170,7 +187,8 @@ class OpenAIServing:
 
     async def _run(self, kind: str, prompts: list[Any], params: SamplingParams,
                    req: SamplingRequest, is_disconnected: Disconnected,
-                   view: ChoiceRenderer) -> JSONResponse | StreamingResponse:
+                   view: ChoiceRenderer, on_prefilled: Prefilled | None = None
+                   ) -> JSONResponse | StreamingResponse:
         """Submit, then answer whole or streamed. The response id is ``<kind>-<request_id>``
         (the body's ``request_id`` or the ``X-Request-Id`` header, as vLLM's) or a random one;
         engine ids add a random suffix to a client's id (two clients may send the same)."""
@@ -180,7 +198,8 @@ class OpenAIServing:
         engine_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if req.request_id else rid
         lora = adapter_of(self.engine, req.model)
         model = lora or self.model_name
-        jobs = await self._submit(engine_rid, prompts, params, req, lora, chat=chat, t0=t0)
+        jobs = await self._submit(engine_rid, prompts, params, req, lora, chat=chat, t0=t0,
+                                  on_prefilled=on_prefilled)
         if req.stream:
             opts = req.stream_options
             return EngineStreamingResponse(
@@ -203,8 +222,8 @@ class OpenAIServing:
         return JSONResponse(self._final_body(rid, model, jobs, params.n, view))
 
     async def _submit(self, rid: str, prompts: list[Any], params: SamplingParams,
-                      req: SamplingRequest, lora: str | None, *, chat: bool, t0: float
-                      ) -> list[_Job]:
+                      req: SamplingRequest, lora: str | None, *, chat: bool, t0: float,
+                      on_prefilled: Prefilled | None = None) -> list[_Job]:
         """Start one engine request per prompt and wait for each one's first output, so a
         submission error becomes a 400 before the response starts. On any failure every
         request already started is aborted."""
@@ -223,7 +242,10 @@ class OpenAIServing:
                 raise engine_failure(exc) from exc
             except StopAsyncIteration as exc:
                 raise APIError("the engine returned no output", status=500) from exc
-            return _Job(stream=stream, request_id=sub_id, first=first, last=first)
+            job = _Job(stream=stream, request_id=sub_id, first=first, last=first,
+                       on_prefilled=on_prefilled)
+            await _prefilled(job, first)
+            return job
 
         results = await asyncio.gather(*(start(i, p) for i, p in enumerate(prompts)),
                                        return_exceptions=True)
@@ -247,6 +269,7 @@ class OpenAIServing:
             job.done = True
             raise
         self._observe(job, out, t0, first_report=False)
+        await _prefilled(job, out)
         return out
 
     def _observe(self, job: _Job, out: RequestOutput, t0: float, *, first_report: bool) -> None:

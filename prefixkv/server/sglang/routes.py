@@ -41,6 +41,7 @@ from prefixkv.wire.kv_events import request_salt
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
 from prefixkv.server.limits import ServerLimits
+from prefixkv.server.retention import request_retention
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.bodies import TokenId, _Body
 from prefixkv.server.lora_routes import adapter_names, adapter_of
@@ -118,6 +119,9 @@ class GenerateRequest(LogprobOptions):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     extra_key: Annotated[str, Field(min_length=1)] | None = None
     lora_path: str | list[str | None] | None = None  # SGLang's: a loaded adapter's name, per prompt
+    priority: Annotated[int, Field(strict=True)] | None = None
+    """SGLang's: above 0, the retention priority of what the request caches (capped by
+    ``--max-retention-priority``; ``server/retention.py``)."""
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -213,7 +217,8 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
                            f"(--max-prompts-per-request), got {len(prompts)}",
                            param="text" if body.text is not None else "input_ids")
         try:
-            params = body.sampling_params.to_params(**body.engine_fields())
+            params = body.sampling_params.to_params(**body.engine_fields(), retention=request_retention(
+                priority=body.priority, ttl_s=None, cap=limits.max_retention_priority))
         except ValueError as exc:
             about_ids = str(exc).startswith("logprob_token_ids")
             raise APIError(str(exc), param="token_ids_logprob" if about_ids else "sampling_params") from exc

@@ -1,0 +1,203 @@
+"""Retention a client asks for, over HTTP (issue 43): Anthropic's ``cache_control`` (usage
+checked against what the cache did), OpenAI's ``prompt_cache_retention``, the ``priority``
+field bounded by ``--max-retention-priority``, the admin pin's ``ttl_s`` / ``priority``, and
+per-tenant quotas and hit rates in ``/v1/cache/stats`` and ``/metrics``.
+
+The pressure tests run their own small-pool engines, so a flood of prompts evicts for real.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from server_live import BLOCK_SIZE, MODEL, LiveServer, start_server, unique_text, wait_idle
+
+from prefixkv.engine import AsyncEngine
+from prefixkv.server.limits import ServerLimits
+
+SMALL_POOL = 40  # blocks: a few prompts fill it
+
+
+def _client(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+
+
+def _system_len(engine: AsyncEngine, system: str) -> int:
+    """Tokens of the system turn alone (where a breakpoint on it falls with the demo template)."""
+    rendered = engine.engine.chat_prompt([{"role": "system", "content": system}], False)
+    return len(rendered["prompt_token_ids"])
+
+
+def _tenant(stats: dict[str, Any], salt: str) -> dict[str, Any]:
+    return next((t for t in stats["tenants"] if t["cache_salt"] == salt),
+                {"cached_blocks": 0, "retained_blocks": 0})
+
+
+def _cached(http: httpx.Client, text: str, salt: str | None = None) -> int:
+    body: dict[str, Any] = {"text": text} if salt is None else {"text": text, "cache_salt": salt}
+    r = http.post("/v1/cache/lookup", json=body)
+    assert r.status_code == 200, r.text
+    return int(r.json()["cached_tokens"])
+
+
+# ------------------------------------------------------------------ Anthropic cache_control
+
+
+def test_cache_control_usage_matches_the_cache(server: LiveServer, http: httpx.Client) -> None:
+    salt = f"cc-{uuid.uuid4().hex}"
+    system = unique_text("ccsys", 60)
+    bp = _system_len(server.engine, system)
+    created = bp // BLOCK_SIZE * BLOCK_SIZE
+    client = _client(server.url)
+
+    def ask(question: str) -> Any:
+        return client.messages.create(
+            model=MODEL, max_tokens=2, extra_body={"cache_salt": salt},
+            system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            messages=[{"role": "user", "content": question}])
+
+    first = ask(unique_text("ccq1", 5)).usage
+    assert first.cache_read_input_tokens == 0
+    assert first.cache_creation_input_tokens == created > 0
+    assert first.cache_creation.ephemeral_5m_input_tokens == created
+    assert first.cache_creation.ephemeral_1h_input_tokens == 0
+    stats = wait_idle(http)
+    assert _tenant(stats, salt)["retained_blocks"] == created // BLOCK_SIZE  # what the cache did
+
+    second = ask(unique_text("ccq2", 5)).usage
+    assert second.cache_creation_input_tokens == 0
+    assert second.cache_read_input_tokens >= created  # the system prefix (and what follows it)
+    count = client.messages.count_tokens(model=MODEL, messages=[
+        {"role": "user", "content": unique_text("ccq2", 5)}], system=system)
+    assert (second.input_tokens + second.cache_read_input_tokens
+            + second.cache_creation_input_tokens) == count.input_tokens
+
+
+def test_cache_control_on_a_content_block_with_1h_streams_its_usage(server: LiveServer) -> None:
+    salt = f"cc-{uuid.uuid4().hex}"
+    doc = unique_text("ccdoc", 50)
+    client = _client(server.url)
+    blocks = [{"type": "text", "text": doc, "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+              {"type": "text", "text": " what next?"}]
+    with client.messages.stream(model=MODEL, max_tokens=2, extra_body={"cache_salt": salt},
+                                messages=[{"role": "user", "content": blocks}]) as stream:
+        final = stream.get_final_message()
+    u = final.usage
+    assert u.cache_creation_input_tokens > 0 and u.cache_read_input_tokens == 0
+    assert u.cache_creation.ephemeral_1h_input_tokens == u.cache_creation_input_tokens
+    assert u.cache_creation_input_tokens % BLOCK_SIZE == 0
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"cache_control": {"type": "persistent"}}, "cache_control"),
+    ({"cache_control": {"type": "ephemeral", "ttl": "2h"}}, "cache_control"),
+])
+def test_cache_control_bad_values_are_400(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400, r.text
+    assert param in r.text
+
+
+def test_cache_control_limits_are_anthropics(http: httpx.Client) -> None:
+    mark = {"type": "ephemeral"}
+    five = [{"type": "text", "text": f"part {i}", "cache_control": mark} for i in range(5)]
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = http.post(route, json={"model": MODEL, "max_tokens": 1,
+                                   "messages": [{"role": "user", "content": five}]})
+        assert r.status_code == 400 and "at most 4" in r.text, r.text
+    late_1h = [{"type": "text", "text": "a", "cache_control": mark},
+               {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 1,
+                                        "messages": [{"role": "user", "content": late_1h}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1].cache_control"
+
+
+# ------------------------------------------------------------------ pressure: a small pool
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[LiveServer]:
+    eng = AsyncEngine.from_args(None, block_size=BLOCK_SIZE, num_kv_blocks=SMALL_POOL)
+    live = start_server(eng, model_name=MODEL, limits=ServerLimits(max_retention_priority=10))
+    yield live
+    live.stop()
+    eng.shutdown()
+
+
+def _flood(client: openai.OpenAI, tag: str, n: int, **extra: Any) -> None:
+    for i in range(n):  # ~6 blocks each: together about twice the pool
+        client.completions.create(model=MODEL, prompt=unique_text(f"{tag}{i}x", 12), max_tokens=1,
+                                  extra_body=extra or None)
+
+
+def test_prompt_cache_retention_survives_a_flood(small: LiveServer) -> None:
+    client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
+    kept, plain = unique_text("keep24h", 12), unique_text("plain", 14)
+    out = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": kept}], extra_body={"prompt_cache_retention": "24h"})
+    client.completions.create(model=MODEL, prompt=kept, max_tokens=1,
+                              extra_body={"prompt_cache_retention": "24h"})
+    client.completions.create(model=MODEL, prompt=plain, max_tokens=1)
+    assert out.choices[0].finish_reason is not None
+    with httpx.Client(base_url=small.url, timeout=60) as http:
+        assert _cached(http, kept) >= 4 * BLOCK_SIZE and _cached(http, plain) >= 4 * BLOCK_SIZE
+        _flood(client, "flood24", 12)
+        assert _cached(http, plain) == 0  # the policy evicted the unretained prompt
+        assert _cached(http, kept) >= 4 * BLOCK_SIZE  # the retained one outlived the flood
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                               "prompt_cache_retention": "forever"})
+        assert r.status_code == 400 and "prompt_cache_retention" in r.text
+
+
+def test_priority_is_bounded_by_the_operator(small: LiveServer) -> None:
+    """A request's priority 99 is capped at --max-retention-priority (10 here): under a flood
+    that retains at 10 too, it goes before an admin retention at 20 (uncapped: it would stay)."""
+    client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
+    asked, admin = unique_text("prio99", 12), unique_text("admin20", 12)
+    with httpx.Client(base_url=small.url, timeout=60) as http:
+        client.completions.create(model=MODEL, prompt=asked, max_tokens=1, extra_body={"priority": 99})
+        r = http.post("/v1/cache/pin", json={"text": admin, "priority": 20, "ttl_s": 600})
+        assert r.status_code == 200 and r.json()["retained"] and not r.json()["pinned"], r.text
+        assert r.json()["num_blocks"] == len(small.engine.engine.tokenize(admin)[1]) // BLOCK_SIZE
+        _flood(client, "floodprio", 12, priority=10)
+        assert _cached(http, admin) >= 4 * BLOCK_SIZE
+        assert _cached(http, asked) == 0
+        assert http.get("/v1/cache/pinned").json()["data"] == []  # a retention is not a pin
+        bad = http.post("/v1/cache/pin", json={"text": admin, "priority": 101})
+        assert bad.status_code == 400 and "priority" in bad.text
+
+
+def test_quotas_per_tenant_in_stats_and_metrics() -> None:
+    eng = AsyncEngine.from_args(None, block_size=BLOCK_SIZE, num_kv_blocks=SMALL_POOL,
+                                max_cached_blocks_per_tenant=12)
+    live = start_server(eng, model_name=MODEL)
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        quiet = unique_text("quietA", 12)
+        client.completions.create(model=MODEL, prompt=quiet, max_tokens=1,
+                                  extra_body={"cache_salt": "tenant-a", "prompt_cache_key": "sess-a"})
+        first = [client.completions.create(model=MODEL, prompt=quiet, max_tokens=1,
+                                           extra_body={"cache_salt": "tenant-a"})]
+        _flood(client, "noisyB", 8, cache_salt="tenant-b")
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            stats = wait_idle(http)
+            a, b = _tenant(stats, "tenant-a"), _tenant(stats, "tenant-b")
+            assert a["cached_blocks"] >= 4 and b["cached_blocks"] > 12  # B over its quota...
+            assert _cached(http, quiet, "tenant-a") >= 4 * BLOCK_SIZE  # ...yet could not flush A
+            rates = {t["cache_salt"]: t for t in stats["hit_rates"]["tenants"]}
+            assert rates["tenant-a"]["requests"] == 2 and rates["tenant-a"]["hits"] == 1
+            assert [k["prompt_cache_key"] for k in stats["hit_rates"]["prompt_cache_keys"]] == ["sess-a"]
+            text = http.get("/metrics").text
+        assert first[0].usage.prompt_tokens_details.cached_tokens > 0
+        assert "prefixkv:tenant_cached_blocks{" in text and "tenant-a" not in text  # hashed ids
+        assert 'prefixkv:prefix_cache_hit_rate_by_tenant' in text
+    finally:
+        live.stop()
+        eng.shutdown()
