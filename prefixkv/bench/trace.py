@@ -186,7 +186,8 @@ def replay(
     index: str = "hash",
     clock: str = "timestamp",
     progress: Callable[[int], None] | None = None,
-    retention: Retention | None = None,
+    retention: Retention | Callable[[TraceRequest], Retention | None] | None = None,
+    hits: list[int] | None = None,
 ) -> TraceRow:
     """Replay ``requests`` through a fresh index of ``capacity_tokens // block_size`` blocks.
 
@@ -195,7 +196,8 @@ def replay(
     :func:`prefixkv.bench.belady.BeladyPolicy.for_trace`). ``progress(n)`` is called with the
     number of requests done since the last call. ``retention``: every request retains its
     prefix (soft retention, renewed by the session's next request; the row's policy is then
-    labelled ``<policy>+retain<ttl>s``).
+    labelled ``<policy>+retain<ttl>s``), or a function giving each request's (or ``None``).
+    ``hits``: each request's hit tokens are appended to it.
     """
     if index not in INDEXES:
         raise ValueError(f"index must be one of {INDEXES}, got {index!r}")
@@ -214,7 +216,8 @@ def replay(
     if isinstance(policy, str):
         policy = (BeladyPolicy.for_trace(requests, times) if policy == BeladyPolicy.name
                   else make_online_policy(policy))
-    label = label or policy.name + ("" if retention is None else f"+retain{retention.ttl_s:g}s")
+    label = label or policy.name + ("" if retention is None else "+retain" + (
+        f"{retention.ttl_s:g}s" if isinstance(retention, Retention) else ""))
     now = [0.0]
 
     def index_clock() -> float:
@@ -245,17 +248,20 @@ def replay(
         total_blocks += len(ids)
         hit_tokens += min(k * block_size, r.input_length)
         input_tokens += r.input_length
+        if hits is not None:
+            hits.append(min(k * block_size, r.input_length))
+        ret = retention(r) if callable(retention) else retention
         n = min(len(ids), blocks) - k  # a request larger than the cache keeps its head only
         new = pool.allocate(max(n, 0), evict_from=cache)  # evicts exactly the shortfall
         if new is None:
             raise RuntimeError(f"request {i}: could not allocate {n} blocks (pool accounting)")
         if n > 0:
             node = cache.insert_prefix(ids[: k + n], [*m.matched_kv_blocks, *new],
-                                       retention=retention)
+                                       retention=ret)
             if node.returned_block_ids:
                 pool.free(node.returned_block_ids)
-        elif retention is not None and k:
-            cache.retain(ids[:k], retention)
+        elif ret is not None and k:
+            cache.retain(ids[:k], ret)
         cache.unlock(m)
         if chosen is not None:
             name = chosen()

@@ -1,11 +1,12 @@
 """``python -m prefixkv.bench.trace_retention TRACE``: per-session retention against the policy
 alone, same run.
 
-Every request of the trace retains its whole prefix (:class:`~prefixkv.cache.Retention`, one
-TTL for every session, renewed by the session's next request: the cache core's soft
-retention), replayed through the cache core exactly as ``prefixkv bench trace`` does
+Every request of a retaining session (``--share`` of the sessions, 1.0: all; a session is the
+requests sharing a first block id) retains its whole prefix (:class:`~prefixkv.cache.Retention`,
+one TTL, renewed by the session's next request: the cache core's soft retention), replayed
+through the cache core exactly as ``prefixkv bench trace`` does
 (:func:`prefixkv.bench.trace.replay`), for each TTL and capacity; the first row per capacity is
-the policy alone. The agentic trace's sessions send their next turn within seconds to minutes,
+the policy alone. Hit rates are given overall and for the retaining sessions and the others. The agentic trace's sessions send their next turn within seconds to minutes,
 so a TTL shields a live session's context from the long contexts of the others, and lets it go
 once the session has been quiet for that long.
 
@@ -22,7 +23,7 @@ import argparse
 import json
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 
 from prefixkv.bench.trace import (
     TraceRequest,
@@ -35,18 +36,54 @@ from prefixkv.bench.trace import (
 from prefixkv.cache import Retention
 
 
+@dataclass(frozen=True, slots=True)
+class RetentionRow:
+    """One replay: the trace row, the TTL (``None``: the policy alone), and the token hit
+    rates of the sessions that retain and of the others (the same sessions in every row)."""
+
+    row: TraceRow
+    ttl_s: float | None
+    share: float
+    retained_hit_rate: float
+    others_hit_rate: float
+
+
+def retains(session: int, share: float) -> bool:
+    """Whether session ``session`` (its first block id) is among the ``share`` that retain
+    (a fixed hash of the id, the same in every replay)."""
+    return share >= 1.0 or (session * 2654435761) % 1_000_003 < share * 1_000_003
+
+
 def run(requests: Sequence[TraceRequest], capacities: Sequence[int], ttls: Sequence[float],
         *, policy: str = "experts", priority: int = 50, index: str = "radix",
-        block_size: int = 512) -> list[TraceRow]:
-    """Per capacity: the policy alone, then the policy with every request retained for each
-    TTL (a fresh policy and index per replay)."""
-    rows = []
+        block_size: int = 512, share: float = 1.0) -> list[RetentionRow]:
+    """Per capacity: the policy alone, then the policy with every request of the retaining
+    sessions (``share`` of them) retained for each TTL (a fresh policy and index per
+    replay)."""
+    chosen = [bool(r.hash_ids) and retains(r.hash_ids[0], share) for r in requests]
+    mine = {id(r) for r, c in zip(requests, chosen) if c}
+    out = []
     for cap in capacities:
-        rows.append(replay(requests, cap, policy, index=index, block_size=block_size))
-        for ttl in ttls:
-            rows.append(replay(requests, cap, policy, index=index, block_size=block_size,
-                               retention=Retention(priority=priority, ttl_s=ttl)))
-    return rows
+        for ttl in (None, *ttls):
+            hits: list[int] = []
+            asked = None if ttl is None else Retention(priority=priority, ttl_s=ttl)
+
+            def ask(r: TraceRequest, a: Retention | None = asked) -> Retention | None:
+                return a if id(r) in mine else None
+
+            row = replay(requests, cap, policy, index=index, block_size=block_size, hits=hits,
+                         retention=None if asked is None else ask)
+            row = replace(row, policy=row.policy if ttl is None else f"{policy}+retain{ttl:g}s")
+            out.append(RetentionRow(row, ttl, share, _rate(requests, hits, chosen, True),
+                                    _rate(requests, hits, chosen, False)))
+    return out
+
+
+def _rate(requests: Sequence[TraceRequest], hits: Sequence[int], chosen: Sequence[bool],
+          which: bool) -> float:
+    inp = sum(r.input_length for r, c in zip(requests, chosen) if c is which)
+    got = sum(h for h, c in zip(hits, chosen) if c is which)
+    return got / inp if inp else 0.0
 
 
 def session_gaps(requests: Sequence[TraceRequest]) -> list[float]:
@@ -65,15 +102,18 @@ def session_gaps(requests: Sequence[TraceRequest]) -> list[float]:
     return gaps
 
 
-def format_table(rows: Sequence[TraceRow]) -> str:
-    """One line per capacity and variant: hit rate and ratio to the policy alone."""
-    base = {r.capacity_tokens: r.hit_rate for r in rows if "+retain" not in r.policy}
-    lines = [f"{'capacity':>9}  {'variant':<28}  {'hit rate':>8}  {'x alone':>7}  {'req/s':>7}"]
+def format_table(rows: Sequence[RetentionRow]) -> str:
+    """One line per capacity and variant: hit rate, its ratio to the policy alone, and the
+    hit rates of the retaining sessions and of the others."""
+    base = {r.row.capacity_tokens: r.row.hit_rate for r in rows if r.ttl_s is None}
+    lines = [f"{'capacity':>9}  {'variant':<24}  {'hit rate':>8}  {'x alone':>7}  "
+             f"{'retaining':>9}  {'others':>7}  {'req/s':>6}"]
     for r in rows:
-        b = base.get(r.capacity_tokens) or 0.0
-        ratio = f"{r.hit_rate / b:.3f}" if b else "-"
-        lines.append(f"{format_tokens(r.capacity_tokens or 0):>9}  {r.policy:<28}  "
-                     f"{r.hit_rate:8.4f}  {ratio:>7}  {r.requests_per_s:7.0f}")
+        b = base.get(r.row.capacity_tokens) or 0.0
+        ratio = f"{r.row.hit_rate / b:.3f}" if b else "-"
+        lines.append(f"{format_tokens(r.row.capacity_tokens or 0):>9}  {r.row.policy:<24}  "
+                     f"{r.row.hit_rate:8.4f}  {ratio:>7}  {r.retained_hit_rate:9.4f}  "
+                     f"{r.others_hit_rate:7.4f}  {r.row.requests_per_s:6.0f}")
     return "\n".join(lines)
 
 
@@ -97,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="retention TTLs in seconds, one replay each")
     p.add_argument("--policy", default="experts", help="the eviction policy under retention")
     p.add_argument("--priority", type=int, default=50, help="the retention priority (0-100)")
+    p.add_argument("--share", type=float, default=1.0,
+                   help="fraction of sessions that retain (by a fixed hash of the session)")
     p.add_argument("--index", default="radix", choices=("radix", "hash"))
     p.add_argument("--block-size", type=int, default=512, help="tokens per trace hash id")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -108,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         Retention(priority=args.priority, ttl_s=ttl)  # ValueError naming the field
     requests = load_trace(args.trace, block_size=args.block_size)
     print(format_gaps(session_gaps(requests)), flush=True)
+    if not 0 < args.share <= 1:
+        p.error(f"--share must be in (0, 1], got {args.share}")
     rows = run(requests, [c for c in caps if c is not None], args.ttls, policy=args.policy,
-               priority=args.priority, index=args.index, block_size=args.block_size)
+               priority=args.priority, index=args.index, block_size=args.block_size,
+               share=args.share)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

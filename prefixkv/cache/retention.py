@@ -5,8 +5,11 @@ cached prefix path-wide, as a pin is, but it only orders eviction: an entry hold
 record (:class:`Retained`) is kept out of the evictable heap, in a :class:`RetainedSet` beside
 it, and the eviction loop reaches it only when the heap is empty (so the common eviction path,
 the C runner included, never sees it). Among retained leaves the lowest priority goes first,
-then the soonest expiry, then the policy's own order. A hit on a retained entry renews its
-expiry (``now + ttl``); once a record expires the entry decays to the policy's normal order.
+then the policy's own order (its key when the leaf was filed: a touch re-files it). A hit on a
+retained entry renews its expiry (``now + ttl``); once a record expires the entry decays to the
+policy's normal order among the unretained. (Ordering a priority by expiry instead turned an
+adaptive policy into LRU whenever every session retained: 0.92x its hit rate on the agentic
+trace at 3M tokens, against 0.998x this way; docs/benchmarks.md, "Retention".)
 Expiry is lazy, by the index's injected clock: records that ran out are cleared when eviction,
 statistics or a new retention look (:meth:`RetainedSet.expire`), or when a hit or a re-file
 reaches them.
@@ -100,7 +103,7 @@ class RetainedSet:
         self._policy = policy
         self._clock = clock
         self._refile = refile
-        self._heap: list[tuple[Any, ...]] = []  # (priority, expiry, key, seq, entry)
+        self._heap: list[tuple[Any, ...]] = []  # (priority, policy key, seq, entry)
         self._member: dict[int, int] = {}  # id(leaf) -> seq of its live item
         self._expiry: list[tuple[float, int, Any]] = []  # (expiry, seq, entry holding a record)
         self._seq = 0
@@ -187,7 +190,7 @@ class RetainedSet:
         self._watch(e)
         self._seq += 1
         self._member[id(e)] = self._seq
-        heapq.heappush(self._heap, (r.priority, r.expiry, self._policy.key(e), self._seq, e))
+        heapq.heappush(self._heap, (r.priority, self._policy.key(e), self._seq, e))
         if len(self._heap) > 2 * len(self._member) + 64:
             self._heap = [it for it in self._heap if self._member.get(id(it[-1])) == it[-2]]
             heapq.heapify(self._heap)
@@ -202,8 +205,8 @@ class RetainedSet:
         return id(e) in self._member
 
     def pop(self) -> Any | None:
-        """The retained leaf to evict next (lowest priority, soonest expiry, policy order),
-        taken out of the set; ``None`` if there is none."""
+        """The retained leaf to evict next (lowest priority, then the policy's order), taken
+        out of the set; ``None`` if there is none."""
         heap, member = self._heap, self._member
         while heap:
             item = heapq.heappop(heap)

@@ -3,8 +3,8 @@
 A request's soft retention (a priority 0-100 and a TTL, ``prefixkv.cache.Retention``) keeps
 its prefix in the pool; its blocks' tier keys carry the same retention down: the host and disk
 tiers choose victims among unretained keys first (their own LRU order), then retained ones,
-lowest priority and soonest expiry first (:meth:`RetainedKeys.victims`), until the TTL runs
-out; the remote tier stores them with an expiry at least as long
+lowest priority first, in their own order within a priority (:meth:`RetainedKeys.victims`),
+until the TTL runs out; the remote tier stores them with an expiry at least as long
 (:meth:`~prefixkv.tiers.remote.RemoteTier.retain`). A key retained again keeps the higher
 priority (on a tie, the later expiry), as the pool does. Pinned keys still win: the tiers
 skip them before asking here.
@@ -62,7 +62,8 @@ class RetainedKeys:
 
     def victims(self, candidates: Iterable[bytes], n: int) -> list[bytes]:
         """The first ``n`` of ``candidates`` (evictable keys, in the tier's own order) to evict:
-        the unretained ones in that order, then retained ones by priority and expiry."""
+        the unretained ones in that order, then retained ones by priority (in that order within
+        one)."""
         if n <= 0:
             return []
         with self._lock:
@@ -70,7 +71,7 @@ class RetainedKeys:
                 return list(islice(candidates, n))
             now = self._clock()
             plain: list[bytes] = []
-            kept: list[tuple[int, float, int, bytes]] = []
+            kept: list[tuple[int, int, bytes]] = []
             for i, k in enumerate(candidates):
                 got = self._keys.get(k)
                 if got is None or got[1] <= now:
@@ -78,7 +79,7 @@ class RetainedKeys:
                     if len(plain) == n:
                         return plain
                 else:
-                    kept.append((got[0], got[1], i, k))
+                    kept.append((got[0], i, k))
         kept.sort()
         return plain + [k for *_, k in kept[: n - len(plain)]]
 

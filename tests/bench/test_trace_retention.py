@@ -26,16 +26,20 @@ def sessions() -> list[TraceRequest]:
     return out
 
 
-def test_a_retained_session_keeps_its_context_under_fifo() -> None:
+def test_a_ttl_that_fits_the_sessions_gap_keeps_its_context_under_fifo() -> None:
     """FIFO evicts by creation: session A's context (created first) goes although A came back
-    after the one-off did; a retention renewed by A's hits keeps it, as long as it lasts."""
+    after the one-off did. Every request retains: with a TTL shorter than the one-off's age
+    but covering A's 2 s return, the one-off has decayed to the unretained when room is needed
+    and goes first; with a long TTL both are retained and FIFO orders them as before."""
     reqs = [request(0, [1, 2, 3]), request(1000, [10, 11, 12, 13]), request(2000, [1, 2, 3]),
             request(3000, [20, 21, 22, 23]), request(4000, [1, 2, 3])]
     alone = replay(reqs, 8 * 4, "fifo", block_size=4, index="radix")
-    kept = replay(reqs, 8 * 4, "fifo", block_size=4, index="radix",
+    fits = replay(reqs, 8 * 4, "fifo", block_size=4, index="radix",
+                  retention=Retention(priority=50, ttl_s=1.5))
+    long = replay(reqs, 8 * 4, "fifo", block_size=4, index="radix",
                   retention=Retention(priority=50, ttl_s=100))
-    assert kept.policy == "fifo+retain100s" and alone.policy == "fifo"
-    assert (alone.hit_blocks, kept.hit_blocks) == (3, 6)
+    assert fits.policy == "fifo+retain1.5s" and alone.policy == "fifo"
+    assert (alone.hit_blocks, fits.hit_blocks, long.hit_blocks) == (3, 6, 3)
 
 
 def test_uniform_retention_under_lru_is_lru() -> None:
@@ -60,7 +64,24 @@ def test_session_gaps_and_the_command(tmp_path: Path, capsys: pytest.CaptureFixt
     text = capsys.readouterr().out
     assert "p50 10.0 s" in text and "fifo+retain15s" in text
     rows = json.loads(out.read_text())
-    assert [r["policy"] for r in rows] == ["fifo", "fifo+retain15s"]
+    assert [r["row"]["policy"] for r in rows] == ["fifo", "fifo+retain15s"]
+    assert rows[1]["retained_hit_rate"] == rows[1]["row"]["hit_rate"]  # --share 1: every one
     with pytest.raises(ValueError, match="ttl_s"):
         trace_retention.main([str(path), "--block-size", "4", "--capacity-tokens", "24",
                               "--ttls", "0"])
+
+
+def test_a_share_of_sessions_retains() -> None:
+    """Session A (first block 1) retains, the one-offs (20, 30) do not (``retains`` at share
+    0.5: a fixed hash): under FIFO A keeps its context, the others' hit rate stays; the rows
+    split the hit rates by the same sessions."""
+    assert [trace_retention.retains(s, 0.5) for s in (1, 20, 30)] == [True, False, False]
+    reqs = [request(0, [1, 2, 3]), request(1000, [20, 21, 22, 23]), request(2000, [1, 2, 3]),
+            request(3000, [30, 31, 32, 33]), request(4000, [1, 2, 3])]
+    alone, kept = trace_retention.run(reqs, [8 * 4], [100.0], policy="fifo", block_size=4,
+                                      share=0.5)
+    assert (alone.ttl_s, kept.ttl_s, kept.share) == (None, 100.0, 0.5)
+    assert alone.retained_hit_rate == 12 / 36 and kept.retained_hit_rate == 24 / 36
+    assert alone.others_hit_rate == kept.others_hit_rate == 0.0
+    assert kept.row.hit_tokens == 24 and kept.row.policy == "fifo+retain100s"
+    assert trace_retention.retains(7, 1.0)

@@ -82,16 +82,16 @@ def test_unretained_blocks_go_first_then_low_priority(make, clock):
     cache.check_invariants()
 
 
-def test_same_priority_soonest_expiry_first(make, clock):
+def test_same_priority_goes_in_the_policys_order(make, clock):
     cache = make(32)
     pool = BlockPool(32)
     bs = cache.block_size
-    late, soon = prompt(1, 2 * bs), prompt(2, 2 * bs)
-    put(cache, pool, late, retention=Retention(priority=50, ttl_s=500))
+    old, new = prompt(1, 2 * bs), prompt(2, 2 * bs)
+    put(cache, pool, old, retention=Retention(priority=50, ttl_s=500))
     clock.advance(1)
-    put(cache, pool, soon, retention=Retention(priority=50, ttl_s=100))
-    cache.evict(2)
-    assert cached(cache, late) and not cached(cache, soon)
+    put(cache, pool, new, retention=Retention(priority=50, ttl_s=100))  # expires sooner
+    cache.evict(2)  # LRU among equal priorities, whatever the expiries
+    assert cached(cache, new) and not cached(cache, old)
 
 
 def test_hits_renew_and_an_expired_retention_decays_to_lru(make, clock):

@@ -20,7 +20,7 @@ def key(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest()
 
 
-def test_victims_order_unretained_first_then_priority_then_expiry() -> None:
+def test_victims_order_unretained_first_then_priority_then_the_tiers_own() -> None:
     now = [0.0]
     r = RetainedKeys(clock=lambda: now[0])
     keys = [key(i) for i in range(6)]
@@ -29,7 +29,7 @@ def test_victims_order_unretained_first_then_priority_then_expiry() -> None:
     r.add([keys[2]], priority=10, ttl_s=100)
     r.add([keys[3]], priority=50, ttl_s=5)
     assert r.victims(keys, 3) == [keys[4], keys[5], keys[2]]
-    assert r.victims(keys, 4) == [keys[4], keys[5], keys[2], keys[3]]  # 50: soonest expiry
+    assert r.victims(keys, 4) == [keys[4], keys[5], keys[2], keys[0]]  # 50: the tier's order
     r.add([keys[2]], priority=5, ttl_s=1)  # a weaker retention does not replace a live one
     assert r.priority(keys[2]) == 10
     now[0] = 7.0  # keys[3] expired: an ordinary key again, in the tier's order
