@@ -57,6 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     common(q)
     prefix(q)
     q.add_argument("--description", default=None, help="a note shown by list-pinned")
+    q.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
+                   help="soft-retain instead of pinning: kept this long after its last hit, "
+                        "evicted only after every unretained block (default with --priority: 300)")
+    q.add_argument("--priority", type=int, default=None,
+                   help="soft-retain at this priority, 0-100: lower priorities go first among "
+                        "retained blocks (default with --ttl: 100)")
     q.set_defaults(func=_cache_pin)
     q = csub.add_parser("unpin", help="unpin a pinned prefix")
     common(q)
@@ -190,6 +196,10 @@ def _cache_pin(args: argparse.Namespace) -> int:
     body = _prefix_body(args)
     if args.description is not None:
         body["description"] = args.description
+    if args.ttl is not None:
+        body["ttl_s"] = args.ttl
+    if args.priority is not None:
+        body["priority"] = args.priority
     try:
         d = _request(args, "POST", "/v1/cache/pin", body)
     except RuntimeError as exc:
@@ -205,6 +215,9 @@ def _cache_pin(args: argparse.Namespace) -> int:
     sent = len(body.get("token_ids") or [])
 
     def text(p: dict[str, Any]) -> str:
+        if p.get("retained"):
+            return (f"retained {p['num_blocks']} blocks at priority {p['priority']} for "
+                    f"{p['ttl_s']:g} s after each hit")
         note = ""
         if sent > p["num_tokens"]:
             note = (f"; the last {sent - p['num_tokens']} of the {sent} tokens were not pinned "

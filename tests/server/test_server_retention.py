@@ -18,6 +18,7 @@ import openai
 import pytest
 from server_live import BLOCK_SIZE, MODEL, LiveServer, start_server, unique_text, wait_idle
 
+from prefixkv.cli import main
 from prefixkv.engine import AsyncEngine
 from prefixkv.server.limits import ServerLimits
 
@@ -141,7 +142,7 @@ def test_prompt_cache_retention_survives_a_flood(small: LiveServer) -> None:
     client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
     kept, plain = unique_text("keep24h", 12), unique_text("plain", 14)
     out = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
-        {"role": "user", "content": kept}], extra_body={"prompt_cache_retention": "24h"})
+        {"role": "user", "content": kept}], prompt_cache_retention="24h")
     client.completions.create(model=MODEL, prompt=kept, max_tokens=1,
                               extra_body={"prompt_cache_retention": "24h"})
     client.completions.create(model=MODEL, prompt=plain, max_tokens=1)
@@ -198,6 +199,65 @@ def test_quotas_per_tenant_in_stats_and_metrics() -> None:
         assert first[0].usage.prompt_tokens_details.cached_tokens > 0
         assert "prefixkv:tenant_cached_blocks{" in text and "tenant-a" not in text  # hashed ids
         assert 'prefixkv:prefix_cache_hit_rate_by_tenant' in text
+    finally:
+        live.stop()
+        eng.shutdown()
+
+
+# ------------------------------------------------------------------ the CLI, other dialects
+
+
+def test_cli_pin_with_ttl_and_priority_retains_not_pins(server: LiveServer, http: httpx.Client,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    salt = f"cli-{uuid.uuid4().hex}"
+    text = unique_text("clikeep", 20)
+    code = main(["cache", "pin", "--url", server.url, "--text", text, "--cache-salt", salt,
+                 "--ttl", "60", "--priority", "30"])
+    out = capsys.readouterr().out
+    blocks = len(server.engine.engine.tokenize(text)[1]) // BLOCK_SIZE
+    assert code == 0 and f"retained {blocks} blocks at priority 30 for 60 s" in out, out
+    assert _tenant(wait_idle(http), salt)["retained_blocks"] == blocks
+    assert all(p["cache_salt"] != salt for p in http.get("/v1/cache/pinned").json()["data"])
+    assert main(["cache", "pin", "--url", server.url, "--text", text, "--ttl", "-1"]) == 1
+
+
+def test_responses_and_generate_carry_the_retention_fields(server: LiveServer, http: httpx.Client,
+                                                           client: openai.OpenAI) -> None:
+    """``prompt_cache_retention`` / ``priority`` on the Responses API and SGLang's ``/generate``
+    retain the prompt (in the request's tenant), the answer unchanged."""
+    salt = f"rsp-{uuid.uuid4().hex}"
+    text = unique_text("rspkeep", 20)
+    plain = client.responses.create(model=MODEL, input=text, max_output_tokens=3, temperature=0,
+                                    store=False, extra_body={"cache_salt": salt + "-plain"})
+    kept = client.responses.create(model=MODEL, input=text, max_output_tokens=3, temperature=0,
+                                   store=False, prompt_cache_retention="24h", prompt_cache_key="k1",
+                                   extra_body={"cache_salt": salt})
+    assert kept.output_text == plain.output_text  # outputs unchanged
+    assert _tenant(wait_idle(http), salt)["retained_blocks"] > 0
+    assert _tenant(wait_idle(http), salt + "-plain")["retained_blocks"] == 0
+    gen = http.post("/generate", json={"text": unique_text("genkeep", 20), "priority": 5,
+                                       "cache_salt": salt + "-gen",
+                                       "sampling_params": {"max_new_tokens": 1}})
+    assert gen.status_code == 200, gen.text
+    assert _tenant(wait_idle(http), salt + "-gen")["retained_blocks"] > 0
+    bad = http.post("/generate", json={"text": "x", "priority": "high"})
+    assert bad.status_code == 400 and "priority" in bad.text
+
+
+def test_residency_histograms_in_metrics() -> None:
+    eng = AsyncEngine.from_args(None, block_size=BLOCK_SIZE, num_kv_blocks=SMALL_POOL,
+                                kv_cache_metrics=True, kv_cache_metrics_sample=1.0)
+    live = start_server(eng, model_name=MODEL)
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        _flood(client, "resid", 10)  # evicts: blocks live and die
+        text = httpx.get(live.url + "/metrics", timeout=30).text
+        for name in ("kv_block_lifetime_seconds", "kv_block_idle_before_evict_seconds",
+                     "kv_block_reuse_gap_seconds"):
+            assert f'vllm:{name}_bucket{{le="+Inf",model_name="{MODEL}",tier="pool"}}' in text
+        count = next(line for line in text.splitlines()
+                     if line.startswith("prefixkv:kv_block_lifetime_seconds_count"))
+        assert float(count.rsplit(" ", 1)[1]) > 0
     finally:
         live.stop()
         eng.shutdown()
