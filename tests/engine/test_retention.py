@@ -132,3 +132,29 @@ def test_retention_travels_to_the_lower_tiers(make_llm: Any, helpers: Any,
     assert all(tiers.retained.priority(k) == 80 for k in chain)
     llm.engine.cache_admin.reset("all")
     assert len(tiers.retained) == 0
+
+
+def test_async_engine_retain_prefix(demo_model: Path, helpers: Any) -> None:
+    import asyncio
+
+    from prefixkv.engine import AsyncEngine
+
+    eng = AsyncEngine.from_args(demo_model, block_size=4, num_kv_blocks=64)
+    try:
+        prefix = helpers.tokens(31, 24)
+
+        async def run() -> tuple[int, int, int]:
+            n = await eng.retain_prefix(prefix, Retention(priority=70, ttl_s=600),
+                                        cache_salt="s")
+            last = None
+            async for last in eng.generate(prefix + [40, 41], SamplingParams(max_tokens=2),
+                                           cache_salt="s"):
+                pass
+            assert last is not None
+            usage = await eng.call(lambda e: e.cache_admin.tenants())
+            return n, last.num_cached_tokens, usage[("s", None)].retained_blocks
+
+        n, cached_tokens, retained = asyncio.run(run())
+        assert n == 6 and cached_tokens == 24 and retained >= 6
+    finally:
+        eng.shutdown()
