@@ -19,6 +19,8 @@ def test_chat_render_gives_the_ids_the_chat_route_prefills(http: httpx.Client) -
                              "kv_transfer_params"}
     assert rendered["request_id"].startswith("chatcmpl-") and rendered["model"] == MODEL
     assert rendered["cache_salt"] == "tenant-r" and rendered["stream"] is False
+    prio = http.post("/v1/chat/completions/render", json={**body, "priority": 7}).json()
+    assert rendered["priority"] == 0 and prio["priority"] == 7  # the request's, as vLLM's
     sp = rendered["sampling_params"]
     assert sp["max_tokens"] == 5 and sp["temperature"] == 0 and sp["stop"] == ["\n"]
     tokenized = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()

@@ -10,7 +10,7 @@ shape (the body of vLLM's ``/inference/v1/generate``)::
     POST /v1/chat/completions/render  (a chat body)
       -> {"request_id": "chatcmpl-...", "token_ids": [...], "features": null,
           "sampling_params": {...}, "model": ..., "stream": false, "stream_options": null,
-          "cache_salt": ..., "priority": 0, "kv_transfer_params": null}
+          "cache_salt": ..., "priority": ..., "kv_transfer_params": null}
     POST /v1/completions/render  (a completions body)
       -> [one such object per prompt ("cmpl-..." ids)]
 
@@ -76,7 +76,7 @@ def _generate_request(kind: str, req: SamplingRequest, ids: list[int],
         "model": req.model, "stream": bool(req.stream),
         "stream_options": (req.stream_options.model_dump(exclude_none=True)
                            if req.stream and req.stream_options else None),
-        "cache_salt": req.cache_salt, "priority": 0, "kv_transfer_params": None,
+        "cache_salt": req.cache_salt, "priority": req.priority or 0, "kv_transfer_params": None,
     }
 
 
