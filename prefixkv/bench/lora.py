@@ -62,26 +62,31 @@ def write_random_adapter(out: Path, llm: LLM, rank: int, seed: int) -> Path:
 
 def run_row(llm: LLM, loras: list[str | None], args: argparse.Namespace,
             rng: random.Random) -> dict[str, float]:
-    """One batch: prefill and decode tokens/s (of wall time, or with ``--cpu-time`` of this
-    process's CPU time: a prefill-only batch, then a full one; decode is the difference)."""
+    """One batch, stepped here: prefill tokens/s over the steps until every request has its
+    first token, decode tokens/s over the steps after (wall time, or with ``--cpu-time`` this
+    process's CPU time)."""
     from prefixkv.engine.sampling_params import SamplingParams
 
-    def prompts() -> list[list[int]]:
-        return [[rng.randrange(32, 127) for _ in range(args.prompt_len)] for _ in loras]
-
+    engine = llm.engine
+    clock = time.process_time if args.cpu_time else time.perf_counter
     params = SamplingParams(temperature=0, max_tokens=args.decode_len, ignore_eos=True)
-    if args.cpu_time:
-        t0 = time.process_time()
-        llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=1), lora_request=loras)
-        first = time.process_time() - t0
-    t0 = time.perf_counter() if not args.cpu_time else time.process_time()
-    outs = llm.generate(prompts(), params, lora_request=loras)
-    total = (time.perf_counter() if not args.cpu_time else time.process_time()) - t0
-    if not args.cpu_time:
-        first = max(o.ttft or 0.0 for o in outs)
-    decoded = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
-    return {"prefill_tok_s": len(loras) * args.prompt_len / first,
-            "decode_tok_s": decoded / max(total - first, 1e-9)}
+    ids = {engine.add_request([rng.randrange(32, 127) for _ in range(args.prompt_len)], params,
+                              lora_request=lora) for lora in loras}
+    started: set[str] = set()
+    spent = {"prefill": 0.0, "decode": 0.0}
+    decoded = 0
+    while engine.has_unfinished_requests():
+        phase = "decode" if started == ids else "prefill"
+        t0 = clock()
+        outs = engine.step()
+        spent[phase] += clock() - t0
+        for out in outs:
+            if phase == "decode":
+                decoded += len(out.outputs[0].token_ids)  # this step's new tokens
+            elif out.outputs[0].token_ids:
+                started.add(out.request_id)
+    return {"prefill_tok_s": len(loras) * args.prompt_len / max(spent["prefill"], 1e-9),
+            "decode_tok_s": decoded / max(spent["decode"], 1e-9)}
 
 
 def main(argv: list[str] | None = None) -> int:
