@@ -45,8 +45,9 @@ MAX_KEYS = 10_000
 
 @dataclass(slots=True)
 class Histogram:
-    """Cumulative counts of observations ``<= buckets[i]`` (and one more for the rest), their
-    sum and count: a Prometheus histogram's content."""
+    """Observations per bucket (``counts[i]``: those in ``(buckets[i-1], buckets[i]]``; the
+    last: above every bound), their sum and count, since the start; :meth:`cumulative` gives
+    a Prometheus histogram's buckets."""
 
     buckets: tuple[float, ...] = BUCKETS
     counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
@@ -59,6 +60,14 @@ class Histogram:
         self.counts[i] += 1
         self.total += value
         self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(upper bound, observations <= it)`` pairs, ``"+Inf"`` last (Prometheus's form)."""
+        out, total = [], 0
+        for bound, n in zip((*(f"{b:g}" for b in self.buckets), "+Inf"), self.counts):
+            total += n
+            out.append((bound, total))
+        return out
 
     def copy(self) -> Histogram:
         """A snapshot."""

@@ -15,13 +15,16 @@ from prefixkv.engine.residency import (
 )
 
 
-def test_histogram_buckets_are_cumulative_prometheus_content() -> None:
+def test_histogram_counts_and_prometheus_buckets() -> None:
     h = Histogram()
     for v in (0.05, 0.5, 7.0, 1e9):
         h.observe(v)
     assert h.count == 4 and h.total == pytest.approx(0.05 + 0.5 + 7.0 + 1e9)
     assert h.counts[0] == 1 and h.counts[1] == 1 and h.counts[BUCKETS.index(10.0)] == 1
     assert h.counts[-1] == 1  # above the last bound
+    cum = h.cumulative()
+    assert cum[0] == ("0.1", 1) and cum[1] == ("0.5", 2) and cum[-1] == ("+Inf", 4)
+    assert cum[-2][1] == 3
     snap = h.copy()
     h.observe(1.0)
     assert snap.count == 4
