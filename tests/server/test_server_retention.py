@@ -95,6 +95,31 @@ def test_cache_control_on_a_content_block_with_1h_streams_its_usage(server: Live
     assert u.cache_creation_input_tokens % BLOCK_SIZE == 0
 
 
+def test_two_breakpoints_split_creation_by_ttl_and_the_request_mark(server: LiveServer) -> None:
+    """A 1h mark on the system prompt and a 5m one on the question: the system's blocks are
+    created under 1h, the question's further blocks under 5m; the request-level mark (automatic
+    caching) covers the whole conversation before the answer."""
+    salt = f"cc2-{uuid.uuid4().hex}"
+    system, question = unique_text("cc2sys", 30), unique_text("cc2q", 30)
+    eng = server.engine.engine
+    sys_end = _system_len(server.engine, system) // BLOCK_SIZE * BLOCK_SIZE
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    conv_end = len(eng.chat_prompt(turns, False)["prompt_token_ids"]) // BLOCK_SIZE * BLOCK_SIZE
+    client = _client(server.url)
+    u = client.messages.create(
+        model=MODEL, max_tokens=1, extra_body={"cache_salt": salt},
+        system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": question, "cache_control": {"type": "ephemeral"}}]}]).usage
+    assert u.cache_creation.ephemeral_1h_input_tokens == sys_end
+    assert u.cache_creation.ephemeral_5m_input_tokens == conv_end - sys_end > 0
+    auto = client.messages.create(
+        model=MODEL, max_tokens=1, extra_body={"cache_salt": salt + "-auto",
+                                               "cache_control": {"type": "ephemeral"}},
+        system=system, messages=[{"role": "user", "content": question}]).usage
+    assert auto.cache_creation_input_tokens == conv_end and auto.cache_read_input_tokens == 0
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"cache_control": {"type": "persistent"}}, "cache_control"),
     ({"cache_control": {"type": "ephemeral", "ttl": "2h"}}, "cache_control"),
