@@ -14,6 +14,7 @@ from prefixkv.models.gguf_tokenizer import tokenizer_from_gguf
 from prefixkv.models.hf_tokenizer import write_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # the real SmolLM2 (fetched once, like test_smollm2.py)
 
 TEXTS = (
     "You are a helpful assistant.",
