@@ -52,6 +52,9 @@ PIN_PREFIX = b"pkv:pin:"
 """Pin counters; as long as a pin exists the block it names has no expiry."""
 KNOWN_KEYS = 1 << 17
 """Most keys remembered as already published (their re-publication is skipped)."""
+READ_BYTES = 4 << 20
+"""Socket read size: a block is megabytes, and redis-py's 64 KiB default made an ``MGET`` of 15
+blocks (44 MB) 2.6x slower (196 vs 76 ms with hiredis, loaded 2-core machine)."""
 CLEAR_BATCH = 512
 """Keys scanned and unlinked per round trip by :meth:`RemoteTier.clear`."""
 
@@ -115,7 +118,8 @@ class RemoteTier:
         """The URL without its password (for messages)."""
         try:
             self._client: Any = redis.Redis.from_url(
-                url, socket_timeout=timeout, socket_connect_timeout=timeout)
+                url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                socket_read_size=READ_BYTES)
         except ValueError as exc:
             raise ValueError(f"kv_remote {self.url!r} is not a valid redis URL: {exc}") from None
         self._secret = secret
