@@ -267,6 +267,10 @@ def test_responses_and_generate_carry_the_retention_fields(server: LiveServer, h
     assert _tenant(wait_idle(http), salt + "-gen")["retained_blocks"] > 0
     bad = http.post("/generate", json={"text": "x", "priority": "high"})
     assert bad.status_code == 400 and "priority" in bad.text
+    long_key = http.post("/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+        "prompt_cache_key": "k" * 1025})
+    assert long_key.status_code == 400 and "prompt_cache_key" in long_key.text
 
 
 def test_residency_histograms_in_metrics() -> None:

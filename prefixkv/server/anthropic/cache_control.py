@@ -35,7 +35,7 @@ default; Anthropic's minimum cacheable prompt is 1,024+ tokens, prefixkv's one b
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,33 +122,35 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-async def positions(engine: AsyncEngine, marks: list[Breakpoint], prompt: Sequence[int]) -> list[int]:
-    """Each mark's prefix length in ``prompt`` (tokens; 0 where its cut does not render)."""
-    out = []
+async def render_cuts(engine: AsyncEngine, marks: list[Breakpoint]) -> list[list[int]]:
+    """Each mark's cut conversation through the chat template, in tokens (empty where it does
+    not render). Never raises; the route starts it beside the request's prefill."""
+    out: list[list[int]] = []
     for mark in marks:
         cut = mark.cut
         tools = chat_tools(cut.tools) if cut.tools else None
         try:
             rendered = await engine.chat_prompt_async(turns(cut), False,
                                                       **({"tools": tools} if tools else {}))
-        except ValueError:
-            out.append(0)
-            continue
-        out.append(_common(rendered["prompt_token_ids"], prompt))
+            out.append(list(rendered["prompt_token_ids"]))
+        except Exception:  # noqa: BLE001 - a cut the template refuses retains nothing
+            out.append([])
     return out
 
 
-async def retain(engine: AsyncEngine, marks: list[Breakpoint], out: RequestOutput,
-                 writes: CacheWrites, *, cache_salt: str | None, lora: str | None) -> None:
-    """Retain each mark's prefix of ``out``'s prompt (its cached full blocks, in the request's
-    tenant) and count in ``writes`` what the request created there. Never raises: a failure
-    leaves that breakpoint uncreated (logged)."""
+async def retain(engine: AsyncEngine, marks: list[Breakpoint], cuts: Awaitable[list[list[int]]],
+                 out: RequestOutput, writes: CacheWrites, *, cache_salt: str | None,
+                 lora: str | None) -> None:
+    """Retain each mark's prefix of ``out``'s prompt (where its cut, of :func:`render_cuts`,
+    parts from it: its cached full blocks, in the request's tenant) and count in ``writes``
+    what the request created there. Never raises: a failure leaves that breakpoint uncreated
+    (logged)."""
     if out.error is not None or not marks:
         return
     prompt = list(out.prompt_token_ids)
     size = engine.engine.block_size
     try:
-        ends = await positions(engine, marks, prompt)
+        ends = [_common(cut, prompt) for cut in await cuts]
         covered = out.num_cached_tokens
         for mark, end in sorted(zip(marks, ends), key=lambda x: x[1]):
             ids, keep = prompt[: end // size * size], Retention(0, CACHE_CONTROL_TTL[mark.ttl])
@@ -176,5 +178,5 @@ def usage(chat_usage: dict[str, Any] | None, writes: CacheWrites | None) -> dict
             "cache_read_input_tokens": cached, **w.usage()}
 
 
-__all__ = ["MAX_BREAKPOINTS", "Breakpoint", "CacheWrites", "breakpoints", "positions", "retain",
+__all__ = ["MAX_BREAKPOINTS", "Breakpoint", "CacheWrites", "breakpoints", "render_cuts", "retain",
            "usage"]

@@ -16,6 +16,7 @@ under it, which aborts the engine request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
@@ -37,7 +38,8 @@ from prefixkv.server.anthropic.messages import (
     message_object,
     stop_reason,
 )
-from prefixkv.server.anthropic.cache_control import CacheWrites, breakpoints, retain, usage
+from prefixkv.server.anthropic.cache_control import (CacheWrites, breakpoints, render_cuts, retain,
+                                                     usage)
 from prefixkv.server.lora_routes import adapter_of
 from prefixkv.server.openai.protocol import ChatCompletionRequest
 from prefixkv.server.openai.responses import new_id
@@ -62,12 +64,16 @@ def build_messages_router(serving: OpenAIServing, policy: FieldPolicy,
             err = exc.errors()[0]
             raise APIError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param="messages") from exc
         marks, writes = breakpoints(body), CacheWrites()
+        hook = None
+        if marks:
+            cuts = asyncio.ensure_future(render_cuts(serving.engine, marks))  # beside the prefill
 
-        async def on_prefilled(out: RequestOutput) -> None:  # the breakpoints' retention
-            await retain(serving.engine, marks, out, writes, cache_salt=chat.cache_namespace,
-                         lora=adapter_of(serving.engine, chat.model))
+            async def hook(out: RequestOutput) -> None:  # the breakpoints' retention
+                await retain(serving.engine, marks, cuts, out, writes,
+                             cache_salt=chat.cache_namespace,
+                             lora=adapter_of(serving.engine, chat.model))
 
-        answer = await serving.chat(chat, request.is_disconnected, on_prefilled if marks else None)
+        answer = await serving.chat(chat, request.is_disconnected, hook)
         mid = new_id("msg")
         if isinstance(answer, StreamingResponse):
             return EngineStreamingResponse(
