@@ -169,4 +169,6 @@ def test_the_readme_cache_commands_run_as_written_on_smollm2(
         proc.terminate()
         proc.wait(timeout=30)
     assert "pinned 16 tokens (1 blocks): system prompt" in out, out
+    served = proc.stdout.read() if proc.stdout else ""
+    assert "its tokenizer as a Hugging Face directory (guidellm / aiperf --tokenizer): " in served
     assert "unpinned" in out and "cache reset (" in out

@@ -1,5 +1,6 @@
 """Owns: ``prefixkv serve``, ``prefixkv generate`` (and ``engine start`` through compat.py).
-Imports: prefixkv.config, prefixkv.server (app, limits), this package's flags; engine: lazily.
+Imports: prefixkv.config, prefixkv.server (app, limits), this package's flags; engine and
+models.catalog: lazily.
 
 ``prefixkv serve`` and ``prefixkv generate`` (``prefixkv cache ...``: :mod:`.cache`).
 
@@ -137,6 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from prefixkv.engine.async_engine import AsyncEngine
+    from prefixkv.models.catalog import installed_tokenizer_dir
     from prefixkv.server.app import DEFAULT_MODEL_NAME, create_app
 
     limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
@@ -172,6 +174,10 @@ def _serve(args: argparse.Namespace) -> int:
               f"(prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}"
               f"{f'; {frozen:,} objects frozen for the garbage collector' if frozen else ''})",
               flush=True)
+        hf_tokenizer = installed_tokenizer_dir(config.model.model)
+        if hf_tokenizer is not None:  # for clients that count tokens themselves
+            print(f"prefixkv: its tokenizer as a Hugging Face directory (guidellm / aiperf "
+                  f"--tokenizer): {hf_tokenizer}", flush=True)
         # On SIGINT/SIGTERM uvicorn stops accepting, lets running requests finish (up to 10 s),
         # runs the app's shutdown (which stops the engine thread), then re-raises the signal.
         uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10,

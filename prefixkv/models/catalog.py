@@ -97,6 +97,15 @@ def tokenizer_dir(name: str, cache_dir: str | Path | None = None) -> Path:
     return cached_path(name, cache_dir).parent / "tokenizer"
 
 
+def installed_tokenizer_dir(model: object, cache_dir: str | Path | None = None) -> Path | None:
+    """The Hugging Face tokenizer directory of catalogue model ``model`` when it is written,
+    else ``None`` (any other model, or not fetched yet): what ``prefixkv serve`` prints."""
+    if not isinstance(model, str) or model not in CATALOG:
+        return None
+    path = tokenizer_dir(model, cache_dir)
+    return path if is_complete(path) else None
+
+
 def ensure_model(
     name: str,
     cache_dir: str | Path | None = None,

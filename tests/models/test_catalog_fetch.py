@@ -20,7 +20,14 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from prefixkv.models.catalog import CATALOG, WheelModel, cached_path, ensure_model, tokenizer_dir
+from prefixkv.models.catalog import (
+    CATALOG,
+    WheelModel,
+    cached_path,
+    ensure_model,
+    installed_tokenizer_dir,
+    tokenizer_dir,
+)
 from prefixkv.models.demo import CHAT_TEMPLATE, _bytes_to_unicode
 from prefixkv.models.gguf_tokenizer import tokenizer_from_gguf
 from prefixkv.models.tokenizer import Tokenizer
@@ -183,3 +190,11 @@ def test_a_model_fetched_before_the_export_gets_its_directory_on_next_use(
                               f"directory: {tok_dir}\n")
     assert sorted(p.name for p in tok_dir.iterdir()) == [
         "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_serve_names_the_directory_once_it_is_written(index: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    assert installed_tokenizer_dir(NAME, cache) is None  # not fetched yet
+    ensure_model(NAME, cache, stream=io.StringIO())
+    assert installed_tokenizer_dir(NAME, cache) == tokenizer_dir(NAME, cache)
+    assert installed_tokenizer_dir(str(index)) is None and installed_tokenizer_dir(None) is None
