@@ -72,19 +72,20 @@ def run_row(llm: LLM, loras: list[str | None], args: argparse.Namespace,
     params = SamplingParams(temperature=0, max_tokens=args.decode_len, ignore_eos=True)
     ids = {engine.add_request([rng.randrange(32, 127) for _ in range(args.prompt_len)], params,
                               lora_request=lora) for lora in loras}
-    started: set[str] = set()
+    made: dict[str, int] = {}  # tokens so far per request (outputs are cumulative)
     spent = {"prefill": 0.0, "decode": 0.0}
     decoded = 0
     while engine.has_unfinished_requests():
-        phase = "decode" if started == ids else "prefill"
+        phase = "decode" if made.keys() == ids else "prefill"
         t0 = clock()
         outs = engine.step()
         spent[phase] += clock() - t0
         for out in outs:
+            n = len(out.outputs[0].token_ids)
             if phase == "decode":
-                decoded += len(out.outputs[0].token_ids)  # this step's new tokens
-            elif out.outputs[0].token_ids:
-                started.add(out.request_id)
+                decoded += n - made[out.request_id]
+            if n:
+                made[out.request_id] = n
     return {"prefill_tok_s": len(loras) * args.prompt_len / max(spent["prefill"], 1e-9),
             "decode_tok_s": decoded / max(spent["decode"], 1e-9)}
 
