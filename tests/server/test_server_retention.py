@@ -138,6 +138,9 @@ def test_cache_control_limits_are_anthropics(http: httpx.Client) -> None:
         r = http.post(route, json={"model": MODEL, "max_tokens": 1,
                                    "messages": [{"role": "user", "content": five}]})
         assert r.status_code == 400 and "at most 4" in r.text, r.text
+    ok = http.post("/v1/messages/count_tokens", json={"model": MODEL, "cache_control": mark,
+                                                       "messages": [{"role": "user", "content": five[:3]}]})
+    assert ok.status_code == 200 and ok.json()["input_tokens"] > 0, ok.text
     late_1h = [{"type": "text", "text": "a", "cache_control": mark},
                {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
     r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 1,
