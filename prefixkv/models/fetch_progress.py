@@ -11,6 +11,7 @@ nothing else.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -63,9 +64,12 @@ def watch_download(
     yielded :class:`DownloadWatch` holds the bytes seen and the seconds taken once the body ends.
     """
     watch = DownloadWatch()
+    # the terminal's size, or 80x24 where it reports none (a pty without a size: tqdm would
+    # take it as zero rows and draw nothing at all)
+    size = shutil.get_terminal_size((80, 24))
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label,
-               file=stream, leave=False, dynamic_ncols=True, mininterval=POLL_S,
-               disable=not _is_terminal(stream))
+               file=stream, leave=False, ncols=size.columns or 80, nrows=size.lines or 24,
+               mininterval=POLL_S, disable=not _is_terminal(stream))
     stop = threading.Event()
 
     def poll() -> None:

@@ -198,3 +198,35 @@ def test_serve_names_the_directory_once_it_is_written(index: Path, tmp_path: Pat
     ensure_model(NAME, cache, stream=io.StringIO())
     assert installed_tokenizer_dir(NAME, cache) == tokenizer_dir(NAME, cache)
     assert installed_tokenizer_dir(str(index)) is None and installed_tokenizer_dir(None) is None
+
+
+def test_the_bar_draws_on_a_terminal_that_reports_no_size(tmp_path: Path) -> None:
+    """A pty whose size was never set (``script``, some CI runners, docker exec without -t
+    sizes) reports 0x0; tqdm took that as zero rows and drew nothing (the real download showed
+    no bar)."""
+    import pty
+
+    from prefixkv.models.fetch_progress import watch_download
+
+    master, slave = pty.openpty()
+    stream = os.fdopen(slave, "w")
+    assert stream.isatty() and os.get_terminal_size(slave) == (0, 0)
+    with watch_download(tmp_path, total=300_000, label="m", stream=stream) as watch:
+        with (tmp_path / "part").open("wb") as f:
+            for _ in range(3):
+                f.write(b"x" * 100_000)
+                f.flush()
+                time.sleep(0.3)
+    stream.close()
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert watch.bytes == 300_000
+    assert len(re.findall(rb"m: +\d+%\|", out)) >= 3 and b"300k/300k" in out, out
