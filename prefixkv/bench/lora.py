@@ -87,7 +87,7 @@ def run_row(llm: LLM, loras: list[str | None], args: argparse.Namespace,
             if n:
                 made[out.request_id] = n
     return {"prefill_tok_s": len(loras) * args.prompt_len / max(spent["prefill"], 1e-9),
-            "decode_tok_s": decoded / max(spent["decode"], 1e-9)}
+            "decode_tok_s": decoded / max(spent["decode"], 1e-9), "decode_tokens": decoded}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,3 +24,15 @@ def test_lora_bench_rows_and_per_adapter_hits(tmp_path: Path, capsys: pytest.Cap
         ("base", "a0", "a1", "a2", "a3"), 0)
     assert all(v[1] == 48 for v in result["hits"].values())
     assert "4 adapters" in capsys.readouterr().out
+
+
+def test_a_row_counts_each_decode_token_once() -> None:
+    import argparse
+    import random
+
+    from prefixkv.engine.llm import LLM
+
+    args = argparse.Namespace(prompt_len=24, decode_len=5, cpu_time=True)
+    with LLM(None, dtype="float32", num_kv_blocks=64) as llm:
+        row = lora.run_row(llm, [None] * 3, args, random.Random(0))
+    assert row["decode_tokens"] == 3 * (5 - 1)  # the first token of each is the prefill's
