@@ -72,10 +72,12 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
     """The router's ASGI app; ``app.state.router`` is its :class:`Router`."""
     router = Router(config, clock=clock)
     learner = learning_policy(router.policy)
+    def in_flight() -> dict[str, int]:  # only a learning policy adds its peers' loads to its own
+        return {w.url: w.in_flight for w in router.workers.all()} if learner is not None else {}
+
     sync = ReplicaSync(config.peer_urls, interval=config.peer_sync_interval,
-                       headers=admin_headers(config.admin_api_key),
-                       loads=lambda: {w.url: w.in_flight for w in router.workers.all()}) if (
-        config.peer_urls and learner is not None) else None
+                       headers=admin_headers(config.admin_api_key), loads=in_flight) if (
+        config.peer_urls) else None  # replicas share their quarantine whatever their policy
     if sync is not None and learner is not None:
         learner.peer_loads = PeerLoads(ttl=max(1.0, 50 * config.peer_sync_interval),
                                        clock=clock)
@@ -84,8 +86,10 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await router.start()
-        if sync is not None and learner is not None:
-            learner.listener = sync.note
+        if sync is not None:
+            if learner is not None:
+                learner.listener = sync.note
+            router.quarantine.listener = sync.note_quarantine
             await sync.start(router.client)
         try:
             yield
@@ -133,14 +137,17 @@ def create_app(config: RouterConfig, *, clock: Callable[[], float] = time.monoto
             return refused
         body = await request.body()
         try:
-            replica, loads, entries = decode_learn(body)
+            replica, loads, entries, quarantine = decode_learn(body)
         except ValueError as exc:
             return error_response(400, f"router/learn: {exc}", type_="invalid_request_error",
                                   code="invalid_value")
         if learner is not None and learner.peer_loads is not None:
             learner.peer_loads.update(replica, loads)
         learned = sum(learner.learn(url, key) for url, key in entries) if learner else 0
-        return JSONResponse({"learned": learned, "skipped": len(entries) - learned})
+        for fp, seconds, condemned in quarantine:
+            router.quarantine.learn(fp, seconds, condemned)
+        return JSONResponse({"learned": learned, "skipped": len(entries) - learned,
+                             "quarantine": len(quarantine)})
 
     add_admin_routes(app, config.worker_urls, lambda: router.client, config.admin_api_key,
                      config.request_timeout)

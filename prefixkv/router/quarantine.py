@@ -61,6 +61,9 @@ class Quarantine:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._held: dict[str, str] = {}  # worker URL -> the suspect fingerprint in flight there
         self._room = asyncio.Event()
+        self.listener: Callable[[str, float, bool], None] | None = None
+        """Told ``(fp, seconds, condemned)`` of each strike and quarantine decided here (not of
+        those learned from peers): router replicas pass them on (:mod:`prefixkv.router.replicas`)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -89,11 +92,29 @@ class Quarantine:
         if self.has_strike(fp):
             return
         self._put(fp, _Entry(self.clock() + self.ttl, condemned=False))
+        if self.listener is not None:
+            self.listener(fp, self.ttl, False)
 
     def condemn(self, fp: str) -> None:
         """A worker death is pinned on ``fp``: refuse it for ``ttl`` seconds from now."""
         self._entries.pop(fp, None)
         self._put(fp, _Entry(self.clock() + self.ttl, condemned=True))
+        if self.listener is not None:
+            self.listener(fp, self.ttl, True)
+
+    def learn(self, fp: str, seconds: float, condemned: bool) -> None:
+        """A peer replica struck (``condemned`` False) or quarantined ``fp`` for ``seconds``
+        more (capped at this router's ``ttl``): the same here, not passed on again. A strike
+        never lifts a quarantine; a shorter quarantine never shortens a longer one."""
+        seconds = min(float(seconds), self.ttl)
+        if not seconds > 0:
+            return
+        entry, until = self._live(fp), self.clock() + seconds
+        if entry is not None and (entry.condemned and not condemned
+                                  or entry.condemned == condemned and entry.until >= until):
+            return
+        self._entries.pop(fp, None)
+        self._put(fp, _Entry(until, condemned=condemned))
 
     def _put(self, fp: str, entry: _Entry) -> None:
         self._entries[fp] = entry

@@ -20,6 +20,12 @@ are best effort and never delay a request. ``precise`` replicas need none of thi
 exact index (each subscribes to every worker's events); the sync keeps their fallback trees
 in step too.
 
+Replicas also share their quarantine (:mod:`prefixkv.router.quarantine`): a strike or a
+quarantine decided by one (a worker died under a request) goes with the next post as ``(body
+fingerprint, seconds left, condemned)``, so a query of death that killed a worker through one
+replica is refused by every replica instead of killing one worker per replica. Every router
+started with ``--peer-urls`` shares its quarantine, whatever its policy.
+
 ``POST /router/learn`` follows the router's admin rule (the admin key when one is set, else
 loopback clients only): a stranger cannot steer the trees.
 """
@@ -32,7 +38,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 import orjson
@@ -42,7 +48,8 @@ from prefixkv.router.keys import RouteKey
 if TYPE_CHECKING:
     from prefixkv.router.cache_aware import CacheAwarePolicy
 
-__all__ = ["MAX_BATCH", "PeerLoads", "ReplicaSync", "decode_learn", "encode_entries", "learning_policy"]
+__all__ = ["MAX_BATCH", "Learned", "PeerLoads", "QuarantineNote", "ReplicaSync", "decode_learn",
+           "encode_entries", "learning_policy"]
 
 log = logging.getLogger("prefixkv.router")
 
@@ -78,18 +85,49 @@ def _hashable(value: Any) -> Hashable:
     return value  # type: ignore[no-any-return]
 
 
+QuarantineNote = tuple[str, float, bool]
+"""A strike or quarantine passed between replicas: ``(body fingerprint, seconds, condemned)``."""
+
+
+class Learned(NamedTuple):
+    """A parsed ``POST /router/learn`` body."""
+
+    replica: str
+    loads: dict[str, int]
+    entries: list[tuple[str, RouteKey]]
+    quarantine: list[QuarantineNote]
+
+
 def encode_entries(entries: Sequence[tuple[str, RouteKey]], *, replica: str = "",
-                   loads: Mapping[str, int] | None = None) -> bytes:
+                   loads: Mapping[str, int] | None = None,
+                   quarantine: Sequence[QuarantineNote] = ()) -> bytes:
     """The body of ``POST /router/learn``: ``{"replica": id, "loads": {worker: in flight},
-    "entries": [[worker, namespace, chunks, size, unit], ...]}``."""
+    "entries": [[worker, namespace, chunks, size, unit], ...], "quarantine": [[fingerprint,
+    seconds, condemned], ...]}``."""
     return orjson.dumps({"replica": replica, "loads": dict(loads or {}),
                          "entries": [[url, _plain(k.namespace), list(k.chunks), k.size, k.unit]
-                                     for url, k in entries]})
+                                     for url, k in entries],
+                         "quarantine": [list(q) for q in quarantine]})
 
 
-def decode_learn(body: bytes) -> tuple[str, dict[str, int], list[tuple[str, RouteKey]]]:
-    """Parse a learn body once: the sender's id, its in-flight loads and the entries
-    (``ValueError`` naming what is wrong)."""
+def _quarantine_notes(rows: object) -> list[QuarantineNote]:
+    if rows is None:  # from a replica of an older release
+        return []
+    if not isinstance(rows, list) or len(rows) > MAX_BATCH:
+        raise ValueError(f"quarantine must be a list of at most {MAX_BATCH} entries")
+    out: list[QuarantineNote] = []
+    for i, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                and 0 < len(row[0]) <= 64 and isinstance(row[1], (int, float))
+                and not isinstance(row[1], bool) and isinstance(row[2], bool)):
+            raise ValueError(f"quarantine[{i}] must be [fingerprint, seconds, condemned]")
+        out.append((row[0], float(row[1]), row[2]))
+    return out
+
+
+def decode_learn(body: bytes) -> Learned:
+    """Parse a learn body once: the sender's id, its in-flight loads, the entries and the
+    quarantine notes (``ValueError`` naming what is wrong)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -111,7 +149,7 @@ def decode_learn(body: bytes) -> tuple[str, dict[str, int], list[tuple[str, Rout
     if not isinstance(replica, str) or not isinstance(loads, dict) or not all(
             isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in loads.items()):
         raise ValueError("replica must be a string and loads an object of counts")
-    return replica, loads, out
+    return Learned(replica, loads, out, _quarantine_notes(data.get("quarantine")))
 
 
 class PeerLoads:
@@ -162,6 +200,7 @@ class ReplicaSync:
         self.headers = {"content-type": "application/json", **(headers or {})}
         self.timeout = timeout
         self._pending: list[tuple[str, RouteKey]] = []
+        self._quarantine: list[QuarantineNote] = []
         self._task: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
         self.sent = 0  # decisions posted (to every peer)
@@ -179,15 +218,22 @@ class ReplicaSync:
             del self._pending[:extra]
             self.dropped += extra
 
+    def note_quarantine(self, fp: str, seconds: float, condemned: bool) -> None:
+        """This router struck or quarantined ``fp`` (:attr:`Quarantine.listener`): queue it for
+        the peers."""
+        self._quarantine.append((fp, seconds, condemned))
+        del self._quarantine[:-MAX_BATCH]
+
     async def flush(self) -> None:
         """Post what is pending to every peer now (concurrently; failures counted, logged once
         per peer and flush)."""
         loads = dict(self._loads())
-        if (not self._pending and loads == self._last_loads) or self._client is None \
-                or not self.peer_urls:
+        if (not self._pending and not self._quarantine and loads == self._last_loads) \
+                or self._client is None or not self.peer_urls:
             return
         batch, self._pending, self._last_loads = self._pending, [], loads
-        body = encode_entries(batch, replica=self.replica, loads=loads)
+        notes, self._quarantine = self._quarantine, []
+        body = encode_entries(batch, replica=self.replica, loads=loads, quarantine=notes)
         client = self._client
 
         async def post(peer: str) -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from prefixkv.router.app import WORKER_HEADER, RouterConfig, RouterServer
 from prefixkv.bench.route.run import ready
-from prefixkv.router.local import LocalWorkers
+from prefixkv.router.local import LocalWorkers, free_port
 from prefixkv.router.quarantine import Quarantine, fingerprint
 
 CRASH_PREFIX = [3, 1, 4]
@@ -212,6 +212,53 @@ def test_quarantine_strikes_condemns_expires_and_stays_bounded() -> None:
         Quarantine(0, 3)
     with pytest.raises(ValueError, match="quarantine_size"):
         RouterConfig(worker_urls=("http://127.0.0.1:1",), quarantine_size=0)
+
+
+def test_peers_learn_strikes_and_quarantines_without_passing_them_on() -> None:
+    now = [0.0]
+    told: list[tuple[str, float, bool]] = []
+    q = Quarantine(10.0, 8, clock=lambda: now[0])
+    q.listener = lambda fp, seconds, condemned: told.append((fp, seconds, condemned))
+    q.suspect("s")
+    q.condemn("c")
+    assert told == [("s", 10.0, False), ("c", 10.0, True)]  # decided here: told to the peers
+    q.learn("p", 60.0, True)  # from a peer: capped at this router's ttl, not told again
+    assert q.refused_for("p") == pytest.approx(10.0) and len(told) == 2
+    q.learn("c", 2.0, False)  # a peer's strike never lifts a quarantine
+    q.learn("c", 1.0, True)  # nor does a shorter quarantine shorten it
+    assert q.refused_for("c") == pytest.approx(10.0)
+    q.learn("s", 4.0, True)  # a peer's quarantine of a body struck here condemns it
+    assert q.refused_for("s") == pytest.approx(4.0)
+    q.learn("x", 0.0, True)
+    assert not q.has_strike("x")
+
+
+def test_a_request_that_killed_a_worker_through_one_replica_is_refused_by_the_other(
+    workers: CrashingWorkers,
+) -> None:
+    """Router replicas (``--peer-urls``) share their quarantine: without it, a query of death
+    costs one worker per replica it reaches."""
+    workers.revive()
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    configs = [RouterConfig(worker_urls=tuple(workers.urls), policy="round_robin",
+                            health_check_interval=0.5, health_check_timeout=2.0,
+                            peer_urls=(urls[1 - i],)) for i in range(2)]
+    with RouterServer(configs[0], port=ports[0]) as a, RouterServer(configs[1], port=ports[1]) as b:
+        for i in range(3):
+            assert complete(a, {"prompt": f"warm {i}", "max_tokens": 2}).status_code == 200
+        first = complete(a, POISON)
+        assert first.status_code == 502 and first.json()["error"]["code"] == "request_quarantined"
+        deadline = time.monotonic() + 5.0  # the sync posts every 10 ms; a loaded machine is slower
+        while b.router.quarantine.refused_for(fingerprint("POST", "/v1/completions",
+                                                          first.request.content)) is None:
+            assert time.monotonic() < deadline, "replica b never learned the quarantine"
+            time.sleep(0.05)
+        again = complete(b, POISON)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "request_quarantined"
+        time.sleep(0.5)
+        assert len(workers.dead()) == 1, f"dead workers: {workers.dead()}"
+        assert complete(b, {"prompt": "still fine", "max_tokens": 2}).status_code == 200
 
 
 if __name__ == "__main__":  # as LocalWorkers starts it: --host H --port P

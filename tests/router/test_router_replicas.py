@@ -96,7 +96,13 @@ def test_peer_loads_add_live_peers_only_and_the_ties_start_at_each_replicas_own_
         firsts.append(policy.select(urls, {}, text_key("new " * 40, (None, None))).url)
     assert firsts == urls
     body = encode_entries([], replica="r9", loads={"http://a:1": 4})
-    assert decode_learn(body) == ("r9", {"http://a:1": 4}, [])
+    assert decode_learn(body) == ("r9", {"http://a:1": 4}, [], [])
+    notes = [("ab" * 16, 30.0, True), ("cd" * 16, 12.5, False)]
+    assert decode_learn(encode_entries([], quarantine=notes)).quarantine == notes
+    for bad in ([["fp", "30", True]], [["fp", 30, 1]], [["", 30, True]], {"fp": 1}):
+        with pytest.raises(ValueError, match="quarantine"):
+            decode_learn(b'{"entries": [], "replica": "r", "loads": {}, "quarantine": '
+                         + json.dumps(bad).encode() + b"}")
     with pytest.raises(ValueError, match="loads"):
         decode_learn(b'{"entries": [], "replica": "r", "loads": {"u": -1}}')
 
@@ -155,10 +161,10 @@ def test_learn_follows_the_admin_rule(workers: LocalWorkers) -> None:
         url = f"{server.url}/router/learn"
         assert httpx.post(url, content=body).status_code == 403
         r = httpx.post(url, content=body, headers={"Authorization": "Bearer k"})
-        assert r.status_code == 200 and r.json() == {"learned": 1, "skipped": 0}
+        assert r.status_code == 200 and r.json() == {"learned": 1, "skipped": 0, "quarantine": 0}
         skipped = httpx.post(url, headers={"Authorization": "Bearer k"},
                              content=encode_entries([("http://elsewhere:1", key)]))
-        assert skipped.json() == {"learned": 0, "skipped": 1}
+        assert skipped.json() == {"learned": 0, "skipped": 1, "quarantine": 0}
         bad = httpx.post(url, content=b"{}", headers={"Authorization": "Bearer k"})
         assert bad.status_code == 400 and "entries" in bad.json()["error"]["message"]
         policy = server.router.policy
