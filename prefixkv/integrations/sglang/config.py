@@ -53,7 +53,8 @@ class StorageSettings:
 
     Attributes:
         disk_dir: the disk tier's directory (``None``: no disk tier).
-        disk_size: its capacity, pages or bytes with a unit (``"10GiB"`` by default).
+        disk_size: its capacity: a size with a unit (``"10GiB"``, the default), a bare number
+            in GiB (``"2"``), or pages (an int, or ``"512blocks"``), as ``--kv-disk-size``.
         remote: a Valkey/Redis URL (``None``: no shared tier).
         remote_timeout / remote_ttl: as ``prefixkv serve``'s ``--kv-remote-timeout`` / ``-ttl``.
         namespace: prefix of every key: instances with other namespaces share nothing.

@@ -1,9 +1,9 @@
 """ConnectorConfig: ``kv_connector_extra_config`` read once, validated, and resolved.
 
-The keys are prefixkv's tier flags under the same names (docs/tiers.md), with one difference
-kept from vLLM: a bare number for ``kv_offload_size`` is GiB, as vLLM's ``--kv-offloading-size``
-(prefixkv's own flag reads a bare number as blocks). Unknown keys are a ``ValueError`` naming
-them (a misspelt tier must not silently turn into "no tier").
+The keys are prefixkv's tier flags under the same names (docs/tiers.md): a bare number for
+``kv_offload_size`` is GiB, as vLLM's ``--kv-offloading-size`` and prefixkv's own flag read it
+(a block count takes the ``blocks`` suffix). Unknown keys are a ``ValueError`` naming them (a
+misspelt tier must not silently turn into "no tier").
 """
 
 from __future__ import annotations
