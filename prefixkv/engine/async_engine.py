@@ -55,7 +55,7 @@ from prefixkv.cache.protocol import PinError, PinnedPrefix
 from prefixkv.cache.retention import Retention
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
 from prefixkv.engine.lora import LoRARequest, request_lora
-from prefixkv.engine.llm_engine import LLMEngine, _namespace
+from prefixkv.engine.llm_engine import LLMEngine, request_namespace
 from prefixkv.engine.outputs import EngineStats, RequestFailedError, RequestOutput
 from prefixkv.engine.prompts import PromptInput
 from prefixkv.engine.sampling_params import SamplingParams
@@ -252,7 +252,7 @@ class AsyncEngine:
                                      replace(PIN_PREFILL, retention=retention),
                                      cache_salt=cache_salt, lora_id=lora_id):
             pass
-        ns = _namespace(cache_salt, lora_id)
+        ns = request_namespace(cache_salt, lora_id)
         return await self.call(lambda e: e.cache_admin.retain(ids, ns, retention))
 
     async def retain_cached_prefix(
@@ -266,7 +266,7 @@ class AsyncEngine:
 
         def keep(e: LLMEngine) -> int:
             _, lora_id = request_lora(e.lora, lora_request, None)
-            return e.cache_admin.retain(ids, _namespace(cache_salt, lora_id), retention)
+            return e.cache_admin.retain(ids, request_namespace(cache_salt, lora_id), retention)
 
         return await self.call(keep)
 

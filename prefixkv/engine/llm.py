@@ -21,7 +21,7 @@ from prefixkv.cache.retention import Retention
 from prefixkv.config import EngineConfig, parse_size
 from prefixkv.engine.cache_admin import PIN_ATTEMPTS, PIN_PREFILL
 from prefixkv.engine.lora import LoRARequest
-from prefixkv.engine.llm_engine import LLMEngine, _namespace
+from prefixkv.engine.llm_engine import LLMEngine, request_namespace
 from prefixkv.engine.outputs import EngineStats, RequestOutput
 from prefixkv.engine.prompts import PromptInput, template_options
 from prefixkv.engine.sampling_params import SamplingParams
@@ -328,7 +328,7 @@ class LLM:
         self.generate({"prompt_token_ids": ids}, replace(PIN_PREFILL, retention=retention),
                       cache_salt=cache_salt)
         with self._lock:
-            return self.engine.cache_admin.retain(ids, _namespace(cache_salt, None), retention)
+            return self.engine.cache_admin.retain(ids, request_namespace(cache_salt, None), retention)
 
     def unpin_prefix(self, prompt: PromptInput, *, cache_salt: Hashable | None = None) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""

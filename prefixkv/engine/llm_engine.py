@@ -199,7 +199,7 @@ class LLMEngine:
             grammar.new_state(params.structured_outputs)  # ValueError now, not in the loop
         adapter, lora_id = request_lora(self.lora, lora_request, lora_id)
         now = self.clock() if arrival_time is None else arrival_time
-        req = Request(rid, text, ids, params, max_tokens, _namespace(cache_salt, lora_id),
+        req = Request(rid, text, ids, params, max_tokens, request_namespace(cache_salt, lora_id),
                       RequestMetrics(now), lora=adapter)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -396,18 +396,18 @@ class LLMEngine:
         self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None, lora_id: Hashable | None = None
     ) -> bool:
         """Whether every full block of ``token_ids`` is in the index (``ValueError`` if caching is off)."""
-        return self.cache_admin.is_cached(token_ids, _namespace(cache_salt, lora_id))
+        return self.cache_admin.is_cached(token_ids, request_namespace(cache_salt, lora_id))
 
     def lookup_prefix(self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None) -> dict[str, int]:
         """Where ``token_ids``' prefix is cached, per tier (:meth:`KVManager.lookup`)."""
-        return self.cache_admin.lookup(token_ids, _namespace(cache_salt, None))
+        return self.cache_admin.lookup(token_ids, request_namespace(cache_salt, None))
 
     def prepare_pin(
         self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None,
         lora_id: Hashable | None = None,
     ) -> bool:
         """:meth:`CacheAdmin.prepare_pin` in the request's namespace."""
-        return self.cache_admin.prepare_pin(token_ids, _namespace(cache_salt, lora_id))
+        return self.cache_admin.prepare_pin(token_ids, request_namespace(cache_salt, lora_id))
 
     def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None,
                    lora_id: Hashable | None = None, description: str | None = None) -> PinnedPrefix:
@@ -416,21 +416,22 @@ class LLMEngine:
         Raises :class:`~prefixkv.cache.PinError` (a ``ValueError``) when not cached, shorter than
         a block or over the global or the tenant's pinned-block budget.
         """
-        return self.cache_admin.pin(token_ids, _namespace(cache_salt, lora_id), description)
+        return self.cache_admin.pin(token_ids, request_namespace(cache_salt, lora_id), description)
 
     def unpin_prefix(
         self, token_ids: Sequence[int], *, cache_salt: Hashable | None = None, lora_id: Hashable | None = None
     ) -> bool:
         """Unpin a pinned prefix; ``False`` if it was not pinned."""
-        return self.cache_admin.unpin(token_ids, _namespace(cache_salt, lora_id))
+        return self.cache_admin.unpin(token_ids, request_namespace(cache_salt, lora_id))
 
     def list_pinned(self) -> list[PinnedPrefix]:
         """Pinned prefixes, oldest first (empty with prefix caching off)."""
         return self.cache_admin.list_pinned()
 
 
-def _namespace(cache_salt: Hashable | None, lora_id: Hashable | None) -> Hashable | None:
-    """The index partition of a request: ``None`` unless a salt or LoRA id is given."""
+def request_namespace(cache_salt: Hashable | None, lora_id: Hashable | None) -> Hashable | None:
+    """The index partition of a request (its prefix-cache namespace): ``None`` unless a salt or
+    LoRA id is given; the engine, ``LLM`` and ``AsyncEngine`` key a request's blocks by it."""
     return None if cache_salt is None and lora_id is None else (cache_salt, lora_id)
 
 
