@@ -80,6 +80,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="highest retention priority (0-100) a request's 'priority' field can "
                         "give what it caches; 0: the field retains nothing; admin retentions go "
                         f"to 100 (default {lim.max_retention_priority})")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
+                   help="vLLM's: export an OpenTelemetry span per request (cached tokens by "
+                        "tier, tenant, adapter) to this OTLP/HTTP endpoint, e.g. "
+                        "http://127.0.0.1:4318/v1/traces; needs prefixkv[tracing] "
+                        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) in the API; the first is reported in responses, all are "
                         "listed and accepted (default: the directory name, or prefixkv-demo)")
@@ -144,7 +150,11 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_prompts=args.max_prompts_per_request,
                           default_chat_max_tokens=args.default_chat_max_tokens,
-                          max_retention_priority=args.max_retention_priority)
+                          max_retention_priority=args.max_retention_priority,
+                          otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None))
+    if limits.otlp_traces_endpoint:  # before the model loads: a missing package is one line
+        from prefixkv.server.tracing import check_installed
+        check_installed()
     apply_kv_compat(args)  # vLLM's / LMCache's offloading settings onto the tier flags
     config = EngineConfig.from_kwargs(**engine_kwargs(args))  # resolves --model first
     sock = _listen(args.host, args.port)

@@ -58,6 +58,7 @@ from prefixkv.server.openai.render_routes import build_render_router
 from prefixkv.server.openai.routes import build_openai_router
 from prefixkv.server.openai.responses_stream import build_responses_router
 from prefixkv.server.sglang.routes import build_sglang_router
+from prefixkv.server.tracing import install_tracing
 from prefixkv.server.openai.tokenizer_routes import build_tokenizer_router
 
 DEFAULT_MODEL_NAME = "prefixkv-demo"
@@ -99,6 +100,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         try:
             yield
         finally:
+            if tracer is not None:
+                tracer.shutdown()  # the spans still queued go out
             if on_shutdown is not None:
                 on_shutdown()
 
@@ -110,7 +113,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                        max_body_bytes=limits.max_body_bytes)
     metrics = ServerMetrics(model_name)
     install_error_handlers(app, on_error=metrics.observe_error)
-    serving = OpenAIServing(engine, model_name, metrics, limits)
+    tracer = install_tracing(app, limits.otlp_traces_endpoint)
+    serving = OpenAIServing(engine, model_name, metrics, limits, tracer)
     listed = tuple(dict.fromkeys((model_name, *served_model_names)))
     known_models = {*listed, *model_aliases}
     policy = FieldPolicy(strict=strict_fields)

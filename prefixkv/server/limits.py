@@ -40,6 +40,8 @@ class ServerLimits:
             SGLang's default ``max_new_tokens``; completions default to OpenAI's 16.
         max_retention_priority: the highest retention priority a request's ``priority`` field
             reaches (0-100; 0: the field retains nothing; ``server/retention.py``).
+        otlp_traces_endpoint: where each request's OpenTelemetry span goes (an OTLP/HTTP URL,
+            vLLM's ``--otlp-traces-endpoint``; ``server/tracing.py``); ``None``: no tracing.
     """
 
     max_body_bytes: int = 16 << 20
@@ -47,6 +49,7 @@ class ServerLimits:
     max_prompts: int = 256
     default_chat_max_tokens: int = 1024
     max_retention_priority: int = 50
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "max_prompts", "default_chat_max_tokens"):
@@ -56,6 +59,10 @@ class ServerLimits:
         cap = self.max_retention_priority
         if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= 100:
             raise ValueError(f"max_retention_priority must be an int in [0, 100], got {cap!r}")
+        url = self.otlp_traces_endpoint
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_traces_endpoint must be an http:// or https:// URL (OTLP/HTTP, "
+                             f"e.g. http://127.0.0.1:4318/v1/traces), got {url!r}")
 
 
 class BodyTooLarge(HTTPException):

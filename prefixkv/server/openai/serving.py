@@ -40,6 +40,7 @@ from prefixkv.server.openai.request_params import retention_of, sampling_params
 from prefixkv.server.openai.tools import output_constraint
 from prefixkv.server.streaming import (Disconnected, EngineStreamingResponse, engine_failure,
                                        finish_unless_gone, sse)
+from prefixkv.server.tracing import RequestTrace, RequestTracer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``; chat's is ``ServerLimits.default_chat_max_tokens``
@@ -70,6 +71,7 @@ class _Job:
     done: bool = False
     ttft: float | None = None
     on_prefilled: Prefilled | None = None
+    trace: RequestTrace | None = None  # its span, with --otlp-traces-endpoint
 
 
 async def _prefilled(job: _Job, out: RequestOutput) -> None:
@@ -83,15 +85,17 @@ async def _prefilled(job: _Job, out: RequestOutput) -> None:
 class OpenAIServing:
     """Runs completions and chat requests against an engine and records their metrics.
 
-    ``engine`` is the shared ``AsyncEngine`` (not owned).
+    ``engine`` is the shared ``AsyncEngine`` (not owned); with ``tracer`` every engine
+    request's span is exported when it ends.
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, tracer: RequestTracer | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits if limits is not None else ServerLimits()
+        self.tracer = tracer
         self._pool_tokens: int | None = None
 
     def served_name(self, model: str | None) -> str:
@@ -242,8 +246,11 @@ class OpenAIServing:
                 raise engine_failure(exc) from exc
             except StopAsyncIteration as exc:
                 raise APIError("the engine returned no output", status=500) from exc
+            trace = None if self.tracer is None else self.tracer.begin(
+                sub_id, params, model=lora or self.model_name, cache_salt=req.cache_namespace,
+                lora=lora, started=t0, reports_tokens=req.max_tokens != 0)  # 0: echo only
             job = _Job(stream=stream, request_id=sub_id, first=first, last=first,
-                       on_prefilled=on_prefilled)
+                       on_prefilled=on_prefilled, trace=trace)
             await _prefilled(job, first)
             return job
 
@@ -284,6 +291,8 @@ class OpenAIServing:
             job.done = True
             self.metrics.observe_output(out, [o.finish_reason or "unknown" for o in out.outputs],
                               job.ttft, now - t0)
+            if job.trace is not None:
+                job.trace.end(out, job.ttft, now - t0)
 
     async def _abort_unfinished(self, jobs: list[_Job], t0: float | None = None) -> None:
         """Abort every engine request of ``jobs`` that has not finished (frees its blocks):
@@ -296,6 +305,8 @@ class OpenAIServing:
                 if t0 is not None:
                     self.metrics.observe_output(job.last, ["abort"] * len(job.last.outputs), job.ttft,
                                       time.perf_counter() - t0)
+                    if job.trace is not None:
+                        job.trace.end(job.last, job.ttft, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ bodies
 
