@@ -197,3 +197,28 @@ def test_every_answer_names_the_adapter_it_ran_on(
         seen += [e.message.model for e in claude.messages.create(
             model=model, messages=messages, max_tokens=2, stream=True) if e.type == "message_start"]
         assert len(seen) >= 10 and set(seen) == {model}, (model, seen)
+
+
+def test_a_gguf_lora_loads_at_run_time_and_answers_as_its_peft_original(
+        lora_server: tuple[LiveServer, dict[str, Path]], tmp_path: Path) -> None:
+    """vLLM's runtime route takes llama.cpp's GGUF LoRA file (``--lora-modules`` takes the
+    same paths): the file converted from the ``sql`` adapter answers with ``sql``'s tokens."""
+    pytest.importorskip("gguf")
+    from gguf_lora_writer import write_gguf_lora
+
+    from prefixkv.models.demo import DEMO_CONFIG
+
+    live, paths = lora_server
+    path = write_gguf_lora(paths["sql"], tmp_path / "sql.gguf", "qwen3", DEMO_CONFIG["num_hidden_layers"])
+    body = {"prompt": "SELECT id FROM t WHERE " * 3, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    with httpx.Client(base_url=live.url, timeout=60) as http:
+        load = http.post("/v1/load_lora_adapter", json={"lora_name": "sql-gguf", "lora_path": str(path)})
+        assert load.status_code == 200, load.text
+        try:
+            got = {m: http.post("/v1/completions", json={**body, "model": m}).json()
+                   for m in ("sql", "sql-gguf")}
+        finally:
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "sql-gguf"}).status_code == 200
+    assert got["sql-gguf"]["model"] == "sql-gguf"
+    assert got["sql-gguf"]["choices"][0]["token_ids"] == got["sql"]["choices"][0]["token_ids"]
