@@ -1,5 +1,6 @@
 """A PEFT adapter written as llama.cpp's GGUF LoRA, the way its ``convert_lora_to_gguf.py``
-does it (a test helper; the reader under test is ``prefixkv/models/lora_gguf.py``; at the tests root so every test folder imports it).
+does it (a test helper at the tests root, so every test folder imports it; the reader under
+test is ``prefixkv/models/lora_gguf.py``).
 
 Names come from the ``gguf`` package's own tensor map (``gguf.get_tensor_name_map``, what the
 converter uses), not from prefixkv's; for Llama, ``lora_b`` of q and k gets the converter's
