@@ -175,6 +175,7 @@ class KVManager:
         seq.cache_handle = match if match is not None and match.lock is not None else None
         seq.num_computed_tokens = cached + loaded + partial
         seq.tier_tokens = (asked, loaded)
+        seq.tier_loaded = tuple((t, bs * sum(h.tier == t for h in hits)) for t in {h.tier for h in hits})
         self.observer.admitted(seq, matched, readable, cached + loaded + partial)
         if matched:
             self._pool_counters.add_load(len(matched), cached, 0, 0.0)

@@ -181,6 +181,7 @@ class OutputProcessor:
             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
             num_external_cached_tokens=req.num_external_cached_tokens,
             num_external_queried_tokens=req.num_external_queried_tokens,
+            num_external_cached_tokens_by_tier=dict(req.num_external_cached_tokens_by_tier),
         )
 
 

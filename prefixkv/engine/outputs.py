@@ -108,7 +108,9 @@ class RequestOutput:
             first scheduling (full cached blocks plus copied partial-block rows).
         num_external_cached_tokens: of those, the tokens loaded from a lower tier (host,
             disk, remote), vLLM's "external" prefix-cache hits; ``num_external_queried_tokens``
-            the tokens looked up there (the full blocks after the pool's match).
+            the tokens looked up there (the full blocks after the pool's match);
+            ``num_external_cached_tokens_by_tier`` the loaded ones by tier (``host``, ``disk``,
+            ``remote``; a tier that gave none is absent).
         metrics: timings.
         error: why the request failed (finished, every sample's ``finish_reason`` is
             ``"error"``), else ``None``. A failure is the request's alone: its blocks are freed
@@ -128,6 +130,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_external_cached_tokens: int = 0
     num_external_queried_tokens: int = 0
+    num_external_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def arrival_time(self) -> float:

@@ -170,6 +170,7 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = seq.num_computed_tokens
                 req.num_external_queried_tokens, req.num_external_cached_tokens = seq.tier_tokens
+                req.num_external_cached_tokens_by_tier = dict(seq.tier_loaded)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = self.clock()
             out.scheduled.append(ScheduledSeq(seq, num_new))

@@ -58,6 +58,7 @@ class Request:
     num_cached_tokens: int | None = None
     num_external_cached_tokens: int = 0
     num_external_queried_tokens: int = 0
+    num_external_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     prompt_prefilled: bool = False
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
@@ -116,6 +117,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_indexed_blocks: int = 0
     tier_tokens: tuple[int, int] = (0, 0)  # (looked up, loaded) in lower tiers at admission
+    tier_loaded: tuple[tuple[str, int], ...] = ()  # (tier, tokens) loaded from each at admission
     cache_handle: PrefixMatch | PrefixNode | None = None
     generator: object | None = None
     grammar: GrammarLike | None = None

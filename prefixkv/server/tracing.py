@@ -1,6 +1,6 @@
 """Owns: ``--otlp-traces-endpoint``: one OpenTelemetry span per engine request, exported over OTLP/HTTP.
-Imports: prefixkv.engine's outputs and sampling params, cache_metrics.label; OpenTelemetry only
-inside :func:`install_tracing` (never without the flag).
+Imports: prefixkv.engine's outputs and sampling params, tiers/spec.py, cache_metrics.label;
+OpenTelemetry's SDK and exporter only inside :func:`install_tracing` (never without the flag).
 
 vLLM's request tracing, with prefixkv's cache figures added. Each engine request (one per prompt
 of an HTTP request) that finishes or is aborted becomes one ``llm_request`` span (kind SERVER)
@@ -12,6 +12,8 @@ latencies) and prefixkv's own:
                                            ``cached_tokens``)
 ``prefixkv.cached_tokens.pool``            of those, read from the KV pool's prefix cache
 ``prefixkv.cached_tokens.lower_tiers``     of those, loaded from the host / disk / remote tiers
+``prefixkv.cached_tokens.host`` (``disk``,  of those, loaded from each lower tier
+``remote``)
 ``prefixkv.lower_tiers.queried_tokens``    prompt tokens looked up in the lower tiers
 ``prefixkv.computed_tokens``               prompt tokens computed (prompt less cached)
 ``prefixkv.tenant``                        the first 12 hex digits of the SHA-256 of the
@@ -41,6 +43,7 @@ from typing import Any
 from prefixkv.engine.outputs import RequestOutput
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.server.cache_metrics import label
+from prefixkv.tiers.spec import LOWER_TIERS
 
 EXTRA = "tracing"
 """The optional dependencies' extra: ``pip install "prefixkv[tracing]"``."""
@@ -160,7 +163,9 @@ def _usage(out: RequestOutput, reports_tokens: bool) -> dict[str, int]:
     cached = out.num_cached_tokens
     lower = out.num_external_cached_tokens
     completion = sum(len(o.token_ids) for o in out.outputs) if reports_tokens else 0
+    by_tier = out.num_external_cached_tokens_by_tier
     return {
+        **{f"prefixkv.cached_tokens.{tier}": by_tier.get(tier, 0) for tier in LOWER_TIERS},
         "gen_ai.usage.prompt_tokens": prompt,
         "gen_ai.usage.completion_tokens": completion,
         "gen_ai.usage.num_sequences": len(out.outputs),

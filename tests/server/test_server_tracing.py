@@ -22,8 +22,9 @@ from typing import Any
 
 import httpx
 import pytest
-from server_live import unique_text, wait_for_health
+from server_live import wait_for_health
 from test_server_cli import _free_port
+from test_server_tiers import text
 
 from prefixkv.cli import build_parser
 from prefixkv.server.limits import ServerLimits
@@ -107,15 +108,18 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixkv.cli", "serve", "--port", str(port), "--num-kv-blocks",
-         "512", "--log-level", "warning", "--otlp-traces-endpoint", receiver.url],
+         "48", "--kv-offload-size", "4MiB", "--log-level", "warning",
+         "--otlp-traces-endpoint", receiver.url],
         cwd=ROOT, env=_clean_env(OTEL_SERVICE_NAME="prefixkv-trace-test"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_health(url, proc)
-        prefix = unique_text("trace", 40)  # byte-level demo tokenizer: ~300 tokens, many blocks
+        prefix = text(1, 600)  # byte-level demo tokenizer: 600 tokens, 37 full blocks
         body = {"model": "prefixkv-demo", "max_tokens": 4, "temperature": 0, "cache_salt": SALT}
         first = httpx.post(url + "/v1/completions", json={**body, "prompt": prefix + " one"},
                            timeout=60).json()
+        other = httpx.post(url + "/v1/completions", json={**body, "prompt": text(2, 600)},
+                           timeout=60).json()  # the pool holds one: most of prefix's go to host
         lines: list[dict[str, Any]] = []
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
                           headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
@@ -136,9 +140,9 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
     assert receiver.bad_paths == [], out
     spans = {_attributes(s.attributes)["gen_ai.request.id"]: (resource, s)
              for resource, s in receiver.spans}
-    assert len(receiver.spans) == 2 and set(spans) == {first["id"], second["id"]}, out
+    assert len(receiver.spans) == 3 and set(spans) == {first["id"], other["id"], second["id"]}, out
     tenant = hashlib.sha256(SALT.encode()).hexdigest()[:12]
-    for answer in (first, second):
+    for answer in (first, other, second):
         resource, span = spans[answer["id"]]
         attrs = _attributes(span.attributes)
         usage = answer["usage"]
@@ -150,8 +154,10 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
         assert attrs["gen_ai.usage.completion_tokens"] == usage["completion_tokens"] == 4
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         assert attrs["prefixkv.cached_tokens"] == cached
-        assert attrs["prefixkv.cached_tokens.pool"] + attrs["prefixkv.cached_tokens.lower_tiers"] \
-            == cached
+        lower = attrs["prefixkv.cached_tokens.lower_tiers"]
+        assert attrs["prefixkv.cached_tokens.pool"] + lower == cached
+        assert sum(attrs[f"prefixkv.cached_tokens.{t}"] for t in ("host", "disk", "remote")) == lower
+        assert attrs["prefixkv.cached_tokens.disk"] == attrs["prefixkv.cached_tokens.remote"] == 0
         assert attrs["prefixkv.computed_tokens"] == usage["prompt_tokens"] - cached
         assert attrs["prefixkv.tenant"] == tenant
         assert SALT not in repr(attrs) and "prefixkv.lora" not in attrs
@@ -159,7 +165,9 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
         assert span.end_time_unix_nano >= span.start_time_unix_nano > 0
     first_span, second_span = spans[first["id"]][1], spans[second["id"]][1]
     assert _attributes(first_span.attributes)["prefixkv.cached_tokens"] == 0
-    assert _attributes(second_span.attributes)["prefixkv.cached_tokens.pool"] > 0  # the prefix
+    reused = _attributes(second_span.attributes)
+    assert reused["prefixkv.cached_tokens.host"] > 0 and reused["prefixkv.cached_tokens.pool"] > 0
+    assert reused["prefixkv.lower_tiers.queried_tokens"] >= reused["prefixkv.cached_tokens.host"]
     assert second_span.trace_id.hex() == TRACE_ID and second_span.parent_span_id.hex() == PARENT_ID
     assert first_span.parent_span_id == b"" and first_span.trace_id.hex() != TRACE_ID
 
