@@ -65,7 +65,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -86,6 +86,11 @@ if TYPE_CHECKING:
 __all__ = ["PrecisePolicy", "TokenRouteKey"]
 
 log = logging.getLogger("prefixkv.router")
+
+_UNLISTED_TTL = 10.0
+"""Seconds before a model name no worker listed is looked up in ``/v1/models`` again."""
+_MAX_UNLISTED = 4096
+"""Unlisted model names remembered at most (the oldest forgotten first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +140,7 @@ class PrecisePolicy:
         self._pending: dict[str, deque[tuple[float, int, list[int]]]] = {}
         self._hashes: dict[int, list[int]] = {}  # block size -> this request's hashes
         self._models: dict[str, bool] = {}  # model names the workers list -> is a LoRA adapter
+        self._unlisted: OrderedDict[str, float] = OrderedDict()  # name -> asked again after
 
     # ---------------------------------------------------------------- streams
     async def start(self, client: httpx.AsyncClient) -> None:
@@ -253,6 +259,9 @@ class PrecisePolicy:
         vLLM and prefixkv do); a name not seen yet is looked up once on ``url``."""
         if not isinstance(model, str) or model in self._models:
             return isinstance(model, str) and self._models[model]
+        now = self._clock()
+        if self._unlisted.get(model, now) > now:  # asked lately and no worker listed it
+            return False
         try:
             resp = await client.get(f"{url}/v1/models", headers=auth, timeout=self.tokenize_timeout)
             listed = resp.json().get("data", []) if resp.status_code == 200 else []
@@ -261,6 +270,12 @@ class PrecisePolicy:
                     self._models[entry["id"]] = bool(entry.get("parent"))
         except (httpx.HTTPError, ValueError, AttributeError):
             return False
+        if model not in self._models:  # a name no worker serves: not asked again for a while,
+            # so clients sending made-up names cannot make every request cost a lookup
+            self._unlisted[model] = now + _UNLISTED_TTL
+            self._unlisted.move_to_end(model)
+            while len(self._unlisted) > _MAX_UNLISTED:
+                self._unlisted.popitem(last=False)
         return self._models.get(model, False)
 
     # ---------------------------------------------------------------- choosing

@@ -104,3 +104,47 @@ def test_an_adapters_requests_stay_on_the_worker_that_cached_it(
                 assert resp.headers[WORKER_HEADER] == holder[model], (model, i)
                 cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 assert cached >= system_tokens // BLOCK * BLOCK - BLOCK  # its own blocks, read
+
+
+def test_a_model_name_no_worker_lists_is_not_looked_up_on_every_request() -> None:
+    """A client sending made-up model names must not make each request cost the router a
+    ``/v1/models`` call: an unlisted name is asked again only after a while."""
+    import asyncio
+
+    import httpx
+
+    from prefixkv.router.cache_aware import CacheAwarePolicy
+    from prefixkv.router.precise import PrecisePolicy
+
+    asked: list[bytes] = []
+    models = (b'{"object": "list", "data": [{"id": "base", "parent": null}, '
+              b'{"id": "sql", "parent": "base"}]}')
+
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                asked.append(head.split(b" ")[1])
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: " + str(len(models)).encode() + b"\r\n\r\n" + models)
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        now = [0.0]
+        policy = PrecisePolicy([url], CacheAwarePolicy([url]), clock=lambda: now[0])
+        async with httpx.AsyncClient() as client:
+            assert await policy._is_adapter(client, url, "sql", None)
+            assert not await policy._is_adapter(client, url, "base", None)
+            for _ in range(5):
+                assert not await policy._is_adapter(client, url, "made-up", None)
+            assert len(asked) == 2  # "sql" (which taught "base" too) and "made-up" once
+            now[0] = 11.0  # later, it may have been loaded since: asked again
+            assert not await policy._is_adapter(client, url, "made-up", None)
+            assert len(asked) == 3
+        server.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
