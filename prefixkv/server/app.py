@@ -179,7 +179,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     app.include_router(build_lora_router(engine, model_name), prefix="/v1",
                        dependencies=admin_check)
     app.add_api_route("/reset_prefix_cache", reset, methods=["POST"], dependencies=admin_check)
-    sglang, flush = build_sglang_router(engine, policy, model_name, limits, metrics)
+    sglang, flush = build_sglang_router(engine, policy, model_name, limits, metrics, tracer)
     app.include_router(sglang, dependencies=[Depends(_auth_dependency(api_key))])
     get_check = [Depends(admin_dependency(admin_api_key, api_key, changes_state_on_get=True))]
     for method in ("POST", "GET"):  # SGLang answers both; one route each (distinct OpenAPI ids)

@@ -178,11 +178,12 @@ def _usage(out: RequestOutput, reports_tokens: bool) -> dict[str, int]:
 
 
 def _latencies(out: RequestOutput, ttft_s: float | None, e2e_s: float) -> dict[str, float]:
-    """vLLM's ``gen_ai.latency.*``: TTFT and end-to-end on the server's clock, the phases on
-    the engine's (those the request reached)."""
+    """vLLM's ``gen_ai.latency.*``: TTFT and end-to-end on the server's clock (TTFT on the
+    engine's when the route does not time it), the phases on the engine's (those reached)."""
     found = {"gen_ai.latency.e2e": e2e_s}
-    if ttft_s is not None:
-        found["gen_ai.latency.time_to_first_token"] = ttft_s
+    ttft = ttft_s if ttft_s is not None else out.ttft  # else the engine's (SGLang's route)
+    if ttft is not None:
+        found["gen_ai.latency.time_to_first_token"] = ttft
     t = out.metrics
     phases = {
         "gen_ai.latency.time_in_queue": (t.arrival_time, t.first_scheduled_time),

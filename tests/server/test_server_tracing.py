@@ -130,6 +130,9 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
                 if line.startswith("data: ") and line != "data: [DONE]":
                     lines.append(json.loads(line[len("data: "):]))
         second = {"id": lines[0]["id"], "usage": lines[-1]["usage"]}
+        sglang = httpx.post(url + "/generate", timeout=60, json={
+            "text": prefix + " three", "cache_salt": SALT,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()["meta_info"]
         proc.send_signal(signal.SIGTERM)  # the app's shutdown flushes the queued spans
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
     finally:
@@ -140,7 +143,8 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
     assert receiver.bad_paths == [], out
     spans = {_attributes(s.attributes)["gen_ai.request.id"]: (resource, s)
              for resource, s in receiver.spans}
-    assert len(receiver.spans) == 3 and set(spans) == {first["id"], other["id"], second["id"]}, out
+    assert len(receiver.spans) == 4, out
+    assert set(spans) == {first["id"], other["id"], second["id"], sglang["id"]}, out
     tenant = hashlib.sha256(SALT.encode()).hexdigest()[:12]
     for answer in (first, other, second):
         resource, span = spans[answer["id"]]
@@ -170,6 +174,11 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
     assert reused["prefixkv.lower_tiers.queried_tokens"] >= reused["prefixkv.cached_tokens.host"]
     assert second_span.trace_id.hex() == TRACE_ID and second_span.parent_span_id.hex() == PARENT_ID
     assert first_span.parent_span_id == b"" and first_span.trace_id.hex() != TRACE_ID
+    generated = _attributes(spans[sglang["id"]][1].attributes)  # SGLang's /generate too
+    assert generated["gen_ai.usage.prompt_tokens"] == sglang["prompt_tokens"]
+    assert generated["gen_ai.usage.completion_tokens"] == sglang["completion_tokens"] == 3
+    assert generated["prefixkv.cached_tokens"] == sglang["cached_tokens"] > 0
+    assert generated["prefixkv.tenant"] == tenant and generated["gen_ai.latency.time_to_first_token"] > 0
 
 
 def test_the_flag_without_the_packages_fails_at_start_naming_the_extra() -> None:

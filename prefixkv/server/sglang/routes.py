@@ -48,6 +48,7 @@ from prefixkv.server.lora_routes import adapter_names, adapter_of
 from prefixkv.server.streaming import EngineStreamingResponse, engine_failure, finish_unless_gone, sse
 from prefixkv.server.sglang.logprobs import LogprobFormatter, LogprobOptions
 from prefixkv.server.openai.tools import compile_constraint
+from prefixkv.server.tracing import RequestTrace, RequestTracer
 
 HEALTH_TIMEOUT_S = 20.0
 """How long ``/health_generate`` waits for its token (SGLang's ``HEALTH_CHECK_TIMEOUT``)."""
@@ -193,10 +194,12 @@ class _Shape:
 
 
 def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: str,
-                        limits: ServerLimits, metrics: ServerMetrics) -> tuple[APIRouter, Any]:
+                        limits: ServerLimits, metrics: ServerMetrics,
+                        tracer: RequestTracer | None = None) -> tuple[APIRouter, Any]:
     """The inference routes above for ``engine`` (held to the OpenAI routes' ``limits`` on
-    ``n`` and prompts per request, counted in the same ``metrics``), and the ``/flush_cache``
-    handler (an admin route, mounted by the app with the other admin routes)."""
+    ``n`` and prompts per request, counted in the same ``metrics``, each request's span sent
+    with ``tracer``), and the ``/flush_cache`` handler (an admin route, mounted by the app
+    with the other admin routes)."""
 
     def observe(outs: list[RequestOutput], t0: float) -> None:
         for out in outs:  # each finished request: its tokens, finish reasons and phases
@@ -231,10 +234,21 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
                        body.return_logprob else LogprobFormatter(body, lambda t: str(
                            engine.tokenizer.decode([t], skip_special_tokens=False))))
         loras = _adapters(engine, body.lora_path, len(prompts))
-        streams = [engine.generate(p, params, request_id=f"{base}-{uuid.uuid4().hex[:8]}",
-                                   cache_salt=request_salt(body.cache_salt, body.extra_key),
-                                   lora_request=lora)
-                   for p, lora in zip(prompts, loras)]
+        rids = [f"{base}-{uuid.uuid4().hex[:8]}" for _ in prompts]
+        salt = request_salt(body.cache_salt, body.extra_key)
+        streams = [engine.generate(p, params, request_id=rid, cache_salt=salt, lora_request=lora)
+                   for p, lora, rid in zip(prompts, loras, rids)]
+        traces: dict[str, RequestTrace] = {} if tracer is None else {
+            rid: tracer.begin(rid, params, model=lora or model_name, cache_salt=salt, lora=lora,
+                              started=shape.t0, reports_tokens=not shape.prefill_only)
+            for rid, lora in zip(rids, loras)}
+
+        def finished(outs: list[RequestOutput], t0: float) -> None:
+            observe(outs, t0)
+            for out in outs:
+                trace = traces.pop(out.request_id, None)
+                if trace is not None:
+                    trace.end(out, None, time.perf_counter() - t0)
         try:  # the first output of each: a bad prompt is a 400 before anything is sent
             firsts = [await s.__anext__() for s in streams]
         except ValueError as exc:  # a bad prompt, or a grammar that does not compile
@@ -257,10 +271,10 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
                                    out.num_external_cached_tokens, out.num_external_queried_tokens)
         many = batch or params.n > 1
         if body.stream:
-            return EngineStreamingResponse(_events(streams, firsts, shape, many, observe),
+            return EngineStreamingResponse(_events(streams, firsts, shape, many, finished),
                                            media_type="text/event-stream")
         lasts = await _drain(streams, firsts, request)
-        observe(lasts, shape.t0)
+        finished(lasts, shape.t0)
         items = [shape.item(out, o) for out in lasts for o in out.outputs]
         return JSONResponse(items if many else items[0])
 
