@@ -100,10 +100,10 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         try:
             yield
         finally:
-            if tracer is not None:
-                tracer.shutdown()  # the spans still queued go out
             if on_shutdown is not None:
                 on_shutdown()
+            if tracer is not None:  # last: a collector that is down only delays the exit
+                tracer.shutdown()  # the spans still queued go out
 
     app = FastAPI(title="prefixkv", version="0.1.0", docs_url="/docs", redoc_url=None,
                   lifespan=lifespan)

@@ -181,6 +181,32 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
     assert generated["prefixkv.tenant"] == tenant and generated["gen_ai.latency.time_to_first_token"] > 0
 
 
+def test_a_collector_that_is_down_fails_no_request() -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    port, dead = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixkv.cli", "serve", "--port", str(port), "--num-kv-blocks",
+         "64", "--log-level", "warning",
+         "--otlp-traces-endpoint", f"http://127.0.0.1:{dead}/v1/traces"],
+        cwd=ROOT, env=_clean_env(OTEL_BSP_SCHEDULE_DELAY="50"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_health(url, proc)
+        for i in range(3):
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": "prefixkv-demo", "prompt": f"down {i}", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read() if proc.stdout else ""
+    assert "prefixkv: engine stopped" in out, out
+
+
 def test_the_flag_without_the_packages_fails_at_start_naming_the_extra() -> None:
     blocked = ("import sys; sys.modules['opentelemetry.sdk'] = None; from prefixkv.cli import main; "
                "sys.exit(main(['serve', '--port', '9', '--otlp-traces-endpoint', "
