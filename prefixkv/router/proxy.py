@@ -69,7 +69,7 @@ from prefixkv.router.workers import WorkerRegistry
 log = logging.getLogger("prefixkv.router")
 
 WORKER_HEADER = "x-prefixkv-worker"
-_FORWARDED_HEADERS = ("authorization", "x-request-id")
+_FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")  # W3C trace
 ERROR_CAUSE_HEADER = "x-prefixkv-error-cause"
 
 

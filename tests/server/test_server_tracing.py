@@ -27,6 +27,7 @@ from test_server_cli import _free_port
 from test_server_tiers import text
 
 from prefixkv.cli import build_parser
+from prefixkv.router.app import RouterConfig, RouterServer
 from prefixkv.server.limits import ServerLimits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +122,8 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
         other = httpx.post(url + "/v1/completions", json={**body, "prompt": text(2, 600)},
                            timeout=60).json()  # the pool holds one: most of prefix's go to host
         lines: list[dict[str, Any]] = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+        router = RouterServer(RouterConfig(worker_urls=(url,), eviction_interval=0))
+        with router, httpx.stream("POST", router.url + "/v1/completions", timeout=60,
                           headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
                           json={**body, "prompt": prefix + " two", "stream": True,
                                 "stream_options": {"include_usage": True}}) as response:
@@ -172,6 +174,7 @@ def test_serve_exports_one_span_per_request_with_usage_cache_tiers_and_parent(
     reused = _attributes(second_span.attributes)
     assert reused["prefixkv.cached_tokens.host"] > 0 and reused["prefixkv.cached_tokens.pool"] > 0
     assert reused["prefixkv.lower_tiers.queried_tokens"] >= reused["prefixkv.cached_tokens.host"]
+    # through the router: it passes the caller's trace context on to the worker
     assert second_span.trace_id.hex() == TRACE_ID and second_span.parent_span_id.hex() == PARENT_ID
     assert first_span.parent_span_id == b"" and first_span.trace_id.hex() != TRACE_ID
     generated = _attributes(spans[sglang["id"]][1].attributes)  # SGLang's /generate too
