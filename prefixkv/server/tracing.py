@@ -1,6 +1,6 @@
 """Owns: ``--otlp-traces-endpoint``: one OpenTelemetry span per engine request, exported over OTLP/HTTP.
 Imports: prefixkv.engine's outputs and sampling params, tiers/spec.py, cache_metrics.label;
-OpenTelemetry's SDK and exporter only inside :func:`install_tracing` (never without the flag).
+OpenTelemetry's SDK and :mod:`.otlp_json` only inside :func:`install_tracing` (never without the flag).
 
 vLLM's request tracing, with prefixkv's cache figures added. Each engine request (one per prompt
 of an HTTP request) that finishes or is aborted becomes one ``llm_request`` span (kind SERVER)
@@ -27,7 +27,8 @@ A W3C ``traceparent`` (and ``tracestate``) header on the HTTP request makes the 
 leave through a ``BatchSpanProcessor`` (the SDK's ``OTEL_BSP_*`` settings apply) and the rest are
 flushed when the app shuts down. The SDK's environment conventions hold: ``OTEL_SERVICE_NAME`` /
 ``OTEL_RESOURCE_ATTRIBUTES`` name the service (``prefixkv`` when they do not),
-``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` / ``_TIMEOUT`` / ``_COMPRESSION`` reach the exporter.
+``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` / ``_TIMEOUT`` reach the exporter. Spans go in OTLP's JSON
+encoding (:mod:`prefixkv.server.otlp_json` says why not protobuf).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from prefixkv.tiers.spec import LOWER_TIERS
 EXTRA = "tracing"
 """The optional dependencies' extra: ``pip install "prefixkv[tracing]"``."""
 
-PACKAGES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
+PACKAGES = ("opentelemetry.sdk",)
 SPAN_NAME = "llm_request"  # vLLM's
 TRACE_HEADERS = (b"traceparent", b"tracestate")
 PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -67,8 +68,9 @@ def check_installed() -> None:
             f"pip install \"prefixkv[{EXTRA}]\"")
     for env in PROTOCOL_ENVS:
         value = os.environ.get(env, "").strip().lower()
-        if value and value != "http/protobuf":
-            raise RuntimeError(f"prefixkv exports traces over OTLP/HTTP (http/protobuf) only; "
+        if value and not value.startswith("http/"):  # http/json is what is sent; an
+            # http/protobuf receiver's /v1/traces takes JSON too
+            raise RuntimeError(f"prefixkv exports traces over OTLP/HTTP only (JSON); "
                                f"${env} is {value!r}")
 
 
@@ -102,18 +104,19 @@ class RequestTracer:
 
     def __init__(self, endpoint: str) -> None:
         check_installed()
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.trace import SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        from prefixkv.server.otlp_json import JsonSpanExporter
+
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: "prefixkv"}))
         self._provider = TracerProvider(resource=resource)
-        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self._provider.add_span_processor(BatchSpanProcessor(JsonSpanExporter(endpoint)))
         self._tracer = self._provider.get_tracer("prefixkv.server")
         self._propagator = TraceContextTextMapPropagator()
         self._kind = SpanKind.SERVER

@@ -1,5 +1,5 @@
 """``prefixkv serve --otlp-traces-endpoint``: a real server exports one ``llm_request`` span per
-request to a loopback OTLP/HTTP receiver (the protobuf decoded here), with the usage the
+request to a loopback OTLP/HTTP receiver (OTLP's JSON encoding decoded here), with the usage the
 responses report, the cached tokens by tier, the tenant hashed and a ``traceparent`` kept; without
 the packages the flag is one clear error at start; without the flag prefixkv imports neither the
 SDK's tracing nor the exporter (FastAPI imports OpenTelemetry's API itself, and redis-py the SDK's
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -36,14 +37,26 @@ PARENT_ID = "00f067aa0ba902b7"
 SALT = "tenant-secret-salt"
 
 
+@dataclass
+class Span:
+    """One span of an OTLP/JSON export, its ids as bytes (hex on the wire)."""
+
+    name: str
+    kind: int
+    attributes: list[dict[str, Any]]
+    trace_id: bytes
+    parent_span_id: bytes
+    start_time_unix_nano: int
+    end_time_unix_nano: int
+    SPAN_KIND_SERVER = 2  # OTLP's enum
+
+
 class OtlpReceiver:
-    """A loopback OTLP/HTTP trace receiver: ``POST /v1/traces`` bodies decoded as
-    ``ExportTraceServiceRequest``; ``spans`` holds ``(resource attributes, span)`` pairs."""
+    """A loopback OTLP/HTTP trace receiver: ``POST /v1/traces`` bodies in OTLP's JSON encoding
+    (what prefixkv sends); ``spans`` holds ``(resource attributes, span)`` pairs."""
 
     def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-
-        self.spans: list[tuple[dict[str, Any], Any]] = []
+        self.spans: list[tuple[dict[str, Any], Span]] = []
         self.bad_paths: list[str] = []
         receiver = self
 
@@ -52,18 +65,20 @@ class OtlpReceiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
-                if self.path != "/v1/traces":
-                    receiver.bad_paths.append(self.path)
+                if self.path != "/v1/traces" or self.headers.get("Content-Type") != "application/json":
+                    receiver.bad_paths.append(f"{self.path} {self.headers.get('Content-Type')}")
                     self.send_response(404)
                     self.end_headers()
                     return
-                request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
-                for rs in request.resource_spans:
-                    resource = _attributes(rs.resource.attributes)
-                    receiver.spans += [(resource, span) for ss in rs.scope_spans for span in ss.spans]
-                answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                for rs in json.loads(body)["resourceSpans"]:
+                    resource = _attributes(rs["resource"]["attributes"])
+                    receiver.spans += [(resource, Span(
+                        s["name"], s["kind"], s["attributes"], bytes.fromhex(s["traceId"]),
+                        bytes.fromhex(s.get("parentSpanId", "")), int(s["startTimeUnixNano"]),
+                        int(s["endTimeUnixNano"]))) for ss in rs["scopeSpans"] for s in ss["spans"]]
+                answer = b"{}"
                 self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
                 self.wfile.write(answer)
@@ -81,12 +96,12 @@ class OtlpReceiver:
         self.server.server_close()
 
 
-def _attributes(pairs: Any) -> dict[str, Any]:
-    """OTLP ``KeyValue`` s as a dict of plain values."""
+def _attributes(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """OTLP/JSON ``KeyValue`` s as a dict of plain values (64-bit ints come as strings)."""
     out: dict[str, Any] = {}
     for kv in pairs:
-        kind = kv.value.WhichOneof("value")
-        out[kv.key] = getattr(kv.value, kind) if kind else None
+        (kind, value), = kv["value"].items()
+        out[kv["key"]] = int(value) if kind == "intValue" else value
     return out
 
 
@@ -227,7 +242,7 @@ def test_without_the_flag_neither_the_tracing_sdk_nor_the_exporter_is_imported()
              "args = build_parser().parse_args(['serve']); assert args.otlp_traces_endpoint is None; "
              "assert install_tracing(FastAPI(), args.otlp_traces_endpoint) is None; "
              "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk.trace', "
-             "'opentelemetry.exporter', 'opentelemetry.proto'))))")
+             "'opentelemetry.exporter', 'opentelemetry.proto', 'prefixkv.server.otlp_json'))))")
     run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=_clean_env(),
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
