@@ -1,5 +1,5 @@
 """Owns: the OpenAI dialect's ``POST /v1/completions`` and ``POST /v1/chat/completions`` routes.
-Imports: the core's fields.py and this package's protocol.py and serving.py.
+Imports: the core's fields.py and json_body.py and this package's protocol.py and serving.py.
 
 The routes check the body's unknown fields and model name, take vLLM's request id (the body's
 ``request_id``, else the ``X-Request-Id`` header) and hand the body to :class:`OpenAIServing`.
@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.json_body import FastJSONRoute
 from prefixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from prefixkv.server.openai.serving import OpenAIServing
 
@@ -42,7 +43,7 @@ def _take_request_id(body: CompletionRequest | ChatCompletionRequest, request: R
 def build_openai_router(serving: OpenAIServing, policy: FieldPolicy,
                         check_model: Callable[[str | None], None]) -> APIRouter:
     """``/completions`` and ``/chat/completions`` (mounted under ``/v1``) on ``serving``."""
-    router = APIRouter()
+    router = APIRouter(route_class=FastJSONRoute)  # bodies decoded by msgspec (json_body.py)
 
     @router.post("/completions", response_model=None, responses=_JSON_OR_EVENTS)
     async def completions(body: CompletionRequest,

@@ -40,6 +40,7 @@ from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.wire.kv_events import request_salt
 from prefixkv.server.errors import APIError
 from prefixkv.server.fields import FieldPolicy
+from prefixkv.server.json_body import FastJSONRoute
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.retention import request_retention
 from prefixkv.server.metrics import ServerMetrics
@@ -206,7 +207,7 @@ def build_sglang_router(engine: AsyncEngine, policy: FieldPolicy, model_name: st
             metrics.observe_output(out, [o.finish_reason or "" for o in out.outputs], None,
                                    time.perf_counter() - t0)
 
-    router = APIRouter()
+    router = APIRouter(route_class=FastJSONRoute)  # bodies decoded by msgspec (json_body.py)
 
     @router.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Response:
