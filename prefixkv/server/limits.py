@@ -14,7 +14,7 @@ of its prompt fields before any templating, tokenizing or re-encoding.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,36 @@ class ServerLimits:
                              f"e.g. http://127.0.0.1:4318/v1/traces), got {url!r}")
 
 
+def declared_length(scope: Scope) -> int | None:
+    """A request's ``Content-Length`` (``None`` when absent or malformed: the body's own bytes
+    are counted then, see :func:`capped_receive`)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def capped_receive(receive: Any, cap: int,
+                   too_large: Callable[[], Exception]) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """``receive`` that raises ``too_large()`` once more than ``cap`` body bytes arrived (a
+    chunked body, or one longer than it said)."""
+    seen = 0
+
+    async def capped() -> dict[str, Any]:
+        nonlocal seen
+        message: dict[str, Any] = await receive()
+        if message.get("type") == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > cap:
+                raise too_large()
+        return message
+
+    return capped
+
+
 class BodyTooLarge(HTTPException):
     """Raised from ``receive`` when a streamed body passes the limit (answered 413)."""
 
@@ -83,27 +113,12 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1
-                if declared > self.limit:
-                    await self._reject(send)
-                    return
-        seen = 0
-
-        async def limited_receive() -> dict[str, Any]:
-            nonlocal seen
-            message: dict[str, Any] = await receive()
-            if message.get("type") == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLarge(self.limit)
-            return message
-
-        await self.app(scope, limited_receive, send)
+        declared = declared_length(scope)
+        if declared is not None and declared > self.limit:
+            await self._reject(send)
+            return
+        await self.app(scope, capped_receive(receive, self.limit,
+                                             lambda: BodyTooLarge(self.limit)), send)
 
     async def _reject(self, send: Any) -> None:
         body = json.dumps(error_body(

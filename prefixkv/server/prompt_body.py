@@ -28,7 +28,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from prefixkv.server.errors import error_body
-from prefixkv.server.limits import PROMPT_CHARS_PER_TOKEN
+from prefixkv.server.limits import PROMPT_CHARS_PER_TOKEN, capped_receive, declared_length
 
 ONE_PROMPT_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                      "/v1/responses", "/tokenize", "/v1/chat/completions/render")
@@ -81,27 +81,13 @@ class PromptBodyLimit:
         if scope["type"] != "http" or scope.get("method") != "POST" or path not in self.routes:
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    break  # malformed: the server refuses it
-                if declared > self.cap:
-                    await self._reject(send, self.message(path, declared))
-                    return
-        seen = 0
-
-        async def capped_receive() -> dict[str, Any]:
-            nonlocal seen
-            message: dict[str, Any] = await receive()
-            if message.get("type") == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.cap:
-                    raise PromptBodyTooLarge(self.message(path, None))
-            return message
-
-        await self.app(scope, capped_receive, send)
+        declared = declared_length(scope)
+        if declared is not None and declared > self.cap:
+            await self._reject(send, self.message(path, declared))
+            return
+        await self.app(scope, capped_receive(receive, self.cap,
+                                             lambda: PromptBodyTooLarge(self.message(path, None))),
+                       send)
 
     @staticmethod
     async def _reject(send: Any, message: str) -> None:
