@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import httpx
 
 from prefixkv.bench.load import rss_mb
+from prefixkv.router.local import free_port, stop_processes
 
 __all__ = ["Case", "CaseResult", "HostileReport", "Latencies", "add_arguments", "default_cases",
            "main", "run_from_args", "run_hostile"]
@@ -257,9 +257,7 @@ def format_result(report: HostileReport, r: CaseResult) -> str:
 @contextmanager
 def served(model: str | None, *, timeout_s: float = 600.0) -> Iterator[tuple[str, int]]:
     """``prefixkv serve`` on a free loopback port for the ``with`` body: ``(url, pid)``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--port", str(port),
            "--log-level", "warning", *([] if model is None else ["--model", model])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -280,12 +278,7 @@ def served(model: str | None, *, timeout_s: float = 600.0) -> Iterator[tuple[str
             time.sleep(0.2)
         yield url, proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], timeout=30)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -15,9 +15,9 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Self
+from typing import Any, Self
 
-__all__ = ["LAUNCHED_KV_EVENTS", "LocalWorkers", "free_port"]
+__all__ = ["LAUNCHED_KV_EVENTS", "LocalWorkers", "free_port", "stop_processes"]
 
 LAUNCHED_KV_EVENTS = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
                       '"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}')
@@ -32,6 +32,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass  # not Linux: stop() still terminates the workers
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> None:
+    """Terminate every process still running, wait for each, kill one that outlives ``timeout``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -94,15 +107,7 @@ class LocalWorkers:
 
     def stop(self) -> None:
         """Terminate every worker and wait for it (kill after 10 s)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, timeout=10)
 
     def __enter__(self) -> Self:
         return self

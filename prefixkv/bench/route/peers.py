@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -81,7 +79,7 @@ def router_command(name: str, port: int, worker_urls: Sequence[str], args: argpa
 
 def _one(name: str, urls: Sequence[str], workload: Workload, args: argparse.Namespace,
          workload_name: str) -> PolicyResult:
-    from prefixkv.router.local import free_port
+    from prefixkv.router.local import free_port, stop_processes
 
     port = free_port()
     proc = subprocess.Popen(router_command(name, port, urls, args, args.peers_venv),
@@ -94,12 +92,7 @@ def _one(name: str, urls: Sequence[str], workload: Workload, args: argparse.Name
         print(f"  {name}: RSS {rss0 or 0:.0f} MB before traffic", file=sys.stderr)
         return result
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], timeout=30)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
