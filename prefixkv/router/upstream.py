@@ -297,15 +297,11 @@ class UpstreamPool:
                 wrote = True
                 status, answer_headers = await self._head(conn)
                 return UpstreamResponse(conn, status, answer_headers, self.timeout)
-            except UpstreamError as exc:
+            except UpstreamError:
                 self._put(conn, reuse=False)
                 if reused and not conn.received and conn.failure is None:
                     written_and_cut = wrote
                     continue
-                if written_and_cut and not exc.cut:  # however the resend failed (a dying
-                    # worker's socket may accept, then reset before the write), the first try
-                    # was taken and cut: the worker may have died under this request
-                    raise UpstreamError(str(exc), cut=True) from exc
                 raise
             except BaseException:
                 self._put(conn, reuse=False)

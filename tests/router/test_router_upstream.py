@@ -150,38 +150,6 @@ def test_a_stale_idle_connection_is_dropped_and_a_request_it_loses_is_sent_again
     run(main())
 
 
-def test_a_request_cut_after_writing_whose_resend_fails_is_reported_cut() -> None:
-    """The worker took the request on an idle connection and died under it; its dying socket
-    accepted the resend's connect, then reset it before the write. The request is still one a
-    worker may have died under (``cut``): the router probes and may quarantine it, rather than
-    counting a connect failure and sending it on to kill the next worker (CI saw that race)."""
-    async def main() -> None:
-        async def dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       n: int) -> None:
-            await srv.read_request(reader)
-            writer.write(answer(b"first"))
-            await srv.read_request(reader)  # the next request is read, then dropped unanswered
-
-        async with Scripted(dies) as srv:
-            pool = UpstreamPool(timeout=5)
-            assert await (await pool.post(srv.base, "/", b"1", {})).read() == b"first"
-            connect = pool._connect
-
-            async def reset_at_once(base: str, host: str, port: int) -> Any:
-                conn = await connect(base, host, port)
-                conn.transport.abort()
-                await asyncio.sleep(0)
-                return conn
-
-            pool._connect = reset_at_once  # type: ignore[method-assign]
-            with pytest.raises(UpstreamError) as err:
-                await pool.post(srv.base, "/", b"poison", {})
-            assert err.value.cut, err.value
-            pool.close()
-
-    run(main())
-
-
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_connection_lost_before_the_request_is_written_is_an_upstream_error(loop: str) -> None:
     """The worker went away between the connect and the write (killed at that moment): the
