@@ -7,7 +7,9 @@ alone; then each case is posted while the victim loops beside it on its own conn
 case: the status, the time to the answer, the answer's size, the server's RSS before, at its
 peak during the request (sampled every 10 ms) and after (``/proc/PID/status``, with ``--pid``
 or when the benchmark starts the server), and the victim's p50 / max over its requests that
-overlapped the hostile one. The target (issue 40): every case answered in under a second, under
+overlapped the hostile one. The victim loops in a process of its own for the whole run (its
+"alone" figure is its first requests, before any case), so the benchmark's own sending and
+sampling do not slow it. The target (issue 40): every case answered in under a second, under
 100 MB of extra memory, and the victim's slowest request within 2x its slowest alone; each line
 says which of the three held (the machine's other load moves the victim's figures too: compare
 runs of one session, and repeat).
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import queue
 import statistics
 import subprocess
 import sys
@@ -154,6 +158,71 @@ def _victim_once(client: httpx.Client) -> tuple[float, bool]:
     return time.perf_counter() - start, ok
 
 
+def _victim_loop(url: str, headers: dict[str, str] | None, out: Any, stop: Any) -> None:
+    """The victim's process: post :data:`VICTIM` over and over until ``stop`` is set, putting
+    ``(monotonic start, seconds, ok)`` on ``out`` for each."""
+    with httpx.Client(base_url=url, timeout=600, headers=headers) as client:
+        for _ in range(5):  # warm-up: a connection, the engine's first steps
+            _victim_once(client)
+        out.put(None)  # ready
+        while not stop.is_set():
+            began = time.monotonic()
+            took, ok = _victim_once(client)
+            out.put((began, took, ok))
+
+
+class _Victim:
+    """The other client, in a process of its own so that the benchmark's own work (sending the
+    hostile body, sampling RSS) cannot slow it: only the server can. Its requests are stamped
+    with ``time.monotonic`` (one clock for every process of the machine)."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None) -> None:
+        ctx = mp.get_context("spawn")
+        self._out: Any = ctx.Queue()
+        self._stop = ctx.Event()
+        self._proc = ctx.Process(target=_victim_loop, args=(url, headers, self._out, self._stop),
+                                 daemon=True)
+        self._seen: list[tuple[float, float, bool]] = []
+        self._proc.start()
+        if self._out.get(timeout=120) is not None:
+            raise RuntimeError("the victim process did not start")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._out.get_nowait()
+            except queue.Empty:
+                return
+            self._seen.append(item)
+
+    def window(self, start: float, end: float) -> Latencies:
+        """The victim's requests that overlapped ``[start, end]`` (monotonic)."""
+        self._drain()
+        hit = [(t, ok) for began, t, ok in self._seen if began < end and began + t > start]
+        return Latencies.of([t for t, _ in hit], sum(not ok for _, ok in hit))
+
+    def count(self, n: int, timeout_s: float = 120.0) -> Latencies:
+        """Its next ``n`` requests from now."""
+        self._drain()
+        first = len(self._seen)
+        deadline = time.monotonic() + timeout_s
+        while len(self._seen) < first + n and time.monotonic() < deadline:
+            try:
+                self._seen.append(self._out.get(timeout=1))
+            except queue.Empty:
+                pass
+        got = self._seen[first:first + n]
+        return Latencies.of([t for _, t, _ in got], sum(not ok for _, _, ok in got))
+
+    def close(self) -> None:
+        """Stop the process (its request in flight finishes first)."""
+        self._stop.set()
+        self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._out.cancel_join_thread()
+
+
 @contextmanager
 def _looping(action: Callable[[], None], pause_s: float = 0.0) -> Iterator[None]:
     """Run ``action`` over and over on a thread while the ``with`` body runs (then once more
@@ -175,43 +244,33 @@ def _looping(action: Callable[[], None], pause_s: float = 0.0) -> Iterator[None]
         thread.join()
 
 
-def run_case(url: str, case: Case, *, pid: int | None = None, settle_s: float = 0.3,
-             headers: dict[str, str] | None = None) -> CaseResult:
-    """Post ``case`` while the victim loops on ``url`` (from ``settle_s`` before to ``settle_s``
-    after); the victim's figures are over its requests that overlapped the hostile one (all of
-    them if none did)."""
-    lat: list[tuple[float, float]] = []  # (start, seconds) of each victim request
-    errors = 0
+def run_case(url: str, case: Case, victim: _Victim, *, pid: int | None = None,
+             settle_s: float = 0.3, headers: dict[str, str] | None = None) -> CaseResult:
+    """Post ``case`` while ``victim`` loops on ``url``; the victim's figures are over its
+    requests that overlapped the hostile one (the ``settle_s`` before it if none did)."""
     peak: list[float] = []
-    with httpx.Client(base_url=url, timeout=600, headers=headers) as victim:
 
-        def victim_step() -> None:
-            nonlocal errors
-            began = time.perf_counter()
-            took, ok = _victim_once(victim)
-            lat.append((began, took))
-            errors += not ok
+    def sample() -> None:
+        rss = rss_mb(pid)
+        if rss is not None:
+            peak.append(rss)
 
-        def sample() -> None:
-            rss = rss_mb(pid)
-            if rss is not None:
-                peak.append(rss)
-
-        with _looping(victim_step):
-            time.sleep(settle_s)
-            before = rss_mb(pid)
-            with _looping(sample, pause_s=0.01):
-                start = time.perf_counter()
-                resp = httpx.post(url + case.path, content=case.body, timeout=600,
-                                  headers={"content-type": "application/json", **(headers or {})})
-                took = time.perf_counter() - start
-            after = rss_mb(pid)
-            time.sleep(settle_s)
-    during = [t for began, t in lat if began < start + took and began + t > start]
+    time.sleep(settle_s)
+    before = rss_mb(pid)
+    with _looping(sample, pause_s=0.01):
+        start = time.monotonic()
+        resp = httpx.post(url + case.path, content=case.body, timeout=600,
+                          headers={"content-type": "application/json", **(headers or {})})
+        end = time.monotonic()
+    after = rss_mb(pid)
+    time.sleep(settle_s)
+    during = victim.window(start, end)
+    if during.n == 0:
+        during = victim.window(start - settle_s, end)
     return CaseResult(
         label=case.label, path=case.path, body_mb=len(case.body) / 1e6, status=resp.status_code,
-        seconds=took, response_bytes=len(resp.content),
-        excerpt=resp.text[:110].replace("\n", " "), victim=Latencies.of(during or [t for _, t in lat], errors),
+        seconds=end - start, response_bytes=len(resp.content),
+        excerpt=resp.text[:110].replace("\n", " "), victim=during,
         rss_before_mb=before, rss_peak_mb=max([*peak, after]) if after is not None else None,
         rss_after_mb=after)
 
@@ -222,20 +281,21 @@ def run_hostile(url: str, cases: Sequence[Case], *, pid: int | None = None,
                 on_alone: Callable[[Latencies], None] | None = None,
                 on_result: Callable[[HostileReport, CaseResult], None] | None = None
                 ) -> HostileReport:
-    """Time the victim alone (after 5 warm-up requests), then run every case in order; the
-    callbacks see each figure as it comes."""
-    with httpx.Client(base_url=url, timeout=600, headers=headers) as client:
-        for _ in range(5):
-            _victim_once(client)
-        alone = [_victim_once(client) for _ in range(alone_requests)]
-    report = HostileReport(Latencies.of([t for t, _ in alone], sum(not ok for _, ok in alone)))
-    if on_alone is not None:
-        on_alone(report.alone)
-    for case in cases:
-        result = run_case(url, case, pid=pid, settle_s=settle_s, headers=headers)
-        report.results.append(result)
-        if on_result is not None:
-            on_result(report, result)
+    """Start the victim's process (5 warm-up requests), time ``alone_requests`` of its requests
+    with nothing else sent, then run every case in order while it loops; the callbacks see each
+    figure as it comes."""
+    victim = _Victim(url, headers)
+    try:
+        report = HostileReport(victim.count(alone_requests))
+        if on_alone is not None:
+            on_alone(report.alone)
+        for case in cases:
+            result = run_case(url, case, victim, pid=pid, settle_s=settle_s, headers=headers)
+            report.results.append(result)
+            if on_result is not None:
+                on_result(report, result)
+    finally:
+        victim.close()
     try:
         report.healthy_after = httpx.get(url + "/health", timeout=30).status_code == 200
     except httpx.HTTPError:
