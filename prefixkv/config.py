@@ -269,6 +269,11 @@ _TIER_OPTIONS: dict[str, dict[str, Any]] = {
     "namespace": {"help": "extra key part of every block in the lower tiers (e.g. a "
                           "deployment name): engines on other namespaces never see them",
                   "shown": "none", "metavar": "NAME"},
+    "blocks_per_tenant": {"help": "a tenant's quota in each lower tier, in blocks (its blocks "
+                                  "beyond it are evicted first there): one count, or per tier "
+                                  "'host=512,disk=4096,remote=8192'",
+                          "shown": "--max-cached-blocks-per-tenant", "kind": "str",
+                          "metavar": "BLOCKS"},
 }
 
 

@@ -129,6 +129,11 @@ class CacheAdmin:
         caching off); a tenant over ``max_cached_blocks_per_tenant`` loses its blocks first."""
         return {} if self.kv.cache is None else self.kv.cache.tenants()
 
+    def tier_tenants(self) -> dict[str, dict[str, int]]:
+        """Blocks per tenant label in each lower tier (``{}`` without them; a tenant over its
+        tier quota loses its blocks there first): :meth:`TieredStore.tenant_counts`."""
+        return {} if self.kv.tiers is None else self.kv.tiers.tenant_counts()
+
     def hit_rates(self) -> HitRates:
         """Prompt-token hit rates over the last window, per tenant and per ``cache_key``."""
         return self.kv.observer.hits.snapshot()

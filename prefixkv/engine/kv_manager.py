@@ -32,9 +32,9 @@ from prefixkv.cache.protocol import PinnedPrefix, PrefixCache
 from prefixkv.cache.retention import RetentionError
 from prefixkv.engine.residency import CacheObserver
 from prefixkv.engine.sequence import Sequence
+from prefixkv.tiers import Put, TieredStore
 from prefixkv.tiers.spec import TierSpec, parse_size
 from prefixkv.tiers.stats import TierCounters, TierStats
-from prefixkv.tiers.store import TieredStore
 
 if TYPE_CHECKING:
     from prefixkv.engine.kv_events import KVEventSink
@@ -298,9 +298,9 @@ class KVManager:
                                seq.token_ids[first * self.block_size : seq.num_indexed_blocks
                                              * self.block_size], seq.request.namespace,
                                [k for _, k in pairs])
-        if pairs and self.tiers is not None:  # (a retention's TTL goes down with them)
+        if pairs and self.tiers is not None:  # (their tenant and retention go down with them)
             self.tiers.publish(pairs, chain[: seq.num_indexed_blocks],
-                               retention=seq.request.params.retention)
+                               Put(seq.request.namespace, seq.request.params.retention))
         if old is not None:
             self.cache.unlock(old)
         self.pool.free(duplicates)
@@ -432,7 +432,7 @@ class KVManager:
         return [self._pool_counters.snapshot(cached), *self.tiers.stats()]
 
 
-def make_tier_store(spec: TierSpec, runner: ModelRunner) -> TieredStore | None:
+def make_tier_store(spec: TierSpec, runner: ModelRunner, quota: int | None) -> TieredStore | None:
     """The lower tiers ``spec`` asks for over ``runner``'s KV pool (``None`` if none)."""
     if not spec.enabled:
         return None
@@ -442,4 +442,4 @@ def make_tier_store(spec: TierSpec, runner: ModelRunner) -> TieredStore | None:
     host_blocks = parse_size(spec.offload_size, probe.block_nbytes, "kv_offload_size")
     transfer = KVTransfer(runner.kv_pool, host_blocks)
     return TieredStore.create(spec, transfer, runner.fingerprint, runner.block_size,
-                              host_blocks)
+                              host_blocks, quota)

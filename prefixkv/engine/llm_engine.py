@@ -86,7 +86,7 @@ class LLMEngine:
         cc, sc = config.cache, config.scheduler
         cache = cc.make_index(runner.num_kv_blocks, runner.block_size)
         self.kv = KVManager(runner.num_kv_blocks, runner.block_size, cache, runner.copy_block_rows,
-                            make_tier_store(config.tiers, runner),
+                            make_tier_store(config.tiers, runner, cc.max_cached_blocks_per_tenant),
                             make_observer(cc.kv_cache_metrics, cc.kv_cache_metrics_sample))
         # dropped without close() (or failing below): the tier / KV-event threads finish
         weakref.finalize(self, _release_threads, self.kv)

@@ -6,8 +6,8 @@ Cache admin routes (seed 004's ``cache stats | pin | unpin | list-pinned | reset
 ::
 
     GET  /v1/cache/stats     engine + index counters, "tenants" (cached / retained blocks per
-                             cache_salt), "hit_rates" (per tenant and prompt_cache_key over the
-                             last window)
+                             cache_salt, its metrics "label", "tier_blocks" per lower tier),
+                             "hit_rates" (per tenant and prompt_cache_key over the last window)
     POST /v1/cache/pin       {"token_ids" | "text" | "messages", "description"?, "cache_salt"?,
                              "ttl_s"?, "priority"?: a soft retention instead of a pin}
     POST /v1/cache/unpin     {"token_ids" | "text" | "messages", "cache_salt"?}
@@ -57,6 +57,7 @@ from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import EngineStats
 from prefixkv.engine.residency import HitRate
 from prefixkv.loopback import is_local_client, proxy_header
+from prefixkv.server.cache_metrics import label as tenant_label
 from prefixkv.server.errors import APIError
 from prefixkv.server.bodies import LookupRequest, PinRequest, PrefixSpec, UnpinRequest
 from prefixkv.server.retention import REQUEST_TTL_S
@@ -150,9 +151,11 @@ def build_admin_router(engine: AsyncEngine) -> tuple[APIRouter, Callable[..., Aw
     @router.get("/stats")
     async def stats() -> dict[str, Any]:
         body = _stats_dict(await engine.get_stats())
-        tenants, hits = await engine.call(lambda e: (e.cache_admin.tenants(), e.cache_admin.hit_rates()))
+        tenants, hits, tiers = await engine.call(lambda e: (
+            e.cache_admin.tenants(), e.cache_admin.hit_rates(), e.cache_admin.tier_tenants()))
         body["tenants"] = [{**_tenant(ns), "cached_blocks": u.cached_blocks,
                             "retained_blocks": u.retained_blocks} for ns, u in tenants.items()]
+        _add_tier_blocks(body["tenants"], list(tenants), tiers)
         body["hit_rates"] = {"window_s": hits.window_s,
                              "tenants": [{**_tenant(ns), **_rate(r)} for ns, r in hits.by_tenant.items()],
                              "prompt_cache_keys": [{"prompt_cache_key": k, **_rate(r)}
@@ -231,6 +234,25 @@ def _tenant(namespace: Any) -> dict[str, Any]:
     salt, lora = namespace if isinstance(namespace, tuple) else (namespace, None)
     return {"cache_salt": None if salt is None else str(salt),
             "lora": None if lora is None else str(lora)}
+
+
+def _add_tier_blocks(rows: list[dict[str, Any]], namespaces: list[Any],
+                     tiers: dict[str, dict[str, int]]) -> None:
+    """Give each tenant row (one per namespace, same order) its ``label`` (the metrics') and
+    ``tier_blocks`` (blocks per lower tier); tenants only the lower tiers hold (e.g. read back
+    from disk after a restart) get a row of their own, known by label only."""
+    by_label: dict[str, dict[str, Any]] = {}
+    for row, ns in zip(rows, namespaces):
+        row["label"] = tenant_label(ns)
+        row["tier_blocks"] = {}
+        by_label[row["label"]] = row
+    for tier, counts in tiers.items():
+        for name, n in counts.items():
+            if name not in by_label:
+                by_label[name] = {"cache_salt": None, "lora": None, "label": name,
+                                  "cached_blocks": 0, "retained_blocks": 0, "tier_blocks": {}}
+                rows.append(by_label[name])
+            by_label[name]["tier_blocks"][tier] = n
 
 
 def _rate(r: HitRate) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """Owns: the per-tenant, per-``prompt_cache_key`` and block-residency series of ``GET /metrics``.
-Imports: prefixkv.engine (cache_admin's records: tenants, hit rates, residency) only.
+Imports: prefixkv.engine (cache_admin's records: tenants, hit rates, residency) and the tiers'
+tenant labels only.
 
 Read at scrape time on the engine thread (:func:`cache_view`), reported by ``engine_metrics.py``'s
 collector:
 
 * ``prefixkv:tenant_cached_blocks`` / ``prefixkv:tenant_retained_blocks`` (gauges, label
   ``tenant``): the pool's blocks per tenant (``cache_salt``, LoRA adapter);
+* ``prefixkv:tenant_tier_blocks`` (gauge, labels ``tenant`` and ``tier``: ``host``, ``disk``,
+  ``remote``): each lower tier's blocks per tenant (the remote's only with a quota);
 * ``prefixkv:prefix_cache_hit_rate_by_tenant`` / ``..._by_cache_key`` (gauges: reused over
   queried prompt tokens, requests admitted in the last window), and
   ``prefixkv:prefix_cache_window_requests_by_tenant`` / ``..._by_cache_key``;
@@ -30,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Met
 from prefixkv.cache.quotas import TenantUsage
 from prefixkv.engine.llm_engine import LLMEngine
 from prefixkv.engine.residency import HitRate, HitRates, ResidencyStats
+from prefixkv.tiers.quotas import tenant_label
 
 TOP_N = 10
 """Most tenants (and, apart, ``prompt_cache_key`` s) with a series of their own."""
@@ -48,20 +52,19 @@ class CacheView:
     tenants: dict[Hashable | None, TenantUsage]
     hit_rates: HitRates
     residency: list[ResidencyStats]
+    tier_tenants: dict[str, dict[str, int]]  # lower tier -> tenant label -> blocks
 
 
 def cache_view(engine: LLMEngine) -> CacheView:
     """The snapshot (call it on the engine thread)."""
     admin = engine.cache_admin
-    return CacheView(admin.tenants(), admin.hit_rates(), admin.residency())
+    return CacheView(admin.tenants(), admin.hit_rates(), admin.residency(), admin.tier_tenants())
 
 
 def label(name: Hashable | None) -> str:
-    """A tenant's or key's label value: ``default`` for none, else a short SHA-256 of it."""
-    if name is None:
-        return "default"
-    text = name if isinstance(name, str) else repr(name)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    """A tenant's or key's label value: ``default`` for none, else a short SHA-256 of it (the
+    lower tiers' tenant label, :func:`~prefixkv.tiers.quotas.tenant_label`)."""
+    return tenant_label(name)
 
 
 def _rates(kind: str, model: str, rates: dict[str, HitRate] | dict[Hashable | None, HitRate]
@@ -100,6 +103,16 @@ def cache_metrics(model: str, view: CacheView) -> Iterator[Metric]:
         kept.add_metric([model, "other"], sum(u.retained_blocks for _, u in ranked[TOP_N:]))
     yield cached
     yield kept
+    lower = GaugeMetricFamily("prefixkv:tenant_tier_blocks", "Blocks a tenant has in a lower "
+                              "KV tier (top tenants per tier; 'other': the rest).",
+                              labels=["model_name", "tenant", "tier"])
+    for tier_name, counts in view.tier_tenants.items():
+        top = sorted(counts.items(), key=lambda x: -x[1])
+        for name, n in top[:TOP_N]:
+            lower.add_metric([model, name, tier_name], n)
+        if len(top) > TOP_N:
+            lower.add_metric([model, "other", tier_name], sum(n for _, n in top[TOP_N:]))
+    yield lower
     yield from _rates("tenant", model, view.hit_rates.by_tenant)
     yield from _rates("cache_key", model, view.hit_rates.by_key)
     if not view.residency:

@@ -6,6 +6,8 @@ from prefixkv.tiers.codec import CorruptBlockError
 from prefixkv.tiers.keys import BlockKeyer
 from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.prefetch import Prefetcher
+from prefixkv.tiers.put import Put
+from prefixkv.tiers.quotas import TenantKeys, tenant_label
 from prefixkv.tiers.spec import TierSpec, parse_size, reset_tiers
 from prefixkv.tiers.stats import TierStats
 from prefixkv.tiers.store import BlockTransfer, TieredStore, TierHit
@@ -16,10 +18,13 @@ __all__ = [
     "CorruptBlockError",
     "PinnedKeys",
     "Prefetcher",
+    "Put",
     "TierHit",
     "TierSpec",
+    "TenantKeys",
     "TierStats",
     "TieredStore",
     "parse_size",
     "reset_tiers",
+    "tenant_label",
 ]

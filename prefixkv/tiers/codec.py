@@ -1,8 +1,10 @@
 """The stored form of one KV block: a small header, then the raw bytes, then (with a secret) a MAC.
 
 Header (little endian): magic ``PKVB``, version (u16), header length (u16), payload length
-(u64), xxhash64 of the payload (u64), the block key (32 bytes), then the layout string (utf-8,
-e.g. ``float32:2x4x16x2x64``). :func:`decode` accepts a record only when every field matches
+(u64), xxhash64 of the payload (u64), the block key (32 bytes), the layout string (utf-8,
+e.g. ``float32:2x4x16x2x64``), then (disk records only, optional) the tenant's label (ASCII, at
+most :data:`TENANT_BYTES`; none: the default tenant, so a record without one is exactly what
+earlier versions wrote, and a tagged record is what they skip as another layout). :func:`decode` accepts a record only when every field matches
 what the reader expects and the checksum holds; anything else is :class:`CorruptBlockError`,
 which callers treat as a miss (and delete), never as KV.
 
@@ -28,6 +30,8 @@ VERSION = 1
 VERSION_MAC = 2
 """Records that end in an HMAC-SHA256 tag."""
 TAG_BYTES = 32
+TENANT_BYTES = 32
+"""Longest tenant label a header may carry."""
 _FIXED = struct.Struct("<4sHHQQ32s")
 
 
@@ -45,10 +49,14 @@ def secret_id(secret: bytes) -> str:
     return hmac.new(secret, b"prefixkv/kv-secret-id", hashlib.sha256).hexdigest()[:16]
 
 
-def encode(key: bytes, layout: str, payload: bytes, secret: bytes | None = None) -> bytes:
+def encode(key: bytes, layout: str, payload: bytes, secret: bytes | None = None,
+           tenant: str = "") -> bytes:
     """The stored record of ``payload`` (one block's KV bytes) under ``key`` (with a MAC under
-    ``secret`` when given)."""
-    lay = layout.encode()
+    ``secret`` when given; ``tenant``: a label to keep in the header, ``""``: none)."""
+    tag = tenant.encode("ascii")
+    if len(tag) > TENANT_BYTES:
+        raise ValueError(f"tenant label longer than {TENANT_BYTES} bytes: {tenant!r}")
+    lay = layout.encode() + tag
     head = _FIXED.pack(MAGIC, VERSION if secret is None else VERSION_MAC, _FIXED.size + len(lay),
                        len(payload), xxhash.xxh64_intdigest(payload), key)
     if secret is None:
@@ -83,8 +91,7 @@ def decode(
         raise CorruptBlockError("record carries a MAC and this reader has no secret")
     if stored_key != key:
         raise CorruptBlockError("record holds another key")
-    lay = layout.encode()
-    if head_len != _FIXED.size + len(lay) or record[_FIXED.size : head_len] != lay:
+    if not _layout_ok(record, head_len, layout.encode()):
         raise CorruptBlockError("layout differs")
     if length != nbytes or end != head_len + length:
         raise CorruptBlockError(f"payload is {end - head_len} bytes, expected {nbytes}")
@@ -94,8 +101,15 @@ def decode(
     return payload
 
 
+def _layout_ok(head: bytes, head_len: int, lay: bytes) -> bool:
+    """Whether ``head``'s layout field is ``lay``, followed by at most a tenant label."""
+    end = _FIXED.size + len(lay)
+    return end <= head_len <= end + TENANT_BYTES and head[_FIXED.size : end] == lay
+
+
 def header_size(layout: str) -> int:
-    """Bytes :func:`is_record_of` needs from a record's start."""
+    """Bytes :func:`is_record_of` needs from a record's start (:func:`record_tenant` needs
+    :data:`TENANT_BYTES` more)."""
     return _FIXED.size + len(layout.encode())
 
 
@@ -106,7 +120,19 @@ def is_record_of(head: bytes, key: bytes, layout: str, authenticated: bool) -> b
     if len(head) < _FIXED.size:
         return False
     magic, version, head_len, _, _, stored_key = _FIXED.unpack_from(head)
-    lay = layout.encode()
     return (magic == MAGIC and version == (VERSION_MAC if authenticated else VERSION)
-            and stored_key == key and head_len == _FIXED.size + len(lay)
-            and head[_FIXED.size : head_len] == lay)
+            and stored_key == key and _layout_ok(head, head_len, layout.encode()))
+
+
+def record_tenant(head: bytes, layout: str) -> str:
+    """The tenant label in the header ``head`` of a record in ``layout`` (at least
+    :func:`header_size` + :data:`TENANT_BYTES` bytes, or the whole record), ``""`` when it
+    carries none or cannot be read (check it with :func:`is_record_of` first)."""
+    if len(head) < _FIXED.size:
+        return ""
+    head_len = _FIXED.unpack_from(head)[2]
+    tag = head[_FIXED.size + len(layout.encode()) : head_len]
+    try:
+        return tag.decode("ascii")
+    except UnicodeDecodeError:
+        return ""

@@ -25,6 +25,11 @@ all, so a full tier drops a prompt's tail before its head (a head block lost mak
 every block after it unreachable). The writer thread stamps the same order into the files'
 mtimes, so it survives a restart.
 
+Tenants (:class:`~prefixkv.tiers.quotas.TenantKeys`): each file's header carries its tenant's
+label (none for the default tenant, as records written before tenants were counted), so a
+restart counts blocks per tenant again; with a quota, an over-quota tenant's own files go
+first, in the same LRU order.
+
 Threads: the engine thread calls :meth:`contains` / :meth:`read` / :meth:`submit`; the writer
 thread writes and evicts. The index is guarded by one lock.
 """
@@ -41,14 +46,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from prefixkv.tiers.codec import (
+    TENANT_BYTES,
     CorruptBlockError,
     UnauthenticatedBlockError,
     decode,
     encode,
     header_size,
     is_record_of,
+    record_tenant,
 )
 from prefixkv.tiers.pins import PinnedKeys
+from prefixkv.tiers.quotas import DEFAULT_TENANT, TenantKeys
 from prefixkv.tiers.retained import RetainedKeys
 from prefixkv.tiers.stats import Residency, TierCounters
 from prefixkv.tiers.writer import BackgroundWriter
@@ -66,12 +74,13 @@ TMP_NAME = re.compile(r"^(?:[0-9a-f]{64}\.kvb|\.probe)\.(\d+)\.[0-9a-f]+\.tmp$")
 
 
 class DiskTier:
-    """Blocks as files in ``directory``, at most ``capacity`` of them."""
+    """Blocks as files in ``directory``, at most ``capacity`` of them (``tenant_quota``: files
+    a tenant keeps before its own go first; ``None``: no quota)."""
 
     def __init__(
         self, directory: str | Path, capacity: int, layout: str, nbytes: int,
         pinned: PinnedKeys | None = None, clock: Callable[[], float] = time.monotonic,
-        secret: bytes | None = None,
+        secret: bytes | None = None, tenant_quota: int | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"kv_disk_size must be >= 1 block, got {capacity}")
@@ -97,16 +106,17 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first; pending keys too
         self._pending: set[bytes] = set()  # submitted, not written yet (never evicted)
+        self.tenants = TenantKeys(tenant_quota)  # the indexed keys per tenant (the lock's)
         # the KV event sink's hooks: keys written / keys that left (any thread may call them)
         self.on_stored: Callable[[list[bytes]], None] | None = None
         self.on_drop: Callable[[list[bytes]], None] | None = None
         self._scan()
-        self._writer: BackgroundWriter[tuple[bytes, bytes | None]] = BackgroundWriter(
+        self._writer: BackgroundWriter[tuple[bytes, bytes | None, str]] = BackgroundWriter(
             "prefixkv-disk-writer", self._job, self._write_failed)
 
     def _scan(self) -> None:
         files = []
-        peek = header_size(self.layout)
+        peek = header_size(self.layout) + TENANT_BYTES
         for p in self.directory.iterdir():
             tmp = TMP_NAME.match(p.name)
             if tmp is not None:
@@ -122,11 +132,12 @@ class DiskTier:
                     continue
                 if p.name == key.hex() + SUFFIX and (not head or is_record_of(
                         head, key, self.layout, self._secret is not None)):
-                    files.append((mtime, key, p))  # ours (or empty: a power loss's): indexed
-        files.sort()
-        for _, key, p in files[max(0, len(files) - self.capacity):]:
+                    files.append((mtime, key, p, record_tenant(head, self.layout)))  # ours
+        files.sort()  # (or empty: a power loss's): indexed
+        for _, key, p, tenant in files[max(0, len(files) - self.capacity):]:
             self._index[key] = None
-        for _, _, p in files[: max(0, len(files) - self.capacity)]:
+            self.tenants.add(key, tenant or DEFAULT_TENANT)
+        for _, _, p, _ in files[: max(0, len(files) - self.capacity)]:
             _unlink(p)
 
     def __len__(self) -> int:
@@ -142,30 +153,34 @@ class DiskTier:
         with self._lock:
             return key in self._index
 
-    def submit(self, key: bytes, payload: bytes) -> None:
-        """Queue ``payload`` (one block's KV bytes) to be written under ``key``; it takes its
-        place in the LRU order now (most recent)."""
+    def submit(self, key: bytes, payload: bytes, tenant: str = DEFAULT_TENANT) -> None:
+        """Queue ``payload`` (one block's KV bytes) to be written under ``key`` for ``tenant``
+        (a :func:`~prefixkv.tiers.quotas.tenant_label`); it takes its place in the LRU order now
+        (most recent)."""
         with self._lock:
             if key in self._index:
                 return
             self._pending.add(key)
             self._index[key] = None
-        if not self._writer.submit((key, payload)):
+            self.tenants.add(key, tenant)
+        if not self._writer.submit((key, payload, tenant)):
             with self._lock:
                 self._pending.discard(key)
                 self._index.pop(key, None)
+                self.tenants.remove([key])
             self.counters.add(dropped=1)
 
     def touch(self, chain: Sequence[bytes]) -> None:
         """Mark ``chain`` (one prefix's keys, first block first) the most recently used, its
         first block most of all; keys not stored are skipped."""
         with self._lock:
-            index = self._index
+            index, tenants = self._index, self.tenants
             for k in reversed(chain):
                 if k in index:
                     index.move_to_end(k)
+                    tenants.touch(k)
         # the same order in the files' mtimes (what a restart indexes by), off the request path
-        self._writer.submit((b"".join(chain), None))
+        self._writer.submit((b"".join(chain), None, ""))
 
     def read(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or ``None`` (absent, unreadable or corrupt)."""
@@ -173,6 +188,7 @@ class DiskTier:
             if key not in self._index or key in self._pending:
                 return None
             self._index.move_to_end(key)
+            self.tenants.touch(key)
         path = self.path(key)
         try:
             record = path.read_bytes()
@@ -201,6 +217,11 @@ class DiskTier:
                        "reads go on; a restart may see an older recency order")
         return payload
 
+    def tenant_counts(self) -> dict[str, int]:
+        """Indexed files (queued writes included) per tenant label holding any."""
+        with self._lock:
+            return self.tenants.counts()
+
     def stored_keys(self) -> list[bytes]:
         """The indexed keys, least recently used first."""
         with self._lock:
@@ -214,6 +235,7 @@ class DiskTier:
             drop = [k for k in self._index if k not in self.pinned]
             for k in drop:
                 del self._index[k]
+            self.tenants.remove(drop)
         for k in drop:
             _unlink(self.path(k))
         if drop and self.on_drop is not None:
@@ -232,15 +254,16 @@ class DiskTier:
     def _forget(self, key: bytes) -> None:
         with self._lock:
             self._index.pop(key, None)
+            self.tenants.remove([key])
         if self.on_drop is not None:
             self.on_drop([key])
 
-    def _job(self, item: tuple[bytes, bytes | None]) -> None:
-        key, payload = item
+    def _job(self, item: tuple[bytes, bytes | None, str]) -> None:
+        key, payload, tenant = item
         if payload is None:
             self._stamp([key[i : i + KEY_BYTES] for i in range(0, len(key), KEY_BYTES)])
         else:
-            self._write(key, payload)
+            self._write(key, payload, tenant)
 
     def _stamp(self, chain: list[bytes]) -> None:
         """Set the stored files of ``chain`` to strictly increasing mtimes from its tail to its
@@ -255,16 +278,18 @@ class DiskTier:
             except OSError:  # evicted meanwhile
                 continue
 
-    def _write(self, key: bytes, payload: bytes) -> None:
+    def _write(self, key: bytes, payload: bytes, tenant: str = DEFAULT_TENANT) -> None:
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{id(self):x}.tmp")  # unique per writer
+        tag = "" if tenant == DEFAULT_TENANT else tenant
         try:
-            tmp.write_bytes(encode(key, self.layout, payload, self._secret))
+            tmp.write_bytes(encode(key, self.layout, payload, self._secret, tag))
             os.replace(tmp, path)
         except BaseException:
             with self._lock:
                 self._pending.discard(key)
                 self._index.pop(key, None)
+                self.tenants.remove([key])
             _unlink(tmp)
             raise
         with self._lock:
@@ -272,11 +297,14 @@ class DiskTier:
             pending.discard(key)
             if key not in self._index:  # forgotten meanwhile: newest
                 self._index[key] = None
+                self.tenants.add(key, tenant)
             over = len(self._index) - len(pending) - self.capacity
-            victims = self.retained.victims(
-                (k for k in self._index if k not in pending and k not in self.pinned), over)
+            victims = self.tenants.victims(
+                over, lambda k: k not in pending and k not in self.pinned, self.retained,
+                self._index) if over > 0 else []
             for v in victims:
                 del self._index[v]
+            self.tenants.remove(victims)
         kept = key not in victims  # False: only pinned files could have made room
         self.counters.add(stored_blocks=int(kept), stored_bytes=len(payload) if kept else 0,
                           evictions=len(victims) - (not kept), dropped=int(not kept))

@@ -7,7 +7,9 @@ new key, evicting the least recently used key that is neither *held* nor *pinned
 (a request is about to copy it into the pool) is never evicted until :meth:`release`, and a
 pinned key (:class:`~prefixkv.tiers.pins.PinnedKeys`, a pinned prefix's block) not until it is
 unpinned; a retained key (:class:`~prefixkv.tiers.retained.RetainedKeys`, a soft-retained
-prefix's block) only when every other candidate is retained too. ``on_drop`` (set by the engine's KV event sink) hears every key that leaves the tier.
+prefix's block) only when every other candidate is retained too. Keys are counted per tenant
+(:class:`~prefixkv.tiers.quotas.TenantKeys`): with a quota, a tenant over it loses its own
+keys first. ``on_drop`` (set by the engine's KV event sink) hears every key that leaves the tier.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from prefixkv.tiers.pins import PinnedKeys
+from prefixkv.tiers.quotas import DEFAULT_TENANT, TenantKeys
 from prefixkv.tiers.retained import RetainedKeys
 from prefixkv.tiers.stats import Residency, TierCounters
 
 
 class HostTier:
-    """Slot index of the host-memory tier, ``capacity`` blocks. Engine thread only."""
+    """Slot index of the host-memory tier, ``capacity`` blocks (``tenant_quota``: blocks a
+    tenant keeps before its own go first; ``None``: no quota). Engine thread only."""
 
-    def __init__(self, capacity: int, pinned: PinnedKeys | None = None) -> None:
+    def __init__(self, capacity: int, pinned: PinnedKeys | None = None,
+                 tenant_quota: int | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"kv_offload_size must be >= 1 block, got {capacity}")
         self.capacity = capacity
@@ -35,6 +40,7 @@ class HostTier:
         self.on_drop: Callable[[list[bytes]], None] | None = None  # keys evicted or cleared
         self.retained = RetainedKeys()  # shared with the disk tier by a TieredStore
         self.residency: Residency | None = None  # sampled block lives (kv_cache_metrics)
+        self.tenants = TenantKeys(tenant_quota)  # the stored keys per tenant, LRU first
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -47,21 +53,25 @@ class HostTier:
         """Keys held by requests loading them (0 whenever no admission is under way)."""
         return len(self._held)
 
-    def reserve(self, key: bytes) -> int | None:
-        """A slot for ``key`` (the caller fills it now); ``None`` if ``key`` is stored already
-        or every slot is held or pinned. May evict the least recently used key that is
-        neither."""
+    def reserve(self, key: bytes, tenant: str = DEFAULT_TENANT) -> int | None:
+        """A slot for ``key`` of ``tenant`` (a :func:`~prefixkv.tiers.quotas.tenant_label`; the
+        caller fills the slot now); ``None`` if ``key`` is stored already or every slot is held
+        or pinned. May evict a key that is neither: an over-quota tenant's least recently used
+        first, else the least recently used."""
         if key in self._slots:
             self._slots.move_to_end(key)
+            self.tenants.touch(key)
             return None
         if not self._free:
-            found = self.retained.victims(
-                (k for k in self._slots if k not in self._held and k not in self.pinned), 1)
+            found = self.tenants.victims(
+                1, lambda k: k not in self._held and k not in self.pinned, self.retained,
+                self._slots)
             if not found:
                 self.counters.add(dropped=1)
                 return None
             victim = found[0]
             self._free.append(self._slots.pop(victim))
+            self.tenants.remove(found)
             self.counters.add(evictions=1)
             if self.on_drop is not None:
                 self.on_drop([victim])
@@ -69,6 +79,7 @@ class HostTier:
                 self.residency.evicted([victim])
         slot = self._free.pop()
         self._slots[key] = slot
+        self.tenants.add(key, tenant)
         if self.residency is not None:
             self.residency.stored([key])
         return slot
@@ -79,6 +90,7 @@ class HostTier:
         if slot is None:
             return None
         self._slots.move_to_end(key)
+        self.tenants.touch(key)
         self._held[key] = self._held.get(key, 0) + 1
         if self.residency is not None:
             self.residency.hit([key])
@@ -88,10 +100,11 @@ class HostTier:
         """Mark ``chain`` (one prefix's keys, first block first) the most recently used, its
         first block most of all (a full tier drops a prompt's tail before its head); keys not
         stored are skipped."""
-        slots = self._slots
+        slots, tenants = self._slots, self.tenants
         for k in reversed(chain):
             if k in slots:
                 slots.move_to_end(k)
+                tenants.touch(k)
 
     def release(self, key: bytes) -> None:
         """Undo one :meth:`hold`."""
@@ -111,6 +124,7 @@ class HostTier:
         drop = [k for k in self._slots if k not in self._held and k not in pinned]
         for k in drop:
             self._free.append(self._slots.pop(k))
+        self.tenants.remove(drop)
         if drop and self.on_drop is not None:
             self.on_drop(drop)
         return len(drop)

@@ -29,6 +29,15 @@ expiry and are what the server evicts, pinned ones carry none and are never evic
 ``allkeys-lru`` (fine without pins) the server may evict pinned blocks too. A pin lives until
 its engine unpins it or resets its cache; an engine that dies holding pins leaves them until a
 ``reset --tiers remote`` (which deletes every ``pkv:`` key, counters included).
+
+Tenant quotas (``tenant_quota``): counted on the server, since workers share it. Each write also
+adds its block to its tenant's sorted set ``pkv:tq:<label>`` (scored by the write's time, in
+the same script call: no extra round trip), and when that tenant holds more than its quota the
+script deletes its oldest blocks, skipping pinned ones (moved to the back) and dropping
+members whose block already expired or was evicted by the server. Reads do not refresh a
+block's place (the read path stays one ``MGET``). :meth:`RemoteTier.tenant_counts` reads the
+sets' sizes (an upper bound: expired blocks leave them when their tenant is over quota).
+Without a quota nothing is counted.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prefixkv.tiers.codec import CorruptBlockError, UnauthenticatedBlockError, decode, encode
+from prefixkv.tiers.quotas import DEFAULT_TENANT
 from prefixkv.tiers.stats import TierCounters
 from prefixkv.tiers.writer import BackgroundWriter
 
@@ -56,16 +66,60 @@ READ_BYTES = 4 << 20
 """Socket read size: a block is megabytes, and redis-py's 64 KiB default made an ``MGET`` of 15
 blocks (44 MB) 2.6x slower (196 vs 76 ms with hiredis, loaded 2-core machine)."""
 CLEAR_BATCH = 512
+TENANTS = b"pkv:tenants"
+"""The set of tenant labels with a sorted set (``pkv:tq:<label>``) on the server."""
+TENANT_PREFIX = b"pkv:tq:"
+QUOTA_SCAN = 64
+"""Members a quota trim looks at beyond the tenant's excess (pinned ones are skipped)."""
 """Keys scanned and unlinked per round trip by :meth:`RemoteTier.clear`."""
 
-# KEYS: block, pin counter. ARGV: record, ttl seconds (0: none). Stored once (NX: every
-# writer of a key writes the same bytes); an expiry only while no pin names the block.
+# KEYS: block, pin counter, tenant's sorted set, set of tenants. ARGV: record, ttl seconds
+# (0: none), now (us), tenant quota (-1: none), tenant label. Stored once (NX: every writer of a
+# key writes the same bytes); an expiry only while no pin names the block. With a quota, the
+# tenant's oldest unpinned blocks beyond it are deleted (at most QUOTA_SCAN members looked at
+# past the excess; a pinned one is moved to the back, a gone one just leaves the set).
 _SET = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX') and tonumber(ARGV[2]) > 0
    and redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
-return 0
+local quota = tonumber(ARGV[4])
+if quota < 0 then return 0 end
+redis.call('ZADD', KEYS[3], ARGV[3], KEYS[1])
+redis.call('SADD', KEYS[4], ARGV[5])
+local over = redis.call('ZCARD', KEYS[3]) - quota
+if over <= 0 then return 0 end
+local evicted = 0
+for _, name in ipairs(redis.call('ZRANGE', KEYS[3], 0, over + QUOTA_SCAN - 1)) do
+  if over <= 0 then break end
+  if redis.call('EXISTS', name) == 0 then
+    redis.call('ZREM', KEYS[3], name)
+    over = over - 1
+  elseif redis.call('EXISTS', 'pkv:pin:' .. string.sub(name, 5)) == 1 then
+    redis.call('ZADD', KEYS[3], ARGV[3], name)
+  else
+    redis.call('UNLINK', name)
+    redis.call('ZREM', KEYS[3], name)
+    over = over - 1
+    evicted = evicted + 1
+  end
+end
+return evicted
+"""
+# KEYS: set of tenants. ARGV: sorted-set name prefix. Label, size, label, size, ... (empty sets
+# leave the set of tenants).
+_COUNTS = """
+local out = {}
+for _, t in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local n = redis.call('ZCARD', ARGV[1] .. t)
+  if n > 0 then
+    out[#out + 1] = t
+    out[#out + 1] = n
+  else
+    redis.call('SREM', KEYS[1], t)
+  end
+end
+return out
 """
 # KEYS: block, pin counter, block, pin counter, ... ARGV: each block's record, same order.
 _PIN = """
@@ -104,7 +158,7 @@ class RemoteTier:
     def __init__(
         self, url: str, layout: str, nbytes: int, *, timeout: float = 0.5,
         retry_after: float = 5.0, ttl: float | None = None, secret: bytes | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, tenant_quota: int | None = None,
     ) -> None:
         try:
             import redis
@@ -127,7 +181,13 @@ class RemoteTier:
         self.nbytes = nbytes
         self.retry_after = retry_after
         self.ttl = 0 if ttl is None else max(1, math.ceil(ttl))  # whole seconds; 0: none
-        self._set = self._client.register_script(_SET)
+        if tenant_quota is not None and (isinstance(tenant_quota, bool)
+                                         or not isinstance(tenant_quota, int) or tenant_quota < 0):
+            raise ValueError(f"kv_blocks_per_tenant must be an int >= 0, got {tenant_quota!r}")
+        self.tenant_quota = tenant_quota
+        """Blocks a tenant keeps on the server before its oldest go (``None``: not counted)."""
+        self._set = self._client.register_script(_SET.replace("QUOTA_SCAN", str(QUOTA_SCAN)))
+        self._counts = self._client.register_script(_COUNTS)
         self._pin = self._client.register_script(_PIN)
         self._unpin = self._client.register_script(_UNPIN)
         self._retain = self._client.register_script(_RETAIN)
@@ -149,8 +209,9 @@ class RemoteTier:
         with self._lock:
             return key in self._known
 
-    def submit(self, key: bytes, payload: bytes) -> None:
-        """Publish ``payload`` under ``key`` in the background (skipped if known)."""
+    def submit(self, key: bytes, payload: bytes, tenant: str = DEFAULT_TENANT) -> None:
+        """Publish ``payload`` under ``key`` for ``tenant`` (a
+        :func:`~prefixkv.tiers.quotas.tenant_label`) in the background (skipped if known)."""
         if not self.is_up:
             self.counters.add(dropped=1)
             return
@@ -158,7 +219,7 @@ class RemoteTier:
             if key in self._known:
                 return
             self._remember(key)
-        if not self._writer.submit(lambda: self._write(key, payload)):
+        if not self._writer.submit(lambda: self._write(key, payload, tenant)):
             with self._lock:
                 self._known.pop(key, None)
             self.counters.add(dropped=1)
@@ -246,6 +307,19 @@ class RemoteTier:
             self._failed(exc)
             return [False] * len(keys)
 
+    def tenant_counts(self) -> dict[str, int] | None:
+        """Blocks per tenant label on the server (every worker's writes; expired blocks count
+        until a quota trim drops them); ``None`` without a quota or when the server cannot be
+        reached (counted in ``errors``)."""
+        if self.tenant_quota is None or not self.is_up:
+            return None
+        try:
+            got = self._counts(keys=[TENANTS], args=[TENANT_PREFIX])
+        except Exception as exc:  # noqa: BLE001 - stats degrade to "unknown"
+            self._failed(exc)
+            return None
+        return {bytes(got[i]).decode(): int(got[i + 1]) for i in range(0, len(got), 2)}
+
     def clear(self) -> int | None:
         """Wait for queued writes, then delete every prefixkv block on the server (``pkv:*``,
         every model's and every worker's: the tier is shared); returns how many, or ``None``
@@ -286,20 +360,23 @@ class RemoteTier:
         if len(self._known) > KNOWN_KEYS:
             self._known.popitem(last=False)
 
-    def _write(self, key: bytes, payload: bytes) -> None:
+    def _write(self, key: bytes, payload: bytes, tenant: str = DEFAULT_TENANT) -> None:
         if not self.is_up:
             self.counters.add(dropped=1)
             with self._lock:
                 self._known.pop(key, None)
             return
         try:
-            self._set(keys=[PREFIX + key, PIN_PREFIX + key],
-                      args=[encode(key, self.layout, payload, self._secret), self.ttl])
+            quota = -1 if self.tenant_quota is None else self.tenant_quota
+            evicted = self._set(
+                keys=[PREFIX + key, PIN_PREFIX + key, TENANT_PREFIX + tenant.encode(), TENANTS],
+                args=[encode(key, self.layout, payload, self._secret), self.ttl,
+                      time.time_ns() // 1000, quota, tenant])
         except BaseException:
             with self._lock:
                 self._known.pop(key, None)
             raise
-        self.counters.add(stored_blocks=1, stored_bytes=len(payload))
+        self.counters.add(stored_blocks=1, stored_bytes=len(payload), evictions=int(evicted))
 
     def _delete(self, key: bytes) -> None:
         try:

@@ -122,6 +122,11 @@ class TierSpec:
         remote_secret: key of the HMAC every disk and remote record then carries
             (:mod:`prefixkv.tiers.codec`): records without a valid one are misses. ``None``:
             checksums only. Never shown in a repr.
+        blocks_per_tenant: a tenant's quota in the lower tiers, in blocks (its blocks beyond
+            it are evicted first, :mod:`prefixkv.tiers.quotas`): one count for every tier
+            (``512``, ``"512"``) or per tier (``"host=512,disk=4096,remote=8192"``; a tier not
+            named keeps the default). ``None``: each tier takes the pool's
+            ``max_cached_blocks_per_tenant`` (no quota if that is unset).
     """
 
     offload_size: Size = None
@@ -133,6 +138,7 @@ class TierSpec:
     namespace: str = ""
     prefetch_blocks: int = 1024
     remote_secret: str | None = field(default=None, repr=False)
+    blocks_per_tenant: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.remote is not None and not (
@@ -157,9 +163,35 @@ class TierSpec:
             raise ValueError(f"kv_prefetch_blocks must be an int >= 0, got {self.prefetch_blocks!r}")
         if self.disk_size is not None and self.disk_dir is None:
             raise ValueError("kv_disk_size needs kv_disk_dir")
+        self.tenant_quotas(None)  # a malformed quota fails here
         parse_size(self.offload_size, 1, "kv_offload_size")  # malformed sizes fail before loading
         parse_size(self.disk_size, 1, "kv_disk_size")
         _check_fits_memory(self.offload_size)
+
+    def tenant_quotas(self, pool_quota: int | None) -> dict[str, int | None]:
+        """Each lower tier's tenant quota in blocks: :attr:`blocks_per_tenant` where it names
+        one, else ``pool_quota`` (``None``: no quota). ``ValueError`` naming
+        ``kv_blocks_per_tenant`` for a malformed value."""
+        out: dict[str, int | None] = dict.fromkeys(LOWER_TIERS, pool_quota)
+        value = self.blocks_per_tenant
+        if value is None:
+            return out
+        bad = ValueError("kv_blocks_per_tenant must be a block count >= 0 or per tier like "
+                         f"'host=512,disk=4096,remote=8192', got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise bad
+        if isinstance(value, int) or re.fullmatch(r"\s*[0-9]+\s*", value):
+            n = int(value)
+            if n < 0:
+                raise bad
+            return dict.fromkeys(LOWER_TIERS, n)
+        for part in value.split(","):
+            name, eq, count = part.partition("=")
+            name = name.strip().lower()
+            if not eq or name not in LOWER_TIERS or not re.fullmatch(r"\s*[0-9]+\s*", count):
+                raise bad
+            out[name] = int(count)
+        return out
 
     @property
     def enabled(self) -> bool:

@@ -7,14 +7,17 @@ prompt's next blocks can be found:
 =====================  ==================================================================
 ``offload(pairs)``     write-back: blocks being evicted from the pool are copied into the
                        host tier (its LRU drops the oldest when full)
-``publish(pairs)``     write-through: newly computed blocks are queued for the disk and
-                       remote tiers (background threads; skipped when already there)
+``publish(pairs, put)``  write-through: newly computed blocks are queued for the disk and
+                       remote tiers (background threads; skipped when already there); ``put``
+                       (:class:`Put`) says whose they are and how long to retain them
 ``lookup(keys)``       the longest run of leading ``keys`` some tier holds; host slots are
                        held (not evictable) until ``load`` / ``cancel``
 ``load(hits, ids)``    copies the hits into freshly allocated pool blocks, releases holds
 ``pinned``             keys of pinned prefixes: the host and disk tiers never evict them
 ``retain(keys, ...)``  a soft retention's priority and TTL travel with the blocks: the host
                        and disk evict them last, the remote keeps them at least the TTL
+``tenant_counts()``    blocks per tenant in each tier: a tenant over its quota
+                       (``kv_blocks_per_tenant``) loses its own blocks first in every tier
 ``prefetch(keys)``     start reading a queued request's disk/remote blocks into host
                        staging in the background (:mod:`prefixkv.tiers.prefetch`)
 ``clear(tiers)``       an admin reset of the named tiers (pinned keys stay)
@@ -46,6 +49,8 @@ from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
 from prefixkv.tiers.pins import PinnedKeys
+from prefixkv.tiers.put import PooledTenants, Put
+from prefixkv.tiers.quotas import tenant_label
 from prefixkv.tiers.retained import RetainedKeys
 from prefixkv.tiers.prefetch import Prefetcher
 from prefixkv.tiers.remote import RemoteTier
@@ -57,20 +62,6 @@ REMOTE_BATCH = 8
 DEFAULT_DISK_SIZE = "10GiB"
 PREFETCH_WAIT = 1.0
 """Seconds admission waits for a block the prefetch thread is reading at that moment."""
-
-
-class Retained(Protocol):
-    """A soft retention as the tiers read it (``prefixkv.cache.Retention``)."""
-
-    @property
-    def priority(self) -> int:
-        """0-100: lower goes first among retained blocks."""
-        ...
-
-    @property
-    def ttl_s(self) -> float:
-        """Seconds it lasts from now."""
-        ...
 
 
 class BlockTransfer(Protocol):
@@ -132,6 +123,7 @@ class TieredStore:
         self._timer = timer
         self.pinned = PinnedKeys()  # one set, shared by the tiers that evict on their own
         self.retained = RetainedKeys()  # likewise
+        self._pool_tenants = PooledTenants()  # published keys' tenants, until offloaded
         for tier in (host, disk):
             if tier is not None:
                 tier.pinned = self.pinned
@@ -140,25 +132,29 @@ class TieredStore:
     @classmethod
     def create(
         cls, spec: TierSpec, transfer: BlockTransfer, fingerprint: str, block_size: int,
-        host_blocks: int,
+        host_blocks: int, pool_quota: int | None = None,
     ) -> TieredStore:
-        """Build the tiers ``spec`` asks for; ``host_blocks`` is the arena ``transfer`` holds."""
+        """Build the tiers ``spec`` asks for; ``host_blocks`` is the arena ``transfer`` holds;
+        ``pool_quota``: the pool's ``max_cached_blocks_per_tenant``, each tier's tenant quota
+        unless ``spec.blocks_per_tenant`` sets one (:meth:`TierSpec.tenant_quotas`)."""
         nbytes, layout = transfer.block_nbytes, transfer.layout
+        quota = spec.tenant_quotas(pool_quota)
         secret = None if spec.remote_secret is None else spec.remote_secret.encode()
         # engines with another secret (or none) use other keys: they never read these records
         mac = "" if secret is None else f"/mac:{secret_id(secret)}"
         keyer = BlockKeyer(f"{fingerprint}/{layout}/{spec.namespace}{mac}", block_size)
-        host = HostTier(host_blocks) if host_blocks else None
+        host = HostTier(host_blocks, tenant_quota=quota["host"]) if host_blocks else None
         disk = None
         if spec.disk_dir is not None:
             size = spec.disk_size if spec.disk_size is not None else DEFAULT_DISK_SIZE
             disk = DiskTier(spec.disk_dir, parse_size(size, nbytes, "kv_disk_size"), layout, nbytes,
-                            secret=secret)
+                            secret=secret, tenant_quota=quota["disk"])
         remote = None
         if spec.remote is not None:
             try:
                 remote = RemoteTier(spec.remote, layout, nbytes, timeout=spec.remote_timeout,
-                                    ttl=spec.remote_ttl, secret=secret)
+                                    ttl=spec.remote_ttl, secret=secret,
+                                    tenant_quota=quota["remote"])
             except BaseException:
                 if disk is not None:
                     disk.close()  # its writer thread started
@@ -175,8 +171,9 @@ class TieredStore:
         if self.host is None or not pairs:
             return []
         ids, slots, kept = [], [], []
+        tenants = self._pool_tenants
         for block_id, key in pairs:
-            slot = self.host.reserve(key)
+            slot = self.host.reserve(key, tenants.pop(key))
             if slot is not None:
                 ids.append(block_id)
                 slots.append(slot)
@@ -187,12 +184,17 @@ class TieredStore:
                                    stored_bytes=len(ids) * self.transfer.block_nbytes)
         return [(b, k) for b, k in kept if k in self.host]  # (a tiny tier may drop its own)
 
-    def publish(self, pairs: Sequence[tuple[int, bytes]], chain: Sequence[bytes] = (), *,
-                retention: Retained | None = None) -> None:
+    def publish(self, pairs: Sequence[tuple[int, bytes]], chain: Sequence[bytes] = (),
+                put: Put | None = None) -> None:
         """Queue newly computed ``(pool block id, key)`` blocks for the disk and remote tiers;
         ``chain``: the keys of the whole prefix they extend (theirs included), then marked
-        most recently used on disk, head first (see :meth:`DiskTier.touch`). A ``retention``
-        (its ``priority`` and ``ttl_s``) retains the chain in every tier (:meth:`retain`)."""
+        most recently used on disk, head first (see :meth:`DiskTier.touch`). ``put``: the
+        blocks' tenant (counted in every tier, the host's when they are offloaded) and a
+        retention (its ``priority`` and ``ttl_s``: retains the chain in every tier, :meth:`retain`)."""
+        put = put if put is not None else Put()
+        tenant = tenant_label(put.tenant)
+        if self.host is not None:
+            self._pool_tenants.add([k for _, k in pairs], tenant)
         disk, remote = self.disk, self.remote
         todo = [
             (b, k) for b, k in pairs
@@ -203,13 +205,14 @@ class TieredStore:
             payloads = self.transfer.read_blocks([b for b, _ in todo])
             for (_, key), payload in zip(todo, payloads):
                 if disk is not None:
-                    disk.submit(key, payload)
+                    disk.submit(key, payload, tenant)
                 if remote is not None:
-                    remote.submit(key, payload)
+                    remote.submit(key, payload, tenant)
         if disk is not None and chain:
             disk.touch(chain)
-        if retention is not None:
-            self.retain(chain or [k for _, k in pairs], retention.priority, retention.ttl_s)
+        if put.retention is not None:
+            self.retain(chain or [k for _, k in pairs], put.retention.priority,
+                        put.retention.ttl_s)
 
     # ------------------------------------------------------------------ out of the tiers
     def prefetch(self, job: int, keys: Sequence[bytes]) -> bool:
@@ -378,6 +381,21 @@ class TieredStore:
             out.append(self.disk.counters.snapshot(len(self.disk)))
         if self.remote is not None:
             out.append(self.remote.counters.snapshot(0))
+        return out
+
+    def tenant_counts(self) -> dict[str, dict[str, int]]:
+        """Blocks per tenant label (:func:`~prefixkv.tiers.quotas.tenant_label`) in each
+        configured tier, top down; the remote's (every worker's blocks, read from the server)
+        only with a quota and while it answers."""
+        out: dict[str, dict[str, int]] = {}
+        if self.host is not None:
+            out["host"] = self.host.tenants.counts()
+        if self.disk is not None:
+            out["disk"] = self.disk.tenant_counts()
+        if self.remote is not None:
+            remote = self.remote.tenant_counts()
+            if remote is not None:
+                out["remote"] = remote
         return out
 
     def flush(self, timeout: float = 30.0) -> bool:
