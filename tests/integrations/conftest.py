@@ -88,3 +88,11 @@ def valkey_server() -> Iterator[Any]:
     server = _tiers_conftest()._start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def valkey_without_config() -> Iterator[Any]:
+    """A real valkey-server that refuses ``CONFIG`` (as managed services do), killed afterwards."""
+    server = _tiers_conftest()._start("--rename-command", "CONFIG", "")
+    yield server
+    server.kill()

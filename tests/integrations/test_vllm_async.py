@@ -238,7 +238,7 @@ def test_host_and_disk_tier_events() -> None:
     k2 = side.build(_output(new=[_new("b", [3, 4])], scheduled={"b": 5})).saves[0].key
     assert [(e.stored, e.medium, e.key) for e in events.take()] == \
         [(False, HOST_MEDIUM, k1), (True, HOST_MEDIUM, k2)]  # LRU eviction, then the new one
-    side.disk_changed([k1, b"unknown" * 4], [k2])  # a key without facts is not announced
+    side.tier_changed(DISK_MEDIUM, [k1, b"unknown" * 4], [k2])  # a key without facts: skipped
     assert [(e.stored, e.medium, e.key) for e in events.take()] == \
         [(True, DISK_MEDIUM, k1), (False, DISK_MEDIUM, k2)]
     side.reset()

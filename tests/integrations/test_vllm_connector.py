@@ -14,12 +14,14 @@ import json
 import os
 import socket
 import subprocess
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_live import ENV, wait_healthy
 
@@ -126,9 +128,27 @@ def _post(url: str, body: dict[str, Any] | None = None) -> Any:
         return json.loads(resp.read())
 
 
+def _prefixkv_series(base: str) -> dict[tuple[str, str], float]:
+    """``(sample name, tier) -> value`` of the connector's series on vLLM's ``/metrics``."""
+    with urllib.request.urlopen(base + "/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    return {(s.name, s.labels.get("tier", "")): s.value
+            for fam in text_string_to_metric_families(text) if fam.name.startswith("vllm:prefixkv")
+            for s in fam.samples}
+
+
+def _block_nbytes(model: str) -> int:
+    """Bytes of one of vLLM's CPU blocks (128 tokens) of ``model`` in float32, every layer."""
+    c = json.loads((Path(model) / "config.json").read_text())
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return int(2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head * BLOCK * 4)
+
+
 def test_openai_server_loads_from_the_host_tier(
         vllm_python: str, vllm_model: str, prompt_ids: list[list[int]],
         baseline: list[list[int]], tmp_path: Path) -> None:
+    """...and its ``/metrics`` counts the hit: blocks and bytes loaded from the host tier,
+    one load, nothing failed."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -153,8 +173,21 @@ def test_openai_server_loads_from_the_host_tier(
         second = _post(base + "/v1/completions", body)
         for out in (first, second):
             assert out["choices"][0]["token_ids"] == baseline[0]
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == \
-            (len(p) - 1) // BLOCK * BLOCK
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (len(p) - 1) // BLOCK * BLOCK
+        blocks = cached // BLOCK
+        loaded = ("vllm:prefixkv_loaded_blocks_total", "host")
+        deadline = time.monotonic() + 30  # the step's stats reach the front end after the reply
+        while (series := _prefixkv_series(base)).get(loaded) != blocks:
+            assert series.get(loaded, 0) < blocks and time.monotonic() < deadline, series
+            time.sleep(0.5)
+        assert series[("vllm:prefixkv_loaded_bytes_total", "host")] == \
+            blocks * _block_nbytes(vllm_model)
+        assert series[("vllm:prefixkv_load_failed_blocks_total", "host")] == 0
+        assert series[("vllm:prefixkv_load_seconds_count", "host")] == 1
+        assert 0 < series[("vllm:prefixkv_load_seconds_sum", "host")] < 5
+        assert series[("vllm:prefixkv_saved_blocks_total", "host")] >= blocks  # the first run
+        assert not {t for _, t in series} - {"host"}  # only the tiers it runs
     finally:
         server.terminate()
         try:

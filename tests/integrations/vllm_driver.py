@@ -6,7 +6,8 @@ spec: ``model`` (HF directory), ``kv`` (``kv_connector_extra_config`` of PrefixK
 null: no connector), ``example_dir`` (use vLLM's ExampleConnector there instead), ``runs``: a
 list of ``{"prompts": [[token ids], ...], "salts": [str|null, ...], "max_tokens": n,
 "reset": bool}`` (``reset``: ``reset_prefix_cache()`` before the run, so hits can only come from
-the connector; ``reset_connector``: with the connector's host tier, after the run),
+the connector; ``reset_connector``: with the connector's host tier, after the run; ``pause``:
+seconds to sleep before the run, e.g. for Valkey expiries),
 ``kill_after`` (``{run index: pid}``: SIGKILL that process after the run),
 ``max_num_batched_tokens`` (chunked prefill), ``num_blocks`` (vLLM's KV blocks), ``stats``
 (report each request's preemptions), ``kv_events`` (``KVEventsConfig`` fields: publish
@@ -68,6 +69,7 @@ def main() -> None:
     results = []
     kill = {int(k): v for k, v in (spec.get("kill_after") or {}).items()}
     for i, run in enumerate(spec["runs"]):
+        time.sleep(run.get("pause", 0))
         if run.get("reset"):
             reset(llm)
         salts = run.get("salts") or [None] * len(run["prompts"])

@@ -5,8 +5,9 @@ vLLM builds the class once per role: in the engine-core process (``SCHEDULER``: 
 (``WORKER``: a :class:`WorkerSide`, which copies the bytes). Loads are synchronous (before the
 step's forward pass); saves are copied out on the worker's save thread after the step
 (``wait_for_save`` only queues them), and vLLM keeps a finished request's blocks until
-``get_finished`` reports its saves copied. The host and disk tiers are announced in vLLM's KV
-events (``take_events``). See docs/vllm.md.
+``get_finished`` reports its saves copied. The host, disk and Valkey tiers are announced in
+vLLM's KV events (``take_events``); their counters are vLLM connector stats and Prometheus
+series (``build_prom_metrics``). See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from prefixkv.integrations.vllm.config import ConnectorConfig, PinnedPrefix
-from prefixkv.integrations.vllm.events import BlockFacts, TierEvent, TierEvents
+from prefixkv.integrations.vllm.events import (
+    DISK_MEDIUM,
+    REMOTE_MEDIUM,
+    BlockFacts,
+    TierEvent,
+    TierEvents,
+)
 from prefixkv.integrations.vllm.identity import (
     KVGeometry,
     make_keyer,
@@ -40,13 +47,14 @@ from prefixkv.integrations.vllm.identity import (
 )
 from prefixkv.integrations.vllm.plan import StepPlan
 from prefixkv.integrations.vllm.scheduler_side import SchedulerSide
-from prefixkv.integrations.vllm.stats import PrefixKVStats, stats_from
+from prefixkv.integrations.vllm.stats import PrefixKVPromMetrics, PrefixKVStats, stats_from
 from prefixkv.integrations.vllm.worker_side import WorkerSide
 from prefixkv.tiers.codec import secret_id
 from prefixkv.tiers.remote import RemoteTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,17 +73,21 @@ class PrefixKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 class PrefixKVWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker -> scheduler, once a step: the keys the disk tier wrote and dropped."""
+    """Worker -> scheduler, once a step: per medium (``DISK``, ``SHARED_STORAGE``), the keys
+    the tier gained and lost."""
 
-    def __init__(self, disk_stored: list[bytes], disk_dropped: list[bytes]) -> None:
-        self.disk_stored = disk_stored
-        self.disk_dropped = disk_dropped
+    def __init__(self, changes: dict[str, tuple[list[bytes], list[bytes]]]) -> None:
+        self.changes = changes
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Both workers' changes (one worker is all the connector supports today)."""
         assert isinstance(other, PrefixKVWorkerMeta)
-        return PrefixKVWorkerMeta(self.disk_stored + other.disk_stored,
-                                  self.disk_dropped + other.disk_dropped)
+        out = {m: (list(s), list(d)) for m, (s, d) in self.changes.items()}
+        for medium, (stored, dropped) in other.changes.items():
+            mine = out.setdefault(medium, ([], []))
+            mine[0].extend(stored)
+            mine[1].extend(dropped)
+        return PrefixKVWorkerMeta(out)
 
 
 def geometry_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVGeometry:
@@ -173,6 +185,8 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.geometry = geometry_of(vllm_config, kv_cache_config)
         self.num_blocks = kv_cache_config.num_blocks
         host_blocks = self.config.host_blocks(self.geometry.block_nbytes)
+        ev_config = vllm_config.kv_events_config
+        kv_events = bool(ev_config is not None and ev_config.enable_kv_cache_events)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.remote: RemoteTier | None = None
@@ -185,8 +199,7 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.remote = RemoteTier(spec.remote, "", self.geometry.block_nbytes,
                                          timeout=spec.remote_timeout)
             events = None
-            ev_config = vllm_config.kv_events_config
-            if ev_config is not None and ev_config.enable_kv_cache_events:
+            if kv_events:
                 events = TierEvents(lambda req, j: describe_block(req, j, keyer.block_size))
             pins = [k for p in self.config.pins
                     for k in prefix_keys(keyer, pin_tokens(p, vllm_config), p.cache_salt)]
@@ -204,7 +217,7 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         self.remote.url if self.remote else None,
                         "weights " + weights if weights else ref, len(pins), events is not None)
         else:
-            self.worker = WorkerSide(self.config, host_blocks)
+            self.worker = WorkerSide(self.config, host_blocks, kv_events)
 
     # ------------------------------------------------------------------ worker role
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -250,11 +263,14 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return sending or None, recving or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """What the disk tier wrote and dropped since the last step (for the KV events)."""
+        """What the disk and remote tiers gained and lost since the last step (for the KV
+        events)."""
         if self.worker is None:
             return None
-        stored, dropped = self.worker.take_disk_changes()
-        return PrefixKVWorkerMeta(stored, dropped) if stored or dropped else None
+        changes = {DISK_MEDIUM: self.worker.take_disk_changes(),
+                   REMOTE_MEDIUM: self.worker.take_remote_changes()}
+        changes = {m: c for m, c in changes.items() if c[0] or c[1]}
+        return PrefixKVWorkerMeta(changes) if changes else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of this step whose load failed (vLLM recomputes them)."""
@@ -271,6 +287,14 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PrefixKVStats:
         """vLLM rebuilds the workers' stats in the logger with this."""
         return stats_from(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PrefixKVPromMetrics:
+        """vLLM's ``/metrics`` series of the connector's tiers (``vllm:prefixkv_*``)."""
+        return PrefixKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Flush queued writes and stop the writer threads."""
@@ -315,18 +339,20 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self.scheduler.finished(request.request_id), None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Finished asynchronous loads (their host slots released) and the worker's disk
-        changes (for the KV events)."""
+        """Finished asynchronous loads (their host slots released) and the worker's disk and
+        remote changes (for the KV events)."""
         if self.scheduler is None:
             return
         self.scheduler.recv_done(connector_output.finished_recving or ())
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, PrefixKVWorkerMeta):
-            self.scheduler.disk_changed(meta.disk_stored, meta.disk_dropped)
+            for medium, (stored, dropped) in meta.changes.items():
+                self.scheduler.tier_changed(medium, stored, dropped)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """The host and disk tiers' ``BlockStored`` / ``BlockRemoved`` since the last call
-        (``medium`` ``CPU`` / ``DISK``); vLLM publishes them with its own."""
+        """The host, disk and Valkey tiers' ``BlockStored`` / ``BlockRemoved`` since the last
+        call (``medium`` ``CPU`` / ``DISK`` / ``SHARED_STORAGE``); vLLM publishes them with its
+        own."""
         if self.scheduler is None or self.scheduler.events is None:
             return ()
         return [to_vllm_event(e) for e in self.scheduler.events.take()]

@@ -3,16 +3,21 @@
 vLLM publishes the scheduler's ``take_events()`` with its own block pool's events
 (``--kv-events-config``), so a router that reads vLLM's stream also sees the connector's tiers:
 ``BlockStored`` / ``BlockRemoved`` with ``medium`` ``"CPU"`` (the host tier, vLLM's name for
-CPU offloading) or ``"DISK"`` (the disk tier, prefixkv's engine's name). Sources, all in the
-scheduler process:
+CPU offloading), ``"DISK"`` (the disk tier, prefixkv's engine's name) or ``"SHARED_STORAGE"``
+(the Valkey tier: the name llm-d's file-system backend gives the storage its vLLM instances
+share; prefixkv's router reads any medium it does not know as its ``remote`` tier). Sources,
+all in the scheduler process:
 
 * host: a save planned into an arena slot is stored (its copy finishes before any load reads
   the slot); a key the host index evicts or clears is removed;
 * disk: the worker reports the keys its disk tier wrote and dropped (evicted, cleared, found
-  corrupt) through vLLM's worker metadata, one step later.
+  corrupt) through vLLM's worker metadata, one step later;
+* Valkey: the worker reports the keys it wrote that the server then held, and which of those
+  the server expired, evicted or deleted (keyspace notifications) or a load found missing
+  (:mod:`~prefixkv.integrations.vllm.remote_watch`), the same way. A block another instance
+  wrote is announced by that instance only.
 
-The Valkey tier is not announced: it is shared by every instance and evicted by its server,
-which tells no one (as prefixkv's own engine). An event needs the block's facts as vLLM states
+An event needs the block's facts as vLLM states
 them (its block hash, parent hash, tokens, LoRA, extra keys), captured from the request when its
 save is planned and kept for the last :data:`FACTS_KEPT` keys: a key whose facts are gone (or a
 block stored by an earlier process) is not announced, so a router under-estimates, never more.
@@ -28,6 +33,7 @@ from typing import Any
 
 HOST_MEDIUM = "CPU"
 DISK_MEDIUM = "DISK"
+REMOTE_MEDIUM = "SHARED_STORAGE"
 FACTS_KEPT = 1 << 16
 """Keys whose block facts are remembered (LRU), ~200 bytes each plus the block's token ids."""
 

@@ -14,7 +14,8 @@ It decides, the worker copies. How the scheduler knows what each tier holds:
 Saves: every planned save names its request; :meth:`SchedulerSide.finished` (vLLM's
 ``request_finished``) says whether a finished request had any, i.e. whether vLLM must keep its
 blocks until the worker reports the copies done. KV events of the host and disk tiers are
-collected in :class:`~prefixkv.integrations.vllm.events.TierEvents` when vLLM publishes events.
+collected in :class:`~prefixkv.integrations.vllm.events.TierEvents` when vLLM publishes events
+(the disk and remote tiers' changes come from the worker: :meth:`SchedulerSide.tier_changed`).
 Pinned keys (``kv_pin_prefixes``) are never evicted from the host index.
 
 A block counted here that cannot be read when its load runs (a corrupt or vanished file, the
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixkv.integrations.vllm.events import DISK_MEDIUM, HOST_MEDIUM, TierEvents
+from prefixkv.integrations.vllm.events import HOST_MEDIUM, TierEvents
 from prefixkv.integrations.vllm.identity import RequestKeys, request_namespace
 from prefixkv.integrations.vllm.plan import DISK, GONE, HOST, REMOTE, LoadBlock, SaveBlock, StepPlan
 from prefixkv.tiers.disk import SUFFIX
@@ -234,11 +235,12 @@ class SchedulerSide:
             return True
         return False
 
-    def disk_changed(self, stored: Sequence[bytes], dropped: Sequence[bytes]) -> None:
-        """The worker's disk tier wrote ``stored`` and dropped ``dropped`` (KV events)."""
+    def tier_changed(self, medium: str, stored: Sequence[bytes], dropped: Sequence[bytes]) -> None:
+        """The worker's disk (``DISK_MEDIUM``) or remote (``REMOTE_MEDIUM``) tier gained
+        ``stored`` and lost ``dropped`` (KV events)."""
         if self.events is not None:
-            self.events.change(True, DISK_MEDIUM, stored)
-            self.events.change(False, DISK_MEDIUM, dropped)
+            self.events.change(True, medium, stored)
+            self.events.change(False, medium, dropped)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state."""

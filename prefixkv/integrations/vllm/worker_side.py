@@ -14,7 +14,8 @@ it) and that block is not saved from this step.
 
 Pins (``kv_pin_prefixes``): the first plan carries the pinned keys; the disk tier never evicts
 them and the remote tier stores them without expiry (:meth:`RemoteTier.pin`). Disk writes and
-drops are collected for the scheduler's KV events (:meth:`WorkerSide.take_disk_changes`).
+drops are collected for the scheduler's KV events (:meth:`WorkerSide.take_disk_changes`), and,
+with KV events on, the remote tier's writes and drops (:class:`RemoteWatch`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 
 from prefixkv.integrations.vllm.blocks import KVBlocks, row_of
 from prefixkv.integrations.vllm.config import ConnectorConfig
-from prefixkv.integrations.vllm.plan import DISK, HOST, REMOTE, LoadBlock, SaveBlock, StepPlan
+from prefixkv.integrations.vllm.plan import DISK, GONE, HOST, REMOTE, LoadBlock, SaveBlock, StepPlan
+from prefixkv.integrations.vllm.remote_watch import RemoteWatch
 from prefixkv.integrations.vllm.saver import SaveQueue
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.pins import PinnedKeys
@@ -46,14 +48,17 @@ REMOTE_BATCH = 64
 class WorkerSide:
     """The tiers' bytes in one worker: arena, disk and remote; runs step plans."""
 
-    def __init__(self, config: ConnectorConfig, host_blocks: int) -> None:
+    def __init__(self, config: ConnectorConfig, host_blocks: int, kv_events: bool = False) -> None:
         self.config = config
         self.host_blocks = host_blocks
+        self.kv_events = kv_events
+        """vLLM publishes KV events: the remote tier's writes and drops are watched."""
         self.kv: KVBlocks | None = None
         self.arena: torch.Tensor | None = None
         self.slot_keys: list[bytes | None] = []
         self.disk: DiskTier | None = None
         self.remote: RemoteTier | None = None
+        self.watch: RemoteWatch | None = None
         self.pinned = PinnedKeys()
         self._remote_pinned: set[bytes] = set()
         self.saver = SaveQueue(self._copy_out)
@@ -64,7 +69,9 @@ class WorkerSide:
         self._lock = threading.Lock()  # counts and disk changes: the save / writer threads add
         self.counts: defaultdict[str, float] = defaultdict(float)
         """Since :meth:`take_counts`: ``<tier>_blocks`` / ``_bytes`` / ``_seconds`` loaded,
-        ``failed_blocks``, ``saved_<host|lower>_blocks``."""
+        ``<tier>_failed_blocks`` and their sum ``failed_blocks``, ``saved_<tier>_blocks``."""
+        self.load_times: defaultdict[str, list[float]] = defaultdict(list)
+        """Since :meth:`take_counts`: per tier, the seconds of each step's loads from it."""
         self._disk_stored: list[bytes] = []
         self._disk_dropped: list[bytes] = []
 
@@ -90,6 +97,8 @@ class WorkerSide:
         if spec.remote is not None:
             self.remote = RemoteTier(spec.remote, kv.layout, kv.nbytes,
                                      timeout=spec.remote_timeout, ttl=spec.remote_ttl, secret=secret)
+            if self.kv_events:
+                self.watch = RemoteWatch(self.remote, spec.remote, timeout=spec.remote_timeout)
 
     # ------------------------------------------------------------------ loads
     def load(self, loads: Sequence[LoadBlock]) -> set[int]:
@@ -98,57 +107,61 @@ class WorkerSide:
         kv = self.kv
         assert kv is not None
         failed: set[int] = set()
-        host = [ld for ld in loads if ld.tier == HOST]
+        host = [ld for ld in loads if ld.tier in (HOST, GONE)]
         if host:
             t0 = time.perf_counter()
             self.saver.wait()  # a slot filled by an earlier step's save is read after its copy
-            good = 0
             for ld in host:
-                if self.arena is not None and ld.slot is not None \
+                if self.arena is not None and ld.slot is not None and ld.tier == HOST \
                         and self.slot_keys[ld.slot] == ld.key:
                     kv.write(ld.block_id, self.arena[ld.slot])
-                    good += 1
                 else:
                     failed.add(ld.block_id)
-            self._count(HOST, good, t0)
-        t0 = time.perf_counter()
-        good = 0
-        for ld in loads:
-            if ld.tier == DISK:
-                good += self._write_payload(ld.block_id, self.disk.read(ld.key) if self.disk
-                                            else None, failed)
-            elif ld.tier not in (HOST, REMOTE):
-                failed.add(ld.block_id)
-        self._count(DISK, good, t0)
-        t0 = time.perf_counter()
+            self._count(HOST, host, failed, t0)
+        disk = [ld for ld in loads if ld.tier == DISK]
+        if disk:
+            t0 = time.perf_counter()
+            for ld in disk:
+                self._write_payload(ld.block_id, self.disk.read(ld.key) if self.disk else None,
+                                    failed)
+            self._count(DISK, disk, failed, t0)
         remote = [ld for ld in loads if ld.tier == REMOTE]
-        good = 0
-        for i in range(0, len(remote), REMOTE_BATCH):
-            batch = remote[i : i + REMOTE_BATCH]
-            got = self.remote.read_many([ld.key for ld in batch]) if self.remote else \
-                [None] * len(batch)
-            for ld, payload in zip(batch, got):
-                good += self._write_payload(ld.block_id, payload, failed)
-        self._count(REMOTE, good, t0)
+        if remote:
+            t0 = time.perf_counter()
+            for i in range(0, len(remote), REMOTE_BATCH):
+                batch = remote[i : i + REMOTE_BATCH]
+                got = self.remote.read_many([ld.key for ld in batch]) if self.remote else \
+                    [None] * len(batch)
+                for ld, payload in zip(batch, got):
+                    self._write_payload(ld.block_id, payload, failed)
+                if self.watch is not None and self.remote is not None and self.remote.is_up:
+                    # the server answered: a miss is a block it no longer holds
+                    self.watch.missing([ld.key for ld, p in zip(batch, got) if p is None])
+            self._count(REMOTE, remote, failed, t0)
         with self._lock:
             self.counts["failed_blocks"] += len(failed)
         return failed
 
-    def _write_payload(self, block_id: int, payload: bytes | None, failed: set[int]) -> int:
-        """Copy a read record's payload into vLLM's block (1), or note the failure (0)."""
+    def _write_payload(self, block_id: int, payload: bytes | None, failed: set[int]) -> None:
+        """Copy a read record's payload into vLLM's block, or note the failure."""
         assert self.kv is not None
         if payload is None or len(payload) != self.kv.nbytes:
             failed.add(block_id)
-            return 0
-        self.kv.write(block_id, row_of(payload))
-        return 1
+        else:
+            self.kv.write(block_id, row_of(payload))
 
-    def _count(self, tier: str, blocks: int, since: float) -> None:
-        if blocks:
-            with self._lock:
-                self.counts[f"{tier}_blocks"] += blocks
-                self.counts[f"{tier}_bytes"] += blocks * self.block_nbytes
-                self.counts[f"{tier}_seconds"] += time.perf_counter() - since
+    def _count(self, tier: str, loads: Sequence[LoadBlock], failed: set[int],
+               since: float) -> None:
+        """Count ``loads`` from ``tier`` (those in ``failed`` did not load) and their time."""
+        seconds = time.perf_counter() - since
+        bad = sum(ld.block_id in failed for ld in loads)
+        good = len(loads) - bad
+        with self._lock:
+            self.counts[f"{tier}_blocks"] += good
+            self.counts[f"{tier}_bytes"] += good * self.block_nbytes
+            self.counts[f"{tier}_seconds"] += seconds
+            self.counts[f"{tier}_failed_blocks"] += bad
+            self.load_times[tier].append(seconds)
 
     # ------------------------------------------------------------------ saves
     def save(self, saves: Sequence[SaveBlock]) -> None:
@@ -162,7 +175,8 @@ class WorkerSide:
         kv, arena, disk, remote = self.kv, self.arena, self.disk, self.remote
         assert kv is not None
         scratch: torch.Tensor | None = None
-        host = lower = 0
+        host = to_disk_n = 0
+        wrote: list[bytes] = []  # queued for the remote tier (the watch confirms them)
         for s in saves:
             pinned = s.key in self.pinned
             to_disk = disk is not None and not disk.contains(s.key)
@@ -184,17 +198,22 @@ class WorkerSide:
             if not (to_disk or to_remote):
                 continue
             payload = row.numpy().tobytes()
-            lower += 1
             if to_disk:
                 disk.submit(s.key, payload)  # type: ignore[union-attr]
+                to_disk_n += 1
             if to_remote and pinned:
                 if remote.pin([s.key], [payload]):  # type: ignore[union-attr]
                     self._remote_pinned.add(s.key)
+                    wrote.append(s.key)
             elif to_remote:
                 remote.submit(s.key, payload)  # type: ignore[union-attr]
+                wrote.append(s.key)
+        if wrote and self.watch is not None:
+            self.watch.wrote(wrote)
         with self._lock:
             self.counts["saved_host_blocks"] += host
-            self.counts["saved_lower_blocks"] += lower
+            self.counts["saved_disk_blocks"] += to_disk_n
+            self.counts["saved_remote_blocks"] += len(wrote)
 
     # ------------------------------------------------------------------ a step
     def run_loads(self, plan: StepPlan) -> None:
@@ -244,10 +263,18 @@ class WorkerSide:
             self._disk_stored, self._disk_dropped = [], []
             return out
 
-    def take_counts(self) -> dict[str, float]:
-        """The counters since the last call (then reset)."""
+    def take_remote_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """Keys this worker wrote to the remote tier (confirmed on the server) and keys of
+        those the server dropped since (expired, evicted, deleted, or missing at a load), since
+        the last call; empty unless KV events are on."""
+        return self.watch.take() if self.watch is not None else ([], [])
+
+    def take_counts(self) -> dict[str, float | list[float]]:
+        """The counters since the last call (then reset), with ``<tier>_load_times``."""
         with self._lock:
-            out, self.counts = dict(self.counts), defaultdict(float)
+            out: dict[str, float | list[float]] = dict(self.counts)
+            out.update((f"{tier}_load_times", times) for tier, times in self.load_times.items())
+            self.counts, self.load_times = defaultdict(float), defaultdict(list)
             return out
 
     def take_failed(self) -> set[int]:
@@ -267,6 +294,8 @@ class WorkerSide:
         """Finish the loads and copies, flush and stop the writer threads (idempotent)."""
         self.loader.shutdown(wait=True)
         self.saver.close()
+        if self.watch is not None:
+            self.watch.close()
         for tier in (self.disk, self.remote):
             if tier is not None:
                 tier.close()
