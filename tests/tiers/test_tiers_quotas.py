@@ -98,6 +98,36 @@ def test_host_tier_flooded_by_one_tenant_keeps_the_others_blocks() -> None:
     assert host.clear() == 15 and host.tenants.counts() == {A: 1}
 
 
+def test_an_over_quota_tenant_loses_its_least_recently_used_blocks(tmp_path: Path) -> None:
+    """Within a tenant the tier's own recency holds: a block read or touched again is kept
+    over its tenant's older ones (host: hold / touch / a repeated reserve; disk: touch / read)."""
+    host = HostTier(7, tenant_quota=2)
+    for i in range(5):
+        host.reserve(key(A, i), A)
+    for i in range(2):
+        host.reserve(key(B, i), B)
+    host.touch([key(A, 0)])
+    assert host.hold(key(A, 1)) is not None
+    host.release(key(A, 1))
+    assert host.reserve(key(A, 2), A) is None  # stored already: refreshed
+    host.reserve(key(A, 5), A)
+    host.reserve(key(A, 6), A)
+    assert [i for i in range(7) if key(A, i) in host] == [0, 1, 2, 5, 6]
+    d = DiskTier(tmp_path, 7, LAYOUT, 16, tenant_quota=2)
+    for i in range(5):
+        d.submit(key(A, i), payload(i), A)
+    for i in range(2):
+        d.submit(key(B, i), payload(i), B)
+    assert d.flush()
+    d.touch([key(A, 0)])
+    assert d.read(key(A, 1)) == payload(1)
+    d.submit(key(A, 5), payload(5), A)
+    d.submit(key(A, 6), payload(6), A)
+    assert d.flush()
+    assert [i for i in range(7) if d.contains(key(A, i))] == [0, 1, 4, 5, 6]
+    d.close()
+
+
 def test_without_a_quota_the_flood_flushes_the_other_tenant() -> None:
     """The control: the same flood with no quota (the tiers before quotas) evicts B's blocks."""
     host = HostTier(16)
