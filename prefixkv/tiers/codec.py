@@ -4,7 +4,8 @@ Header (little endian): magic ``PKVB``, version (u16), header length (u16), payl
 (u64), xxhash64 of the payload (u64), the block key (32 bytes), the layout string (utf-8,
 e.g. ``float32:2x4x16x2x64``), then (disk records only, optional) the tenant's label (ASCII, at
 most :data:`TENANT_BYTES`; none: the default tenant, so a record without one is exactly what
-earlier versions wrote, and a tagged record is what they skip as another layout). :func:`decode` accepts a record only when every field matches
+earlier versions wrote, and a tagged record is what they skip as another layout).
+:func:`decode` accepts a record only when every field matches
 what the reader expects and the checksum holds; anything else is :class:`CorruptBlockError`,
 which callers treat as a miss (and delete), never as KV.
 

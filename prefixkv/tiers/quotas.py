@@ -14,8 +14,9 @@ and pinned keys are never candidates (the tier's ``evictable`` says which are). 
 flooding a tier cannot flush another's blocks while it is over its quota.
 
 Each tenant's keys are kept in the tier's recency order (the tier calls :meth:`touch` where it
-refreshes a key), so its victims are found without scanning the other tenants' keys. Not
-thread safe: the owning tier's lock guards it (the disk's index lock; the host's engine thread).
+refreshes a key), so its victims are found without scanning the other tenants' keys, and the
+tenants over the quota are kept as a set, so an eviction looks at those only. Not thread safe:
+the owning tier's lock guards it (the disk's index lock; the host's engine thread).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ class TenantKeys:
 
     Args:
         quota: most blocks a tenant may hold in the tier before its own go first; ``None``:
-            counted, never over.
+            counted, never over. Fixed once built.
     """
 
-    __slots__ = ("_keys", "_of", "quota")
+    __slots__ = ("_keys", "_of", "_over", "quota")
 
     def __init__(self, quota: int | None = None) -> None:
         if quota is not None and (isinstance(quota, bool) or not isinstance(quota, int)
@@ -56,6 +57,7 @@ class TenantKeys:
         self.quota = quota
         self._of: dict[bytes, str] = {}
         self._keys: dict[str, OrderedDict[bytes, None]] = {}  # least recent first
+        self._over: set[str] = set()  # tenants holding more than the quota
 
     def __len__(self) -> int:
         return len(self._of)
@@ -72,7 +74,10 @@ class TenantKeys:
             old = None
         if old is None:
             self._of[key] = tenant
-            self._keys.setdefault(tenant, OrderedDict())[key] = None
+            own = self._keys.setdefault(tenant, OrderedDict())
+            own[key] = None
+            if self.quota is not None and len(own) > self.quota:
+                self._over.add(tenant)
         else:
             self._keys[tenant].move_to_end(key)
 
@@ -89,6 +94,8 @@ class TenantKeys:
             if t is not None:
                 own = self._keys[t]
                 del own[k]
+                if self.quota is None or len(own) <= self.quota:
+                    self._over.discard(t)
                 if not own:
                     del self._keys[t]
 
@@ -96,6 +103,7 @@ class TenantKeys:
         """Count nothing."""
         self._of.clear()
         self._keys.clear()
+        self._over.clear()
 
     def counts(self) -> dict[str, int]:
         """Blocks per tenant holding any."""
@@ -104,10 +112,10 @@ class TenantKeys:
     def over(self) -> list[tuple[str, int]]:
         """Tenants over the quota and by how many blocks, most over first."""
         q = self.quota
-        if q is None:
+        if q is None or not self._over:
             return []
-        out = [(t, len(own) - q) for t, own in self._keys.items() if len(own) > q]
-        out.sort(key=lambda x: -x[1])
+        out = [(t, len(self._keys[t]) - q) for t in self._over]
+        out.sort(key=lambda x: (-x[1], x[0]))
         return out
 
     def victims(self, n: int, evictable: Callable[[bytes], bool], retained: RetainedKeys,

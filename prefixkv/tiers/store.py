@@ -190,7 +190,8 @@ class TieredStore:
         ``chain``: the keys of the whole prefix they extend (theirs included), then marked
         most recently used on disk, head first (see :meth:`DiskTier.touch`). ``put``: the
         blocks' tenant (counted in every tier, the host's when they are offloaded) and a
-        retention (its ``priority`` and ``ttl_s``: retains the chain in every tier, :meth:`retain`)."""
+        retention (its ``priority`` and ``ttl_s``: retains the chain in every tier,
+        :meth:`retain`)."""
         put = put if put is not None else Put()
         tenant = tenant_label(put.tenant)
         if self.host is not None:

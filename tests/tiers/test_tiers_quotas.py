@@ -68,6 +68,35 @@ def test_victims_take_an_over_quota_tenants_excess_first() -> None:
         TenantKeys(-1)
 
 
+def test_counts_and_over_quota_tenants_agree_with_a_recount() -> None:
+    """Random adds, touches and removes: the counts, the over-quota list and each tenant's
+    order match a plain recount of one LRU list."""
+    import random
+
+    rng = random.Random(7)
+    t, model = TenantKeys(quota=3), []  # model: (key, tenant), least recent first
+    for _ in range(3000):
+        k, tenant = key("r", rng.randrange(40)), rng.choice("abc")
+        op = rng.random()
+        held = [m for m in model if m[0] == k]
+        if op < 0.5 and not held:
+            t.add(k, tenant)
+            model.append((k, tenant))
+        elif op < 0.75 and held:
+            t.touch(k)
+            model.remove(held[0])
+            model.append(held[0])
+        elif held:
+            t.remove([k])
+            model.remove(held[0])
+        recount = {x: sum(1 for _, y in model if y == x) for x in "abc"}
+        assert t.counts() == {x: n for x, n in recount.items() if n}
+        assert sorted(t.over()) == sorted((x, n - 3) for x, n in recount.items() if n > 3)
+    want = [k for tenant, excess in t.over() for k in [k for k, y in model if y == tenant][:excess]]
+    order = [k for k, _ in model]
+    assert want and t.victims(len(want), lambda k: True, RetainedKeys(), order) == want
+
+
 def test_tier_quotas_default_to_the_pools_and_can_be_set_per_tier() -> None:
     assert TierSpec().tenant_quotas(None) == {"host": None, "disk": None, "remote": None}
     assert TierSpec().tenant_quotas(64) == {"host": 64, "disk": 64, "remote": 64}
@@ -265,7 +294,8 @@ def test_engine_quota_in_every_local_tier_outputs_unchanged_and_visible(
     assert counts["host"][A] == counts["disk"][A] == 24 - 6  # A keeps only what B leaves
     again = [o.outputs[0].token_ids for o in llm.generate(quiet, ONE, cache_salt="tenant-b")]
     assert again == want[:2]
-    assert all(o.num_cached_tokens == 3 * BS for o in llm.generate(quiet, ONE, cache_salt="tenant-b"))
+    outs = llm.generate(quiet, ONE, cache_salt="tenant-b")
+    assert all(o.num_cached_tokens == 3 * BS for o in outs)
     view = CacheView({}, llm.engine.cache_admin.hit_rates(), [], counts)
     text = [m for m in cache_metrics("m", view) if m.name == "prefixkv:tenant_tier_blocks"][0]
     samples = {(s.labels["tenant"], s.labels["tier"]): s.value for s in text.samples}
