@@ -169,7 +169,8 @@ class CacheSettings:
         kind="int"))
     max_cached_blocks_per_tenant: int | None = field(default=None, metadata=_meta(
         "a cache_salt's quota: its cached blocks beyond it are evicted first (one tenant cannot "
-        "flush another's), and it may retain at most this many", shown="the whole pool",
+        "flush another's), in the pool and in each lower tier (--kv-blocks-per-tenant sets "
+        "theirs), and it may retain at most this many", shown="the whole pool",
         kind="int"))
     kv_cache_metrics: bool = field(default=False, metadata=_meta(
         "sample KV block residency (lifetime, idle time before eviction, reuse gap) per tier",
