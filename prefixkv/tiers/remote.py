@@ -36,7 +36,7 @@ the same script call: no extra round trip), and when that tenant holds more than
 script deletes its oldest blocks, skipping pinned ones (moved to the back) and dropping
 members whose block already expired or was evicted by the server. Reads do not refresh a
 block's place (the read path stays one ``MGET``). :meth:`RemoteTier.tenant_counts` reads the
-sets' sizes (an upper bound: expired blocks leave them when their tenant is over quota).
+sets' sizes, first dropping members written more than a ``ttl`` ago whose block expired.
 Without a quota nothing is counted.
 """
 
@@ -106,12 +106,25 @@ for _, name in ipairs(redis.call('ZRANGE', KEYS[3], 0, over + QUOTA_SCAN - 1)) d
 end
 return evicted
 """
-# KEYS: set of tenants. ARGV: sorted-set name prefix. Label, size, label, size, ... (empty sets
-# leave the set of tenants).
+# KEYS: set of tenants. ARGV: sorted-set name prefix, cutoff (-1: none), now. Label, size,
+# label, size, ... Members older than the cutoff (written more than a ttl ago: most have
+# expired) are checked first, at most QUOTA_SCAN per tenant: gone ones leave, live ones (pinned,
+# retained) are re-scored now; empty sets leave the set of tenants.
 _COUNTS = """
 local out = {}
+local cutoff = tonumber(ARGV[2])
 for _, t in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local n = redis.call('ZCARD', ARGV[1] .. t)
+  local name = ARGV[1] .. t
+  if cutoff >= 0 then
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', name, '-inf', cutoff, 'LIMIT', 0, QUOTA_SCAN)) do
+      if redis.call('EXISTS', m) == 0 then
+        redis.call('ZREM', name, m)
+      else
+        redis.call('ZADD', name, ARGV[3], m)
+      end
+    end
+  end
+  local n = redis.call('ZCARD', name)
   if n > 0 then
     out[#out + 1] = t
     out[#out + 1] = n
@@ -187,7 +200,7 @@ class RemoteTier:
         self.tenant_quota = tenant_quota
         """Blocks a tenant keeps on the server before its oldest go (``None``: not counted)."""
         self._set = self._client.register_script(_SET.replace("QUOTA_SCAN", str(QUOTA_SCAN)))
-        self._counts = self._client.register_script(_COUNTS)
+        self._counts = self._client.register_script(_COUNTS.replace("QUOTA_SCAN", str(QUOTA_SCAN)))
         self._pin = self._client.register_script(_PIN)
         self._unpin = self._client.register_script(_UNPIN)
         self._retain = self._client.register_script(_RETAIN)
@@ -308,13 +321,16 @@ class RemoteTier:
             return [False] * len(keys)
 
     def tenant_counts(self) -> dict[str, int] | None:
-        """Blocks per tenant label on the server (every worker's writes; expired blocks count
-        until a quota trim drops them); ``None`` without a quota or when the server cannot be
-        reached (counted in ``errors``)."""
+        """Blocks per tenant label on the server (every worker's writes; one script call that
+        first drops members written more than the tier's ``ttl`` ago whose block expired, so
+        an expired block counts at most until the next call or quota trim); ``None`` without
+        a quota or when the server cannot be reached (counted in ``errors``)."""
         if self.tenant_quota is None or not self.is_up:
             return None
+        now = time.time_ns() // 1000
+        cutoff = now - self.ttl * 1_000_000 if self.ttl else -1
         try:
-            got = self._counts(keys=[TENANTS], args=[TENANT_PREFIX])
+            got = self._counts(keys=[TENANTS], args=[TENANT_PREFIX, cutoff, now])
         except Exception as exc:  # noqa: BLE001 - stats degrade to "unknown"
             self._failed(exc)
             return None

@@ -251,6 +251,26 @@ def test_remote_tier_flooded_by_one_tenant_keeps_the_others_blocks(valkey: Any) 
     other.close()
 
 
+def test_remote_counts_drop_expired_blocks_under_the_quota_too(valkey: Any) -> None:
+    """A tenant under its quota is never trimmed, yet its blocks that expired stop counting:
+    members written more than a ttl ago are checked when the counts are read."""
+    import redis
+
+    client = redis.Redis.from_url(valkey.url)
+    r = RemoteTier(valkey.url, LAYOUT, 16, timeout=5.0, ttl=60, tenant_quota=100)
+    for i in range(4):
+        r.submit(key(A, i), payload(i), A)
+    assert r.flush()
+    assert r.tenant_counts() == {A: 4}
+    tq = TENANT_PREFIX + A.encode()
+    client.zadd(tq, {PREFIX + key(A, 0): 1, PREFIX + key(A, 1): 1})  # written long ago...
+    client.delete(PREFIX + key(A, 0))  # ...and expired since; block 1 was retained
+    client.delete(PREFIX + key(A, 2))  # expired, but written within the ttl: still counted
+    assert r.tenant_counts() == {A: 3}
+    assert client.zscore(tq, PREFIX + key(A, 1)) > 1  # alive: re-scored, not checked again
+    r.close()
+
+
 def test_remote_tier_without_a_quota_writes_no_tenant_sets(valkey: Any) -> None:
     import redis
 
