@@ -16,8 +16,10 @@ answering (connection refused, reset or dropped: the worker died) or that gets a
 per request; nothing has reached the client yet, so streamed requests are retried too. Such a
 failure counts towards the worker's circuit breaker and triggers an immediate ``/health`` probe
 (see :mod:`prefixkv.router.workers`). A connection cut after the request was sent is probed at
-once: a worker gone died under the request, which may have killed it (a query of death). Alone
-there, or the one request there whose body had a strike, it is pinned: not retried (502), its
+once: a worker gone died under the request, which may have killed it (a query of death). Judged
+by the death as first noticed (:mod:`prefixkv.router.deaths`: one record and one probe per death,
+requests abandoned there by it included): alone there then, or the one request there whose body
+had a strike, it is pinned: not retried (502), its
 body fingerprint quarantined (identical requests answered 503 ``request_quarantined`` for
 ``quarantine_ttl`` s); else it is retried once with a strike, one struck request per worker
 (:mod:`prefixkv.router.quarantine`): a poison request costs one worker alone, at most two
@@ -57,6 +59,7 @@ from prefixkv.router.admin import admin_headers
 from prefixkv.router.answer import Answer, error_answer
 from prefixkv.router.config import RouterConfig
 from prefixkv.router.conversations import StoredResponses
+from prefixkv.router.deaths import Deaths, Verdict
 from prefixkv.router.errors import error_body, error_response
 from prefixkv.router.health import WorkerCacheStats, fetch_cache_stats, health_loop, probe
 from prefixkv.router.keys import RouteKey
@@ -98,6 +101,7 @@ class Router:
         )
         self.metrics = RouterMetrics()
         self.quarantine = Quarantine(config.quarantine_ttl, config.quarantine_size)
+        self.deaths = Deaths(self.quarantine, self._probe, self._on_death)
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._probing: dict[str, asyncio.Task[None]] = {}
@@ -145,6 +149,7 @@ class Router:
                 await task
         self._tasks.clear()
         self._probing.clear()
+        self.deaths.close()
         stop_policy = getattr(self.policy, "stop", None)
         if stop_policy is not None:
             await stop_policy()
@@ -177,6 +182,7 @@ class Router:
     def _on_health_change(self, url: str, healthy: bool) -> None:
         if healthy:
             self.pool.readmit(url)
+            self.deaths.revived(url)
         else:
             self.pool.abandon(url)
             self.metrics.observe_failure(url, "probe")
@@ -196,31 +202,29 @@ class Router:
             task = asyncio.create_task(self._probe_now(url))
             self._probing[url] = task
 
-    async def _worker_died(self, url: str, fp: str, error: str, alone: bool) -> bool | None:
-        """A request with fingerprint ``fp`` was cut after it was sent to ``url``: probe it.
-        ``None``: the worker answers (one dropped connection). Else it died under the request
-        and leaves the rotation; ``True`` when the death is pinned on the request (it was
-        ``alone`` on the worker, or it was the one request there whose body had a strike from
-        an earlier death): ``fp`` is quarantined and the request must not be retried.
-        ``False``: the worker had other requests in flight; ``fp`` gets a strike, and the
-        request is retried (as a suspect: one per worker at a time)."""
-        if await probe(self.client, url, self.config.health_check_timeout) is None:
-            return None
+    async def _probe(self, url: str) -> str | None:
+        return await probe(self.client, url, self.config.health_check_timeout)
+
+    def _on_death(self, url: str, error: str) -> None:
+        """``url`` died under requests (its probe failed after a cut): out of the rotation."""
         self.metrics.observe_failure(url, "died")
         forget = getattr(self.policy, "on_dispatch_failed", None)
         if forget is not None:
             forget(url)
-        if self.workers.mark_down(url, f"died serving a request ({error})"):
+        if self.workers.mark_down(url, error):
             self._on_health_change(url, False)
-        if alone or self.quarantine.held_on(url) == fp:
-            self.quarantine.condemn(fp)
+
+    async def _judge(self, url: str, fp: str, sent: int, error: str, *,
+                     cut: bool) -> Verdict | None:
+        """The verdict on attempt ``sent`` (fingerprint ``fp``), cut or abandoned on ``url``
+        (:mod:`prefixkv.router.deaths`); a death pinned on it is counted and logged."""
+        verdict = await self.deaths.judge(url, fp, sent, in_flight=self.workers[url].in_flight,
+                                          error=error, cut=cut)
+        if verdict is Verdict.PINNED:
             self.metrics.request_deaths.labels(url).inc()
             log.error("worker %s died serving request %s (%s); requests with that body are "
-                      "quarantined for %g s", url, fp, "alone" if alone else "second death",
-                      self.config.quarantine_ttl)
-            return True
-        self.quarantine.suspect(fp)
-        return False
+                      "quarantined for %g s", url, fp, error, self.config.quarantine_ttl)
+        return verdict
 
     async def _probe_now(self, url: str) -> None:
         try:
@@ -276,6 +280,7 @@ class Router:
             tried.append(url)
             self.metrics.observe_dispatch(url, reason, ratio)
             self.workers.begin(url)
+            sent = self.deaths.sent()
             if suspect:
                 self.quarantine.hold(url, fp)
             relayed = False  # once True, the answer's stream owns resp and the in-flight count
@@ -286,26 +291,25 @@ class Router:
                 if stream and not retry:
                     relayed = True
                     self.workers.record_success(url)
-                    return self._relay(resp, url, fp, suspect)
+                    return self._relay(resp, url, fp, suspect, sent)
                 content = await resp.read()
-            except UpstreamError as exc:
+            except (UpstreamError, WorkerGone) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-                alone = self.workers[url].in_flight <= 1  # before the probe: others still count
-                died = await self._worker_died(url, fp, error, alone) if exc.cut else None
-                if died is None:
+                cut = isinstance(exc, UpstreamError) and exc.cut
+                verdict = await self._judge(url, fp, sent, error, cut=cut)
+                if verdict is None and isinstance(exc, WorkerGone):
+                    self.metrics.observe_failure(url, "abandoned")
+                    forget = getattr(self.policy, "on_dispatch_failed", None)
+                    if forget is not None:
+                        forget(url)
+                elif verdict is None:
                     self.dispatch_failed(url, "connect", error)
-                elif died:
+                elif verdict is Verdict.PINNED:
                     self.metrics.quarantined.inc()
                     return _quarantined(502, f"worker {url} died while serving this request; it "
                                         "was not retried, and requests with the same method, path "
                                         f"and body are refused for {self.config.quarantine_ttl:g} "
                                         "s (quarantined)")
-                continue
-            except WorkerGone:
-                self.metrics.observe_failure(url, "abandoned")
-                forget = getattr(self.policy, "on_dispatch_failed", None)
-                if forget is not None:
-                    forget(url)
                 continue
             finally:
                 if not relayed:
@@ -332,7 +336,8 @@ class Router:
         return await self.stored.forward(self.client, self.workers.healthy(), method,
                                          response_id, fwd, rest)
 
-    def _relay(self, resp: UpstreamResponse, url: str, fp: str, suspect: bool) -> Answer:
+    def _relay(self, resp: UpstreamResponse, url: str, fp: str, suspect: bool,
+               sent: int) -> Answer:
         """A streamed answer passing the worker's pieces through; it owns ``resp`` and the
         worker's in-flight count (released once, by the stream's end or the answer's close)."""
         ended = False
@@ -353,17 +358,16 @@ class Router:
                     yield piece
             except (UpstreamError, WorkerGone) as exc:
                 message = f"worker {url} failed mid-stream: {exc}"
-                if isinstance(exc, UpstreamError):
-                    error = f"{type(exc).__name__}: {exc}"
-                    alone = self.workers[url].in_flight <= 1
-                    died = await self._worker_died(url, fp, error, alone) if exc.cut else None
-                    if died is None:
-                        self.dispatch_failed(url, "stream", error)
-                    elif died:
-                        message = (f"worker {url} died while serving this request; requests with "
-                                   "the same method, path and body are refused for "
-                                   f"{self.config.quarantine_ttl:g} s (quarantined)")
-                else:
+                error = f"{type(exc).__name__}: {exc}"
+                cut = isinstance(exc, UpstreamError) and exc.cut
+                verdict = await self._judge(url, fp, sent, error, cut=cut)
+                if verdict is Verdict.PINNED:
+                    message = (f"worker {url} died while serving this request; requests with "
+                               "the same method, path and body are refused for "
+                               f"{self.config.quarantine_ttl:g} s (quarantined)")
+                elif verdict is None and isinstance(exc, UpstreamError):
+                    self.dispatch_failed(url, "stream", error)
+                elif verdict is None:
                     self.metrics.observe_failure(url, "stream")
                 err = error_body(message, type_="worker_error", code="worker_failed")
                 yield f"data: {json.dumps(err)}\n\n".encode()

@@ -2,7 +2,9 @@
 
 Contract. A request's fingerprint is a hash of its method, path and body bytes
 (:func:`fingerprint`): a client's resend, or the same request from another client, has the same
-one. When a worker dies while a request is in flight on it, the router tells :class:`Quarantine`:
+one. When a worker dies while a request is in flight on it, the router
+(:mod:`prefixkv.router.deaths`, judging each request by the death as first noticed) tells
+:class:`Quarantine`:
 
 * :meth:`Quarantine.suspect` when the death is not pinned on the request (the worker had other
   requests in flight too, so any of them, or nothing sent at all, may have killed it): the

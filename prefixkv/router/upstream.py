@@ -12,8 +12,10 @@ Failures. Every transport failure raises :class:`UpstreamError`: refused, reset 
 mid-answer, a malformed answer, nothing received for ``timeout`` seconds (``connect_timeout``
 to connect). A POST that fails on a reused idle connection before any byte of the answer arrived
 is sent once more on a fresh connection (the worker closed the idle connection as it was
-picked). :meth:`UpstreamPool.abandon` makes every pending and later read of a worker's in-flight
-answers raise :class:`WorkerGone` (the worker left the rotation).
+picked); when the first try had been written and cut, a failed resend is reported ``cut``
+whatever its own failure (the worker may have died under the request).
+:meth:`UpstreamPool.abandon` makes every pending and later read of a worker's in-flight answers
+raise :class:`WorkerGone` (the worker left the rotation).
 
 Ownership: a connection is idle in the pool, or owned by exactly one request or response.
 """
@@ -135,6 +137,16 @@ class _Conn(asyncio.Protocol):
             await self.fill(timeout)
         piece = self.take(i + 2)
         return piece[:-2]
+
+
+def _resend_failed(exc: UpstreamError | WorkerGone) -> UpstreamError:
+    """The resend of a request whose first try was written and cut failed (``exc``). The worker
+    may have taken the request and died under it, so however the resend failed (refused; a dying
+    worker's socket accepting the connect, then resetting it before the write; the worker
+    leaving the rotation meanwhile), the failure is ``cut``: the router judges the death
+    (:mod:`prefixkv.router.deaths`) instead of sending the request on to the next worker as one
+    that never arrived."""
+    return UpstreamError(f"{exc} (resending a request cut after it was sent)", cut=True)
 
 
 def _expire(w: asyncio.Future[None], base: str, timeout: float) -> None:
@@ -279,12 +291,12 @@ class UpstreamPool:
             try:
                 conn = idle.pop() if reused and idle else await self._connect(base, host, port)
             except UpstreamError as exc:
-                if written_and_cut:  # the worker may have taken the request, then died
-                    raise UpstreamError(str(exc), cut=True) from exc
+                if written_and_cut:
+                    raise _resend_failed(exc) from exc
                 raise
             if base in self._gone:
                 self._put(conn, reuse=True)
-                raise WorkerGone(base)
+                raise _resend_failed(WorkerGone(base)) if written_and_cut else WorkerGone(base)
             self._busy.setdefault(base, set()).add(conn)
             conn.received = False
             assert conn.transport is not None
@@ -297,11 +309,14 @@ class UpstreamPool:
                 wrote = True
                 status, answer_headers = await self._head(conn)
                 return UpstreamResponse(conn, status, answer_headers, self.timeout)
-            except UpstreamError:
+            except (UpstreamError, WorkerGone) as exc:
                 self._put(conn, reuse=False)
-                if reused and not conn.received and conn.failure is None:
-                    written_and_cut = wrote
+                if (reused and isinstance(exc, UpstreamError) and not conn.received
+                        and conn.failure is None):
+                    written_and_cut = wrote and exc.cut
                     continue
+                if written_and_cut:
+                    raise _resend_failed(exc) from exc
                 raise
             except BaseException:
                 self._put(conn, reuse=False)

@@ -150,6 +150,64 @@ def test_a_stale_idle_connection_is_dropped_and_a_request_it_loses_is_sent_again
     run(main())
 
 
+class LateLoop(asyncio.SelectorEventLoop):  # type: ignore[misc,valid-type]
+    """An event loop that, once ``late`` is set, resumes a connect only after the peer has
+    closed the new connection (a loaded router's loop: its coroutine runs long after the
+    handshake, and a dying worker's reset is in by then)."""
+
+    late = False
+
+    async def create_connection(self, *args: Any, **kwargs: Any) -> Any:
+        transport, protocol = await super().create_connection(*args, **kwargs)
+        for _ in range(500):
+            if not self.late or transport.is_closing():
+                break
+            await asyncio.sleep(0.01)
+        return transport, protocol
+
+
+@pytest.mark.parametrize("then", ["reset", "abandoned"])
+def test_a_request_cut_after_writing_whose_resend_fails_is_reported_cut(then: str) -> None:
+    """The worker read a request on a reused keep-alive connection and died under it. The
+    resend's connect was accepted by its dying socket, which then reset the connection before
+    the router's loop wrote to it (``reset``), or the worker left the rotation meanwhile
+    (``abandoned``). Either way the worker may have died of this request: the failure is
+    ``cut``, so the router judges the death instead of sending the request on to kill the
+    next worker as one that never arrived (the old pool raised a plain connect failure or
+    ``WorkerGone``, and CI saw a poison request take a second worker that way)."""
+    import socket
+    import struct
+
+    async def main() -> None:
+        async def dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       n: int) -> None:
+            if n == 1:
+                await srv.read_request(reader)
+                writer.write(answer(b"first"))
+                await srv.read_request(reader)  # the poison: read, then the process is gone
+                return
+            sock = writer.get_extra_info("socket")  # the dying socket's accepted connection
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # reset (RST), before any byte is read
+            if then == "abandoned":
+                pool.abandon(srv.base)
+
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, LateLoop)
+        async with Scripted(dies) as srv:
+            pool = UpstreamPool(timeout=5)
+            assert await (await pool.post(srv.base, "/", b"1", {})).read() == b"first"
+            loop.late = True
+            with pytest.raises(UpstreamError) as err:
+                await pool.post(srv.base, "/", b"poison", {})
+            assert err.value.cut, err.value
+            assert srv.connections == 2 and len(srv.requests) == 2  # the poison reached one
+            pool.close()
+
+    with asyncio.Runner(loop_factory=LateLoop) as runner:
+        runner.run(asyncio.wait_for(main(), 20))
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_connection_lost_before_the_request_is_written_is_an_upstream_error(loop: str) -> None:
     """The worker went away between the connect and the write (killed at that moment): the
