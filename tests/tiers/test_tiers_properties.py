@@ -19,6 +19,8 @@ each tier preset), pin, unpin, clear host. After every step:
   unbounded here); blocks the pool evicts are in the host tier right after; counts conserve;
 * pins: a pinned prefix is in the pool, and once seen in the host or disk tier it stays there
   until unpinned;
+* tenants (two namespaces, host and disk quotas far below the tiers' sizes): each tier counts
+  exactly the keys it holds, each under its request's namespace's label;
 * every admitted sequence's reused KV (from any tier) is the KV the oracle expects.
 """
 
@@ -45,11 +47,13 @@ from prefixkv.tiers.codec import decode
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
+from prefixkv.tiers.quotas import tenant_label
 from prefixkv.tiers.remote import PIN_PREFIX, PREFIX, RemoteTier
 from prefixkv.tiers.spec import reset_tiers
 from prefixkv.tiers.store import TieredStore
 
 NUM_BLOCKS, HOST, DISK, MAX_PINNED, MAX_RUNNING = 24, 8, 16, 6, 2
+HOST_QUOTA, DISK_QUOTA = 3, 6  # per tenant: an over-quota tenant's own blocks go first
 DIM = 2  # head_dim: 2 (K, V) x DIM values per token row
 
 NAMES = ["request", "evict", "again", "pin", "finish", "unpin", "clear_host", "reset"]
@@ -95,8 +99,9 @@ class Harness:
         keyer = BlockKeyer(f"oracle/{layout}", bs)
         # a generous timeout: a loaded test machine must not open the circuit
         remote = RemoteTier(remote_url, layout, nbytes, timeout=10.0) if remote_url else None
-        self.store = TieredStore(keyer, transfer, host=HostTier(HOST),
-                                 disk=DiskTier(disk_dir, DISK, layout, nbytes), remote=remote)
+        self.store = TieredStore(
+            keyer, transfer, host=HostTier(HOST, tenant_quota=HOST_QUOTA),
+            disk=DiskTier(disk_dir, DISK, layout, nbytes, tenant_quota=DISK_QUOTA), remote=remote)
         cache = make_cache(index, max_blocks=NUM_BLOCKS, block_size=bs, max_pinned_blocks=MAX_PINNED)
         self.kv = KVManager(NUM_BLOCKS, bs, cache, self.kv_pool.copy_rows, self.store)
         self.running: list[Sequence] = []
@@ -180,8 +185,11 @@ class Harness:
         cached = dict(self.kv._keys)
         self.kv.spill(n)
         gone = [k for b, k in cached.items() if b not in self.kv._keys]
-        # each evicted block went to the host tier (its LRU keeps the last `room` of them)
-        assert sum(k in host for k in gone) >= min(len(gone), room), "an evicted block was lost"
+        # each evicted block went to the host tier (its LRU keeps the last `room` of them;
+        # fewer where an over-quota tenant's new blocks displaced its own)
+        over = {t for t, _ in host.tenants.over()}
+        kept = sum(k in host or tenant_label(self.names[k][0]) in over for k in gone)
+        assert kept >= min(len(gone), room), "an evicted block was lost"
 
     def reset(self, preset: str) -> None:
         names = reset_tiers(preset)
@@ -260,6 +268,13 @@ class Harness:
         for name, tier in (("host", host), ("disk", disk)):  # counts conserve: stored - dropped
             c = tier.counters
             assert c.get("stored_blocks") - c.get("evictions") - self.cleared[name] == len(tier), name
+        for tier, keys in ((host, host.stored_keys()), (disk, dkeys)):  # tenants: as stored
+            want = {k: tenant_label(self.names[k][0]) for k in keys}
+            assert {k: tier.tenants.tenant(k) for k in keys} == want and len(tier.tenants) == len(keys)
+            per_tenant: dict[str, int] = {}
+            for t in want.values():
+                per_tenant[t] = per_tenant.get(t, 0) + 1
+            assert tier.tenants.counts() == per_tenant
         everywhere = pool_keys | set(host.stored_keys()) | set(dkeys)
         if store.remote is not None:
             client = store.remote._client
