@@ -30,14 +30,14 @@ expiry and are what the server evicts, pinned ones carry none and are never evic
 its engine unpins it or resets its cache; an engine that dies holding pins leaves them until a
 ``reset --tiers remote`` (which deletes every ``pkv:`` key, counters included).
 
-Tenant quotas (``tenant_quota``): counted on the server, since workers share it. Each write also
-adds its block to its tenant's sorted set ``pkv:tq:<label>`` (scored by the write's time, in
-the same script call: no extra round trip), and when that tenant holds more than its quota the
-script deletes its oldest blocks, skipping pinned ones (moved to the back) and dropping
-members whose block already expired or was evicted by the server. Reads do not refresh a
-block's place (the read path stays one ``MGET``). :meth:`RemoteTier.tenant_counts` reads the
-sets' sizes, first dropping members written more than a ``ttl`` ago whose block expired.
-Without a quota nothing is counted.
+Tenant quotas (``tenant_quota``, :mod:`~prefixkv.tiers.remote_quota`): counted on the server,
+since workers share it. Each write also adds its block to its tenant's sorted set
+``pkv:tq:<label>`` (scored by the write's time, in the same script call: no extra round trip),
+and when that tenant holds more than its quota the script deletes its oldest blocks, skipping
+pinned ones (moved to the back) and dropping members whose block already expired or was evicted
+by the server. Reads do not refresh a block's place (the read path stays one ``MGET``).
+:meth:`RemoteTier.tenant_counts` reads the sets' sizes, first dropping members written more than
+a ``ttl`` ago whose block expired. Without a quota nothing is counted.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 
 from prefixkv.tiers.codec import CorruptBlockError, UnauthenticatedBlockError, decode, encode
 from prefixkv.tiers.quotas import DEFAULT_TENANT
+from prefixkv.tiers.remote_quota import COUNTS, SET, TENANT_PREFIX, TENANTS
 from prefixkv.tiers.stats import TierCounters
 from prefixkv.tiers.writer import BackgroundWriter
 
@@ -66,74 +67,8 @@ READ_BYTES = 4 << 20
 """Socket read size: a block is megabytes, and redis-py's 64 KiB default made an ``MGET`` of 15
 blocks (44 MB) 2.6x slower (196 vs 76 ms with hiredis, loaded 2-core machine)."""
 CLEAR_BATCH = 512
-TENANTS = b"pkv:tenants"
-"""The set of tenant labels with a sorted set (``pkv:tq:<label>``) on the server."""
-TENANT_PREFIX = b"pkv:tq:"
-QUOTA_SCAN = 64
-"""Members a quota trim looks at beyond the tenant's excess (pinned ones are skipped)."""
 """Keys scanned and unlinked per round trip by :meth:`RemoteTier.clear`."""
 
-# KEYS: block, pin counter, tenant's sorted set, set of tenants. ARGV: record, ttl seconds
-# (0: none), now (us), tenant quota (-1: none), tenant label. Stored once (NX: every writer of a
-# key writes the same bytes); an expiry only while no pin names the block. With a quota, the
-# tenant's oldest unpinned blocks beyond it are deleted (at most QUOTA_SCAN members looked at
-# past the excess; a pinned one is moved to the back, a gone one just leaves the set).
-_SET = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX') and tonumber(ARGV[2]) > 0
-   and redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-end
-local quota = tonumber(ARGV[4])
-if quota < 0 then return 0 end
-redis.call('ZADD', KEYS[3], ARGV[3], KEYS[1])
-redis.call('SADD', KEYS[4], ARGV[5])
-local over = redis.call('ZCARD', KEYS[3]) - quota
-if over <= 0 then return 0 end
-local evicted = 0
-for _, name in ipairs(redis.call('ZRANGE', KEYS[3], 0, over + QUOTA_SCAN - 1)) do
-  if over <= 0 then break end
-  if redis.call('EXISTS', name) == 0 then
-    redis.call('ZREM', KEYS[3], name)
-    over = over - 1
-  elseif redis.call('EXISTS', 'pkv:pin:' .. string.sub(name, 5)) == 1 then
-    redis.call('ZADD', KEYS[3], ARGV[3], name)
-  else
-    redis.call('UNLINK', name)
-    redis.call('ZREM', KEYS[3], name)
-    over = over - 1
-    evicted = evicted + 1
-  end
-end
-return evicted
-"""
-# KEYS: set of tenants. ARGV: sorted-set name prefix, cutoff (-1: none), now. Label, size,
-# label, size, ... Members older than the cutoff (written more than a ttl ago: most have
-# expired) are checked first, at most QUOTA_SCAN per tenant: gone ones leave, live ones (pinned,
-# retained) are re-scored now; empty sets leave the set of tenants.
-_COUNTS = """
-local out = {}
-local cutoff = tonumber(ARGV[2])
-for _, t in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local name = ARGV[1] .. t
-  if cutoff >= 0 then
-    for _, m in ipairs(redis.call('ZRANGEBYSCORE', name, '-inf', cutoff, 'LIMIT', 0, QUOTA_SCAN)) do
-      if redis.call('EXISTS', m) == 0 then
-        redis.call('ZREM', name, m)
-      else
-        redis.call('ZADD', name, ARGV[3], m)
-      end
-    end
-  end
-  local n = redis.call('ZCARD', name)
-  if n > 0 then
-    out[#out + 1] = t
-    out[#out + 1] = n
-  else
-    redis.call('SREM', KEYS[1], t)
-  end
-end
-return out
-"""
 # KEYS: block, pin counter, block, pin counter, ... ARGV: each block's record, same order.
 _PIN = """
 for i = 1, #KEYS, 2 do
@@ -199,8 +134,8 @@ class RemoteTier:
             raise ValueError(f"kv_blocks_per_tenant must be an int >= 0, got {tenant_quota!r}")
         self.tenant_quota = tenant_quota
         """Blocks a tenant keeps on the server before its oldest go (``None``: not counted)."""
-        self._set = self._client.register_script(_SET.replace("QUOTA_SCAN", str(QUOTA_SCAN)))
-        self._counts = self._client.register_script(_COUNTS.replace("QUOTA_SCAN", str(QUOTA_SCAN)))
+        self._set = self._client.register_script(SET)
+        self._counts = self._client.register_script(COUNTS)
         self._pin = self._client.register_script(_PIN)
         self._unpin = self._client.register_script(_UNPIN)
         self._retain = self._client.register_script(_RETAIN)

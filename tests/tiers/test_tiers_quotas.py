@@ -19,7 +19,8 @@ from prefixkv.tiers.codec import decode, encode, header_size, is_record_of, reco
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.quotas import DEFAULT_TENANT, TenantKeys, tenant_label
-from prefixkv.tiers.remote import PREFIX, TENANT_PREFIX, RemoteTier
+from prefixkv.tiers.remote import PREFIX, RemoteTier
+from prefixkv.tiers.remote_quota import TENANT_PREFIX
 from prefixkv.tiers.retained import RetainedKeys
 from prefixkv.tiers.spec import TierSpec
 
