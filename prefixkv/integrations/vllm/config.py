@@ -19,6 +19,7 @@ _BARE_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 KEYS = frozenset({
     "kv_offload_size", "kv_disk_dir", "kv_disk_size", "kv_remote", "kv_remote_timeout",
     "kv_remote_ttl", "kv_remote_secret", "kv_namespace", "kv_pin_prefixes", "kv_load_async",
+    "kv_blocks_per_tenant",
 })
 """The ``kv_connector_extra_config`` keys the connector reads."""
 
@@ -70,6 +71,7 @@ class ConnectorConfig:
             remote=extra.get("kv_remote"), remote_timeout=extra.get("kv_remote_timeout", 0.5),
             remote_ttl=extra.get("kv_remote_ttl"), namespace=namespace,
             remote_secret=extra.get("kv_remote_secret"), prefetch_blocks=0,
+            blocks_per_tenant=extra.get("kv_blocks_per_tenant"),
         )
         if not spec.enabled:
             raise ValueError("kv_connector_extra_config names no tier: set kv_offload_size, "

@@ -206,7 +206,8 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.scheduler = SchedulerSide(keyer, host_blocks, spec.disk_dir,
                                            self.remote.present if self.remote else None,
                                            pins=pins, events=events,
-                                           load_async=self.config.load_async)
+                                           load_async=self.config.load_async,
+                                           host_quota=spec.tenant_quotas(None)["host"])
             if transfer.kv_load_failure_policy != "recompute":
                 logger.warning("prefixkv: kv_load_failure_policy is %r: a block that cannot "
                                "be read fails its request; set \"kv_load_failure_policy\": "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixkv.tiers.quotas import DEFAULT_TENANT
+
 HOST = "host"
 DISK = "disk"
 REMOTE = "remote"
@@ -42,6 +44,9 @@ class SaveBlock:
     req_id: str = ""
     """The request whose block it is (vLLM keeps a finished request's blocks until all of
     its saves are copied)."""
+    tenant: str = DEFAULT_TENANT
+    """The request's tenant label (``cache_salt`` / LoRA, :func:`~prefixkv.tiers.tenant_label`):
+    counted against its quota in every tier (``kv_blocks_per_tenant``)."""
 
 
 @dataclass(slots=True)

@@ -39,6 +39,7 @@ from prefixkv.tiers.disk import SUFFIX
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
 from prefixkv.tiers.pins import PinnedKeys
+from prefixkv.tiers.quotas import tenant_label
 
 Present = Callable[[Sequence[bytes]], list[bool]]
 """Which of some keys the remote tier holds (``RemoteTier.present``)."""
@@ -62,12 +63,13 @@ class SchedulerSide:
 
     def __init__(self, keyer: BlockKeyer, host_blocks: int, disk_dir: str | Path | None,
                  remote_present: Present | None, pins: Sequence[bytes] = (),
-                 events: TierEvents | None = None, load_async: bool = False) -> None:
+                 events: TierEvents | None = None, load_async: bool = False,
+                 host_quota: int | None = None) -> None:
         self.keyer = keyer
         self.pins = tuple(pins)
         pinned = PinnedKeys()
         pinned.add(self.pins)
-        self.host = HostTier(host_blocks, pinned) if host_blocks else None
+        self.host = HostTier(host_blocks, pinned, host_quota) if host_blocks else None
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.remote_present = remote_present
         self.events = events
@@ -212,13 +214,14 @@ class SchedulerSide:
             return
         keys = t.keys.upto(tokens, full)
         lower = self.disk_dir is not None or self.remote_present is not None
-        rid = t.request.request_id
+        ns = t.keys.namespace  # (cache_salt, lora): ("", "") is the default tenant
+        rid, tenant = t.request.request_id, tenant_label(None if ns == ("", "") else ns)
         for j in range(t.saved, full):
             if j in t.loaded:
                 continue
-            slot = self.host.reserve(keys[j]) if self.host is not None else None
+            slot = self.host.reserve(keys[j], tenant) if self.host is not None else None
             if slot is not None or lower:
-                saves.append(SaveBlock(t.block_ids[j], keys[j], slot, rid))
+                saves.append(SaveBlock(t.block_ids[j], keys[j], slot, rid, tenant))
                 self._saving.add(rid)
                 if self.events is not None:
                     self.events.learn(t.request, j, keys[j])

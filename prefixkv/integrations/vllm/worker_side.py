@@ -88,15 +88,18 @@ class WorkerSide:
             self.slot_keys = [None] * self.host_blocks
         spec = self.config.spec
         secret = None if spec.remote_secret is None else spec.remote_secret.encode()
+        quota = spec.tenant_quotas(None)  # kv_blocks_per_tenant (vLLM's pool has none of ours)
         if spec.disk_dir is not None:
             size = spec.disk_size if spec.disk_size is not None else DEFAULT_DISK_SIZE
             self.disk = DiskTier(spec.disk_dir, parse_size(size, kv.nbytes, "kv_disk_size"),
-                                 kv.layout, kv.nbytes, pinned=self.pinned, secret=secret)
+                                 kv.layout, kv.nbytes, pinned=self.pinned, secret=secret,
+                                 tenant_quota=quota["disk"])
             self.disk.on_stored = lambda keys: self._disk_changed(keys, self._disk_stored)
             self.disk.on_drop = lambda keys: self._disk_changed(keys, self._disk_dropped)
         if spec.remote is not None:
             self.remote = RemoteTier(spec.remote, kv.layout, kv.nbytes,
-                                     timeout=spec.remote_timeout, ttl=spec.remote_ttl, secret=secret)
+                                     timeout=spec.remote_timeout, ttl=spec.remote_ttl,
+                                     secret=secret, tenant_quota=quota["remote"])
             if self.kv_events:
                 self.watch = RemoteWatch(self.remote, spec.remote, timeout=spec.remote_timeout)
 
@@ -199,14 +202,14 @@ class WorkerSide:
                 continue
             payload = row.numpy().tobytes()
             if to_disk:
-                disk.submit(s.key, payload)  # type: ignore[union-attr]
+                disk.submit(s.key, payload, s.tenant)  # type: ignore[union-attr]
                 to_disk_n += 1
             if to_remote and pinned:
                 if remote.pin([s.key], [payload]):  # type: ignore[union-attr]
                     self._remote_pinned.add(s.key)
                     wrote.append(s.key)
             elif to_remote:
-                remote.submit(s.key, payload)  # type: ignore[union-attr]
+                remote.submit(s.key, payload, s.tenant)  # type: ignore[union-attr]
                 wrote.append(s.key)
         if wrote and self.watch is not None:
             self.watch.wrote(wrote)
