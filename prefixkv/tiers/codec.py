@@ -69,7 +69,8 @@ def encode(key: bytes, layout: str, payload: bytes, secret: bytes | None = None,
 
 
 def decode(
-    record: bytes, key: bytes, layout: str, nbytes: int, secret: bytes | None = None
+    record: bytes | bytearray, key: bytes, layout: str, nbytes: int,
+    secret: bytes | None = None,
 ) -> bytes:
     """The payload of ``record`` if it is intact and holds ``key`` in ``layout`` with
     ``nbytes`` bytes (and, with ``secret``, its MAC holds); else :class:`CorruptBlockError`
@@ -96,13 +97,14 @@ def decode(
         raise CorruptBlockError("layout differs")
     if length != nbytes or end != head_len + length:
         raise CorruptBlockError(f"payload is {end - head_len} bytes, expected {nbytes}")
-    payload = record[head_len:end]
+    with memoryview(record) as view:
+        payload = bytes(view[head_len:end])  # the one copy of the payload
     if xxhash.xxh64_intdigest(payload) != checksum:
         raise CorruptBlockError("checksum mismatch")
     return payload
 
 
-def _layout_ok(head: bytes, head_len: int, lay: bytes) -> bool:
+def _layout_ok(head: bytes | bytearray, head_len: int, lay: bytes) -> bool:
     """Whether ``head``'s layout field is ``lay``, followed by at most a tenant label."""
     end = _FIXED.size + len(lay)
     return end <= head_len <= end + TENANT_BYTES and head[_FIXED.size : end] == lay

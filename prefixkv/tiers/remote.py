@@ -3,7 +3,8 @@
 A block is stored as one string value (a :mod:`~prefixkv.tiers.codec` record) under
 ``pkv:<key hex>``; keys are process independent (:mod:`~prefixkv.tiers.keys`), so a block one
 worker publishes is a hit for every other worker running the same model. Writes go through a
-background thread; reads (``MGET``) run on the engine thread with a short socket timeout.
+background thread; reads (``MGET``) run on the engine thread with a short socket timeout, each value read off the
+socket into its own buffer (:mod:`~prefixkv.tiers.bulk_read`).
 
 Failure policy: the remote is a cache. Any error or timeout counts in ``errors``, logs one
 warning, and opens a circuit for ``retry_after`` seconds during which every read is a miss and
@@ -51,6 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from prefixkv.tiers.bulk_read import BulkReader
 from prefixkv.tiers.codec import CorruptBlockError, UnauthenticatedBlockError, decode, encode
 from prefixkv.tiers.quotas import DEFAULT_TENANT
 from prefixkv.tiers.remote_quota import COUNTS, SET, TENANT_PREFIX, TENANTS
@@ -124,6 +126,7 @@ class RemoteTier:
                 socket_read_size=READ_BYTES)
         except ValueError as exc:
             raise ValueError(f"kv_remote {self.url!r} is not a valid redis URL: {exc}") from None
+        self._bulk = BulkReader(self._client)  # MGET straight off the socket (bulk_read.py)
         self._secret = secret
         self.layout = layout
         self.nbytes = nbytes
@@ -216,7 +219,7 @@ class RemoteTier:
         if not keys or not self.is_up:
             return [None] * len(keys)
         try:
-            records = self._client.mget([PREFIX + k for k in keys])
+            records = self._bulk.mget([PREFIX + k for k in keys])
         except Exception as exc:  # noqa: BLE001 - any client failure degrades to a miss
             self._failed(exc)
             return [None] * len(keys)
@@ -303,6 +306,7 @@ class RemoteTier:
         the tier's last reference)."""
         self._writer.close(wait=wait)
         if wait and not self._writer.running:
+            self._bulk.close()
             self._client.close()
 
     def _remember(self, key: bytes) -> None:

@@ -1,0 +1,72 @@
+"""BulkReader against a real valkey-server: the values redis-py reads, misses in both protocols,
+megabyte values and replies longer than its header buffer, AUTH and SELECT, and a cut, paused
+or killed server (an error, then a fresh connection)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from conftest import PASSWORD, ValkeyProcess
+
+from prefixkv.tiers.bulk_read import BulkReader
+
+redis = pytest.importorskip("redis")
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_it_reads_what_redis_py_reads(valkey: ValkeyProcess, protocol: int) -> None:
+    client = redis.Redis.from_url(valkey.url, protocol=protocol)
+    big = os.urandom(3 << 20)
+    client.set(b"big", big)
+    client.set(b"empty", b"")
+    client.set(b"crlf", b"\r\n$-1\r\n_\r\n")  # values that look like reply syntax
+    keys = [b"big", b"missing", b"empty", b"crlf", b"big"]
+    got = BulkReader(client).mget(keys)
+    assert got == client.mget(keys)
+    assert got[0] == big and got[1] is None and got[2] == b"" and isinstance(got[0], bytearray)
+
+
+def test_many_small_values_span_the_header_buffer(valkey: ValkeyProcess) -> None:
+    client = redis.Redis.from_url(valkey.url)
+    keys = [b"k%05d" % i for i in range(5000)]  # ~100 KB of reply headers and values
+    client.mset({k: k * (i % 7) for i, k in enumerate(keys)})
+    reader = BulkReader(client)
+    assert reader.mget(keys) == client.mget(keys)
+    assert reader.mget([]) == []
+
+
+def test_password_and_database_come_from_the_url(valkey_auth: ValkeyProcess) -> None:
+    url = f"redis://:{PASSWORD}@127.0.0.1:{valkey_auth.port}"
+    redis.Redis.from_url(url + "/0").set(b"k", b"db0")
+    redis.Redis.from_url(url + "/3").set(b"k", b"db3")
+    assert BulkReader(redis.Redis.from_url(url + "/3")).mget([b"k"]) == [b"db3"]
+    wrong = redis.Redis.from_url(f"redis://:nope@127.0.0.1:{valkey_auth.port}/3")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        BulkReader(wrong).mget([b"k"])
+
+
+def test_a_cut_connection_fails_once_then_reconnects(valkey: ValkeyProcess) -> None:
+    client = redis.Redis.from_url(valkey.url)
+    client.set(b"k", b"v")
+    reader = BulkReader(client)
+    assert reader.mget([b"k"]) == [b"v"]
+    assert client.client_kill_filter(_type="normal", skipme=True) >= 1  # the reader's connection
+    with pytest.raises((ConnectionError, OSError)):
+        reader.mget([b"k"])
+    assert reader.mget([b"k"]) == [b"v"]
+
+
+def test_a_paused_server_times_out_and_a_dead_one_refuses(valkey: ValkeyProcess) -> None:
+    client = redis.Redis.from_url(valkey.url, socket_timeout=0.2)
+    client.set(b"k", b"v")
+    reader = BulkReader(client)
+    assert reader.mget([b"k"]) == [b"v"]
+    redis.Redis.from_url(valkey.url).execute_command("CLIENT", "PAUSE", "600", "ALL")
+    with pytest.raises((socket.timeout, TimeoutError, redis.exceptions.TimeoutError)):
+        reader.mget([b"k"])
+    valkey.kill()
+    with pytest.raises((ConnectionError, OSError, redis.exceptions.ConnectionError)):
+        reader.mget([b"k"])
+    reader.close()
