@@ -19,7 +19,7 @@ from prefixkv.tiers.codec import decode, encode, header_size, is_record_of, reco
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.quotas import DEFAULT_TENANT, TenantKeys, tenant_label
-from prefixkv.tiers.remote import PREFIX, RemoteTier
+from prefixkv.tiers.remote import COUNTS_EVERY, PREFIX, RemoteTier
 from prefixkv.tiers.remote_quota import TENANT_PREFIX
 from prefixkv.tiers.retained import RetainedKeys
 from prefixkv.tiers.spec import TierSpec
@@ -258,7 +258,9 @@ def test_remote_counts_drop_expired_blocks_under_the_quota_too(valkey: Any) -> N
     import redis
 
     client = redis.Redis.from_url(valkey.url)
-    r = RemoteTier(valkey.url, LAYOUT, 16, timeout=5.0, ttl=60, tenant_quota=100)
+    now = [0.0]
+    r = RemoteTier(valkey.url, LAYOUT, 16, timeout=5.0, ttl=60, tenant_quota=100,
+                   clock=lambda: now[0])
     for i in range(4):
         r.submit(key(A, i), payload(i), A)
     assert r.flush()
@@ -267,6 +269,8 @@ def test_remote_counts_drop_expired_blocks_under_the_quota_too(valkey: Any) -> N
     client.zadd(tq, {PREFIX + key(A, 0): 1, PREFIX + key(A, 1): 1})  # written long ago...
     client.delete(PREFIX + key(A, 0))  # ...and expired since; block 1 was retained
     client.delete(PREFIX + key(A, 2))  # expired, but written within the ttl: still counted
+    assert r.tenant_counts() == {A: 4}  # a scrape within COUNTS_EVERY: the last reading
+    now[0] += COUNTS_EVERY
     assert r.tenant_counts() == {A: 3}
     assert client.zscore(tq, PREFIX + key(A, 1)) > 1  # alive: re-scored, not checked again
     r.close()
