@@ -159,7 +159,8 @@ class RemoteTier:
         return self._clock() >= self._down_until
 
     def is_known(self, key: bytes) -> bool:
-        """Whether this engine published or fetched ``key`` (recently)."""
+        """Whether this engine published or fetched ``key`` (recently) and has not since found
+        it gone from the server (a read or a presence check that missed it)."""
         with self._lock:
             return key in self._known
 
@@ -226,6 +227,7 @@ class RemoteTier:
         except Exception as exc:  # noqa: BLE001 - any client failure degrades to a miss
             self._failed(exc)
             return [None] * len(keys)
+        self._forget([k for k, rec in zip(keys, records) if rec is None])
         out: list[bytes | None] = []
         for key, rec in zip(keys, records):
             if rec is None:
@@ -256,10 +258,20 @@ class RemoteTier:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(PREFIX + key)
-            return [bool(n) for n in pipe.execute()]
+            held = [bool(n) for n in pipe.execute()]
         except Exception as exc:  # noqa: BLE001 - any client failure degrades to a miss
             self._failed(exc)
             return [False] * len(keys)
+        self._forget([k for k, h in zip(keys, held) if not h])
+        return held
+
+    def _forget(self, gone: Sequence[bytes]) -> None:
+        """Keys the server answered it does not hold (expired, evicted, deleted): no longer
+        known, so the next :meth:`submit` of one writes it again."""
+        if gone:
+            with self._lock:
+                for key in gone:
+                    self._known.pop(key, None)
 
     def tenant_counts(self) -> dict[str, int] | None:
         """Blocks per tenant label on the server (every worker's writes; one script call that

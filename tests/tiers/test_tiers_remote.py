@@ -33,6 +33,29 @@ def test_roundtrip_and_corrupt_values(valkey: Any) -> None:
     r.close()
 
 
+@pytest.mark.parametrize("found_by", ["read", "presence"])
+def test_a_block_the_server_dropped_is_published_again(valkey: Any, found_by: str) -> None:
+    """Once a read or a presence check finds a published block gone (expired, evicted), the
+    engine that wrote it writes it again on its next publish instead of skipping it as known."""
+    import redis
+
+    r = RemoteTier(valkey.url, LAYOUT, 16)
+    r.submit(key(0), b"a" * 16)
+    assert r.flush() and r.is_known(key(0))
+    redis.Redis.from_url(valkey.url).delete(PREFIX + key(0))  # as the server's expiry would
+    r.submit(key(0), b"a" * 16)  # still known: skipped (nothing says it is gone yet)
+    assert r.flush() and r.counters.get("stored_blocks") == 1
+    if found_by == "read":
+        assert r.read_many([key(0)]) == [None]
+    else:
+        assert r.present([key(0)]) == [False]
+    assert not r.is_known(key(0))
+    r.submit(key(0), b"a" * 16)
+    assert r.flush() and r.counters.get("stored_blocks") == 2
+    assert r.read_many([key(0)]) == [b"a" * 16]
+    r.close()
+
+
 def test_circuit_opens_on_failure_and_closes_after(valkey: Any) -> None:
     now = [0.0]
     r = RemoteTier(valkey.url, LAYOUT, 16, timeout=0.2, retry_after=5.0, clock=lambda: now[0])
