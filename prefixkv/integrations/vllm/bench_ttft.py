@@ -10,7 +10,10 @@ answers one unrelated prompt (warm-up), then times ``generate(prompt, max_tokens
 round with ``reset_prefix_cache()`` before each, so vLLM's own cache never answers. The disk and
 Valkey readers are fresh processes: what they load was written by another one ("instance B
 loads what instance A computed"); the writer's own (one, cold) TTFT shows what saving costs a
-miss. Disk reads come from the OS page cache on a warm machine.
+miss. Disk reads come from the OS page cache on a warm machine. ``cached`` is vLLM's count (set
+when a request is scheduled, before any load); ``blocks`` is the connector's own count, from
+its ``vllm:prefixkv_*`` metrics, of the blocks each tier loaded and failed to load (a failed
+block is recomputed, and its round's time shows it).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def child(spec: dict[str, Any]) -> None:
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": spec["kv"]})
     llm = LLM(spec["model"], enforce_eager=True, max_model_len=4096, kv_transfer_config=kv,
-              seed=0)
+              seed=0, disable_log_stats=spec["connector"] != "prefixkv")
     one = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], one, use_tqdm=False)  # warm-up
     if spec.get("prime"):  # this process stores the prefix first (host tier, ExampleConnector)
@@ -66,7 +69,16 @@ def child(spec: dict[str, Any]) -> None:
         out = llm.generate([prompt], one, use_tqdm=False)
         times.append(time.perf_counter() - t0)
         cached.append(out[0].num_cached_tokens)
-    Path(spec["out"]).write_text(json.dumps({"times": times, "cached": cached}))
+    loads: dict[str, float] = {}  # the connector's own count of what it loaded (or failed to)
+    if spec["connector"] == "prefixkv":
+        for metric in llm.get_metrics():
+            if metric.name.startswith(("vllm:prefixkv_loaded_blocks",
+                                       "vllm:prefixkv_load_failed_blocks")):
+                name = "failed" if "failed" in metric.name else "loaded"
+                tier = metric.labels.get("tier", "?")
+                loads[f"{name}_{tier}"] = loads.get(f"{name}_{tier}", 0) + metric.value
+    Path(spec["out"]).write_text(json.dumps({"times": times, "cached": cached,
+                                             "loads": loads}))
 
 
 def _run(python: str, spec: dict[str, Any], threads: int, out: Path) -> dict[str, Any]:
@@ -140,15 +152,17 @@ def main(argv: list[str] | None = None) -> None:
           f"{os.getloadavg()[0]:.2f}; median TTFT (s), speed-up over recomputing, cached tokens:")
     for name, res in results:
         med = statistics.median(res["times"])
-        print(f"  {name:38s} {med:7.3f} s  {ref / med:5.2f}x  cached {res['cached']}")
+        loads = ", ".join(f"{k} {v:.0f}" for k, v in sorted(res.get("loads", {}).items()))
+        print(f"  {name:38s} {med:7.3f} s  {ref / med:5.2f}x  cached {res['cached']}"
+              + (f"  blocks {loads}" if loads else ""))
 
 
 def _run_rows(python: str, base: dict[str, Any], runs: list[tuple[str, dict[str, Any]]],
               threads: int, repeat: int, tmp: str) -> list[tuple[str, dict[str, Any]]]:
     """Run ``runs`` in order; the readers (rows without a cold writer or the recomputing
     baseline) ``repeat`` times in turn, their rounds pooled per row."""
-    pooled: dict[str, dict[str, list[Any]]] = {name: {"times": [], "cached": []}
-                                                for name, _ in runs}
+    pooled: dict[str, dict[str, Any]] = {name: {"times": [], "cached": [], "loads": {}}
+                                          for name, _ in runs}
     readers = [(name, spec) for name, spec in runs
                if spec["connector"] is not None and spec.get("rounds") != 1]
     order = [r for r in runs if r not in readers]
@@ -158,6 +172,8 @@ def _run_rows(python: str, base: dict[str, Any], runs: list[tuple[str, dict[str,
         res = _run(python, {**base, **spec}, threads, Path(tmp, f"result-{i}.json"))
         pooled[name]["times"] += res["times"]
         pooled[name]["cached"] += res["cached"]
+        for k, v in res.get("loads", {}).items():
+            pooled[name]["loads"][k] = pooled[name]["loads"].get(k, 0) + v
     return [(name, pooled[name]) for name, _ in runs]
 
 
