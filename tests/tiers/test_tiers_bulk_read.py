@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import pytest
-from conftest import PASSWORD, ValkeyProcess
 
 from prefixkv.tiers.bulk_read import BulkReader
 
 redis = pytest.importorskip("redis")
+PASSWORD = "pa55word"  # the valkey_auth fixture's (tests/tiers/conftest.py)
 
 
 @pytest.mark.parametrize("protocol", [2, 3])
-def test_it_reads_what_redis_py_reads(valkey: ValkeyProcess, protocol: int) -> None:
+def test_it_reads_what_redis_py_reads(valkey: Any, protocol: int) -> None:
     client = redis.Redis.from_url(valkey.url, protocol=protocol)
     big = os.urandom(3 << 20)
     client.set(b"big", big)
@@ -28,7 +29,7 @@ def test_it_reads_what_redis_py_reads(valkey: ValkeyProcess, protocol: int) -> N
     assert got[0] == big and got[1] is None and got[2] == b"" and isinstance(got[0], bytearray)
 
 
-def test_many_small_values_span_the_header_buffer(valkey: ValkeyProcess) -> None:
+def test_many_small_values_span_the_header_buffer(valkey: Any) -> None:
     client = redis.Redis.from_url(valkey.url)
     keys = [b"k%05d" % i for i in range(5000)]  # ~100 KB of reply headers and values
     client.mset({k: k * (i % 7) for i, k in enumerate(keys)})
@@ -37,7 +38,7 @@ def test_many_small_values_span_the_header_buffer(valkey: ValkeyProcess) -> None
     assert reader.mget([]) == []
 
 
-def test_password_and_database_come_from_the_url(valkey_auth: ValkeyProcess) -> None:
+def test_password_and_database_come_from_the_url(valkey_auth: Any) -> None:
     url = f"redis://:{PASSWORD}@127.0.0.1:{valkey_auth.port}"
     redis.Redis.from_url(url + "/0").set(b"k", b"db0")
     redis.Redis.from_url(url + "/3").set(b"k", b"db3")
@@ -47,7 +48,7 @@ def test_password_and_database_come_from_the_url(valkey_auth: ValkeyProcess) -> 
         BulkReader(wrong).mget([b"k"])
 
 
-def test_a_cut_connection_fails_once_then_reconnects(valkey: ValkeyProcess) -> None:
+def test_a_cut_connection_fails_once_then_reconnects(valkey: Any) -> None:
     client = redis.Redis.from_url(valkey.url)
     client.set(b"k", b"v")
     reader = BulkReader(client)
@@ -58,7 +59,7 @@ def test_a_cut_connection_fails_once_then_reconnects(valkey: ValkeyProcess) -> N
     assert reader.mget([b"k"]) == [b"v"]
 
 
-def test_a_paused_server_times_out_and_a_dead_one_refuses(valkey: ValkeyProcess) -> None:
+def test_a_paused_server_times_out_and_a_dead_one_refuses(valkey: Any) -> None:
     client = redis.Redis.from_url(valkey.url, socket_timeout=0.2)
     client.set(b"k", b"v")
     reader = BulkReader(client)
