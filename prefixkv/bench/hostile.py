@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import queue
 import statistics
@@ -126,6 +127,9 @@ class CaseResult:
     rss_before_mb: float | None = None
     rss_peak_mb: float | None = None
     rss_after_mb: float | None = None
+    loop_stall_s: float | None = None
+    """The server's worst event-loop lag while the case ran, as the upper bound of its
+    ``prefixkv:event_loop_lag_seconds`` bucket (``None``: a server without the series)."""
 
     @property
     def extra_mb(self) -> float | None:
@@ -257,12 +261,14 @@ def run_case(url: str, case: Case, victim: _Victim, *, pid: int | None = None,
 
     time.sleep(settle_s)
     before = rss_mb(pid)
+    lag_before = loop_lag_buckets(url, headers)
     with _looping(sample, pause_s=0.01):
         start = time.monotonic()
         resp = httpx.post(url + case.path, content=case.body, timeout=600,
                           headers={"content-type": "application/json", **(headers or {})})
         end = time.monotonic()
     after = rss_mb(pid)
+    stall = worst_bucket(lag_before, loop_lag_buckets(url, headers))
     time.sleep(settle_s)
     during = victim.window(start, end)
     if during.n == 0:
@@ -272,7 +278,39 @@ def run_case(url: str, case: Case, victim: _Victim, *, pid: int | None = None,
         seconds=end - start, response_bytes=len(resp.content),
         excerpt=resp.text[:110].replace("\n", " "), victim=during,
         rss_before_mb=before, rss_peak_mb=max([*peak, after]) if after is not None else None,
-        rss_after_mb=after)
+        rss_after_mb=after, loop_stall_s=stall)
+
+
+def loop_lag_buckets(url: str, headers: dict[str, str] | None = None) -> dict[float, float]:
+    """The server's ``prefixkv:event_loop_lag_seconds`` buckets (upper bound -> cumulative
+    count, summed over its labels); empty when ``/metrics`` does not have them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=30, headers=headers).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "prefixkv:event_loop_lag_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
+def worst_bucket(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The smallest bucket bound holding every observation made from ``before`` to ``after``
+    (``inf``: one was past the last bound; ``None``: no series, or nothing observed)."""
+    if not before or not after:
+        return None
+    bounds = sorted(after)
+    total = after[bounds[-1]] - before.get(bounds[-1], 0.0)  # the +Inf bucket: every one
+    if total <= 0:
+        return None
+    return next(le for le in bounds if after[le] - before.get(le, 0.0) >= total)
 
 
 def run_hostile(url: str, cases: Sequence[Case], *, pid: int | None = None,
@@ -309,9 +347,12 @@ def format_result(report: HostileReport, r: CaseResult) -> str:
            f", RSS {r.rss_before_mb:.0f} -> peak {r.rss_peak_mb:.0f} -> {r.rss_after_mb:.0f} MB")
     marks = " ".join(("+" if ok else "-") + name for name, ok in report.targets(r).items())
     v = r.victim
+    stall = ("" if r.loop_stall_s is None else
+             f"; loop stall <= {r.loop_stall_s * 1e3:g} ms" if math.isfinite(r.loop_stall_s) else
+             "; loop stall > 10 s")
     return (f"{r.label} ({r.body_mb:.1f} MB, {r.path}): {r.status} in {r.seconds * 1e3:.0f} ms, "
             f"{r.response_bytes} B{mem}; victim n={v.n} p50 {v.p50_s * 1e3:.0f} ms "
-            f"max {v.max_s * 1e3:.0f} ms errors {v.errors} [{marks}] | {r.excerpt}")
+            f"max {v.max_s * 1e3:.0f} ms errors {v.errors}{stall} [{marks}] | {r.excerpt}")
 
 
 @contextmanager

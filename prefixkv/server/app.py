@@ -49,6 +49,7 @@ from prefixkv.server.limits import BodySizeLimit, ServerLimits
 from prefixkv.server.prompt_body import PromptBodyLimit
 from prefixkv.server.cache_metrics import cache_view
 from prefixkv.server.engine_metrics import engine_gauges
+from prefixkv.server.loop_lag import LoopLag
 from prefixkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixkv.server.openai.serving import OpenAIServing
 from prefixkv.server.anthropic.messages_stream import build_messages_router
@@ -98,7 +99,8 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
-            yield
+            async with loop_lag.running():
+                yield
         finally:
             if on_shutdown is not None:
                 on_shutdown()
@@ -112,6 +114,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     app.add_middleware(PromptBodyLimit, max_model_len=engine.max_model_len,  # 413 unread
                        max_body_bytes=limits.max_body_bytes)
     metrics = ServerMetrics(model_name)
+    loop_lag = LoopLag(metrics.registry, model_name)  # prefixkv:event_loop_lag_seconds
     install_error_handlers(app, on_error=metrics.observe_error)
     tracer = install_tracing(app, limits.otlp_traces_endpoint)
     serving = OpenAIServing(engine, model_name, metrics, limits, tracer)

@@ -4,6 +4,7 @@ the victim served beside it, the server healthy after (figures are reported, not
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -15,7 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from server_live import LiveServer, start_server
 
-from prefixkv.bench.hostile import Case, default_cases, main, run_hostile
+from prefixkv.bench.hostile import (Case, default_cases, loop_lag_buckets, main, run_hostile,
+                                    worst_bucket)
 from prefixkv.engine import AsyncEngine
 
 
@@ -83,3 +85,16 @@ def test_it_is_a_prefixkv_bench_subcommand() -> None:
     args = build_parser().parse_args(["bench", "hostile", "--url", "http://127.0.0.1:1",
                                       "--only", "tokenize", "--big-mb", "0.5"])
     assert args.func is hostile.run_from_args and args.only == ["tokenize"] and args.big_mb == 0.5
+
+
+def test_the_worst_loop_stall_is_the_smallest_bucket_holding_every_new_lag(
+    live: LiveServer
+) -> None:
+    buckets = loop_lag_buckets(live.url)  # the server's own series (zeros: no lifespan here)
+    assert math.inf in buckets and 0.1 in buckets
+    assert loop_lag_buckets("http://127.0.0.1:1") == {}
+    before = {0.005: 10.0, 0.1: 12.0, math.inf: 12.0}
+    assert worst_bucket(before, {0.005: 15.0, 0.1: 18.0, math.inf: 18.0}) == 0.1
+    assert worst_bucket(before, {0.005: 15.0, 0.1: 17.0, math.inf: 18.0}) == math.inf
+    assert worst_bucket(before, {0.005: 16.0, 0.1: 18.0, math.inf: 18.0}) == 0.005
+    assert worst_bucket(before, before) is None and worst_bucket({}, before) is None
