@@ -1,19 +1,19 @@
-"""BulkReader: the remote tier's ``MGET`` of megabyte blocks, read straight off the socket.
+"""BulkReader: the remote tier's ``MGET`` of megabyte blocks, read straight off sockets.
 
 redis-py parses a reply by reading the socket into its own buffer and slicing values out of it
 (hiredis too: one more copy, in C). A :class:`BulkReader` sends ``MGET`` itself and reads each
 value with ``recv_into`` into a buffer of the value's size: the kernel's copy is the only one the
-reply costs. ``MGET`` of 15 blocks of 3 MiB (SmolLM2's ~2,000-token prefix), a local
-valkey-server, 2-core machine at load 3-4 (``python -m prefixkv.tiers.bulk_read``, 4 runs):
-redis-py (hiredis or not) 57-79 ms median, BulkReader 34-52 ms; a read of the same 45 MB from the
-page cache takes 26 ms.
+reply costs. A batch of keys is split over a few connections read in parallel (``recv_into``
+releases the GIL). ``MGET`` of 15 blocks of 5.9 MB (SmolLM2's ~2,000-token prefix under vLLM), a
+local valkey-server, quiet 2-core machine (``python -m prefixkv.tiers.bulk_read``, medians of
+two runs): redis-py 188 ms, one raw connection 75 ms, three 64 ms (at load ~1: 121-131 ms with
+one, 66-75 ms with three).
 
-The connection is redis-py's own (``make_connection`` on the client's pool, so AUTH, TLS,
-``SELECT`` and the client's timeouts are exactly the tier's), kept by the reader for itself; the
-reader reads ``MGET``'s reply in either protocol the handshake chose (RESP2's nil ``$-1`` and
-RESP3's null ``_`` are both a miss). Any failure (a timeout, a reset, an error reply, a reply it
-cannot parse) closes the connection and raises; the next call connects again. Thread safe (one
-call at a time on the connection).
+The connections are redis-py's own (``make_connection`` on the client's pool, so AUTH, TLS,
+``SELECT`` and the client's timeouts are exactly the tier's), kept by the reader for itself; it
+reads ``MGET``'s reply in either protocol the handshake chose (RESP2's nil ``$-1`` and RESP3's
+null ``_`` are both a miss). Any failure (a timeout, a reset, an error reply, a reply it cannot
+parse) closes that connection and raises; the next call connects again. Thread safe.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 __all__ = ["BulkReader"]
@@ -30,7 +31,54 @@ _CHUNK = 1 << 16
 
 
 class BulkReader:
-    """``MGET`` over a dedicated connection of ``client`` (a ``redis.Redis``)."""
+    """``MGET`` of ``keys`` split over ``connections`` dedicated connections of ``client`` (a
+    ``redis.Redis``), read in parallel: each reader thread waits in ``recv_into`` without the
+    GIL, so their copies overlap (figures above). ``ValueError`` unless ``connections >= 1``."""
+
+    def __init__(self, client: Any, connections: int = 3) -> None:
+        if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+            raise ValueError(f"connections must be an int >= 1, got {connections!r}")
+        self._conns = [_Connection(client) for _ in range(connections)]
+        self._lock = threading.Lock()
+        self._threads: ThreadPoolExecutor | None = None
+
+    def mget(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """The values of ``keys`` (``None`` where the server has none), in order. Raises what
+        a connection raised (a refused login, a TLS error, a timeout) or ``ConnectionError``
+        for a reply it cannot read; a connection that failed is closed (reopened next time)."""
+        n = min(len(self._conns), len(keys))
+        if n <= 1:
+            return self._conns[0].mget(keys)
+        with self._lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(len(self._conns) - 1,
+                                                   thread_name_prefix="prefixkv-bulk-read")
+            step = -(-len(keys) // n)  # contiguous parts: one MGET each
+            parts = [keys[i:i + step] for i in range(0, len(keys), step)]
+            futures = [self._threads.submit(c.mget, part)
+                       for c, part in zip(self._conns[1:], parts[1:])]
+            try:
+                out = self._conns[0].mget(parts[0])  # the caller's thread reads one part
+            finally:
+                done = [f.exception() or f.result() for f in futures]  # all finish first
+            for got in done:
+                if isinstance(got, BaseException):
+                    raise got
+                out.extend(got)
+            return out
+
+    def close(self) -> None:
+        """Drop the connections and the reader threads (the next :meth:`mget` opens again)."""
+        with self._lock:
+            for c in self._conns:
+                c.close()
+            if self._threads is not None:
+                self._threads.shutdown(wait=True)
+                self._threads = None
+
+
+class _Connection:
+    """``MGET`` over one dedicated connection of ``client``; one call at a time."""
 
     def __init__(self, client: Any) -> None:
         self._pool = client.connection_pool
@@ -147,7 +195,8 @@ class BulkReader:
 
 
 def main() -> None:
-    """Time ``MGET`` of 15 blocks of 3 MiB: redis-py vs :class:`BulkReader` (local server)."""
+    """Time ``MGET`` of 15 blocks of 5.9 MB: redis-py vs :class:`BulkReader` with one and three
+    connections (a local valkey-server)."""
     import os
     import statistics
     import time
@@ -164,17 +213,20 @@ def main() -> None:
         client = redis.Redis(host="127.0.0.1", port=port, socket_read_size=4 << 20)
         keys = [b"k%d" % i for i in range(15)]
         for k in keys:
-            client.set(k, os.urandom(3 << 20))
-        reader = BulkReader(client)
+            client.set(k, os.urandom(5_898_240))
+        one, three = BulkReader(client, 1), BulkReader(client, 3)
         for name, fn in (("redis-py", lambda: client.mget(keys)),
-                         ("BulkReader", lambda: reader.mget(keys))):
+                         ("BulkReader(1)", lambda: one.mget(keys)),
+                         ("BulkReader(3)", lambda: three.mget(keys))):
             times = []
-            for _ in range(20):
+            for _ in range(10):
                 t = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t)
-            print(f"{name:11s} MGET 15 x 3 MiB: median {statistics.median(times) * 1e3:.1f} ms, "
+            print(f"{name:13s} MGET 15 x 5.9 MB: median {statistics.median(times) * 1e3:.1f} ms, "
                   f"min {min(times) * 1e3:.1f} ms (load {os.getloadavg()[0]:.1f})")
+        one.close()
+        three.close()
     finally:
         server.stop()
 

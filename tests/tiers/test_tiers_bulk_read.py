@@ -71,3 +71,22 @@ def test_a_paused_server_times_out_and_a_dead_one_refuses(valkey: Any) -> None:
     with pytest.raises((ConnectionError, OSError, redis.exceptions.ConnectionError)):
         reader.mget([b"k"])
     reader.close()
+
+
+def test_a_batch_split_over_connections_keeps_its_order_and_fails_whole(
+    valkey: Any
+) -> None:
+    client = redis.Redis.from_url(valkey.url)
+    keys = [b"p%d" % i for i in range(7)]
+    client.mset({k: k * 1000 for k in keys[::2]})  # every other key: misses between hits
+    reader = BulkReader(client, connections=3)
+    assert reader.mget(keys) == client.mget(keys)
+    assert client.client_kill_filter(_type="normal", skipme=True) >= 3
+    with pytest.raises((ConnectionError, OSError)):
+        reader.mget(keys)  # every part's connection was cut: the batch fails, nothing partial
+    assert reader.mget(keys) == client.mget(keys)  # each connection opens again
+    reader.close()
+    assert reader.mget(keys[:1]) == [keys[0] * 1000]  # usable after close (reconnects)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="connections"):
+            BulkReader(client, connections=bad)  # type: ignore[arg-type]
