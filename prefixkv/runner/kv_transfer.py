@@ -107,7 +107,7 @@ class KVTransfer:
             yield True
         compute.wait_stream(stream)
 
-    def write_block(self, block_id: int, data: bytes) -> None:
+    def write_block(self, block_id: int, data: bytes | bytearray) -> None:
         """Overwrite one pool block with bytes from :meth:`read_blocks` (``data`` is only read)."""
         if len(data) != self.block_nbytes:
             raise ValueError(f"block data is {len(data)} bytes, expected {self.block_nbytes}")

@@ -48,6 +48,7 @@ from pathlib import Path
 from prefixkv.tiers.codec import (
     TENANT_BYTES,
     CorruptBlockError,
+    Payload,
     UnauthenticatedBlockError,
     decode,
     encode,
@@ -111,7 +112,7 @@ class DiskTier:
         self.on_stored: Callable[[list[bytes]], None] | None = None
         self.on_drop: Callable[[list[bytes]], None] | None = None
         self._scan()
-        self._writer: BackgroundWriter[tuple[bytes, bytes | None, str]] = BackgroundWriter(
+        self._writer: BackgroundWriter[tuple[bytes, Payload | None, str]] = BackgroundWriter(
             "prefixkv-disk-writer", self._job, self._write_failed)
 
     def _scan(self) -> None:
@@ -153,7 +154,7 @@ class DiskTier:
         with self._lock:
             return key in self._index
 
-    def submit(self, key: bytes, payload: bytes, tenant: str = DEFAULT_TENANT) -> None:
+    def submit(self, key: bytes, payload: Payload, tenant: str = DEFAULT_TENANT) -> None:
         """Queue ``payload`` (one block's KV bytes) to be written under ``key`` for ``tenant``
         (a :func:`~prefixkv.tiers.quotas.tenant_label`); it takes its place in the LRU order now
         (most recent)."""
@@ -258,7 +259,7 @@ class DiskTier:
         if self.on_drop is not None:
             self.on_drop([key])
 
-    def _job(self, item: tuple[bytes, bytes | None, str]) -> None:
+    def _job(self, item: tuple[bytes, Payload | None, str]) -> None:
         key, payload, tenant = item
         if payload is None:
             self._stamp([key[i : i + KEY_BYTES] for i in range(0, len(key), KEY_BYTES)])
@@ -278,7 +279,7 @@ class DiskTier:
             except OSError:  # evicted meanwhile
                 continue
 
-    def _write(self, key: bytes, payload: bytes, tenant: str = DEFAULT_TENANT) -> None:
+    def _write(self, key: bytes, payload: Payload, tenant: str = DEFAULT_TENANT) -> None:
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{id(self):x}.tmp")  # unique per writer
         tag = "" if tenant == DEFAULT_TENANT else tenant

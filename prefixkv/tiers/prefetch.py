@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from prefixkv.tiers.codec import Payload
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.remote import RemoteTier
 from prefixkv.tiers.writer import BackgroundWriter
@@ -37,7 +38,7 @@ class Staged:
     """One prefetched block: the tier it came from, its payload and the seconds reading took."""
 
     tier: str
-    payload: bytes
+    payload: Payload
     seconds: float
 
 
@@ -113,7 +114,7 @@ class Prefetcher:
         """Stop the thread (queued jobs run first; ``wait=False``: without waiting). Idempotent."""
         self._jobs.close(wait=wait)
 
-    def _stage(self, key: bytes, tier: str, payload: bytes, seconds: float) -> None:
+    def _stage(self, key: bytes, tier: str, payload: Payload, seconds: float) -> None:
         with self._lock:
             self._staged[key] = Staged(tier, payload, seconds)
             self._staged.move_to_end(key)
@@ -150,7 +151,7 @@ class Prefetcher:
             return self.enabled and job not in self._cancelled and key not in self._staged
 
     def _read(self, job: int, keys: list[bytes]) -> None:
-        fetched: dict[int, tuple[bytes | None, float]] = {}
+        fetched: dict[int, tuple[Payload | None, float]] = {}
         for j, key in enumerate(keys):
             if not self._live(job, key):
                 if self._is_staged(key):
@@ -158,7 +159,7 @@ class Prefetcher:
                 return
             if self.disk is not None and self.disk.contains(key):
                 t0 = self._timer()
-                payload = self.disk.read(key)
+                payload: Payload | None = self.disk.read(key)
                 if payload is not None:
                     self._stage(key, "disk", payload, self._timer() - t0)
                     continue

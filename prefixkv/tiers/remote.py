@@ -53,7 +53,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prefixkv.tiers.bulk_read import BulkReader
-from prefixkv.tiers.codec import CorruptBlockError, UnauthenticatedBlockError, decode, encode
+from prefixkv.tiers.codec import CorruptBlockError, Payload, UnauthenticatedBlockError, decode, encode
 from prefixkv.tiers.quotas import DEFAULT_TENANT
 from prefixkv.tiers.remote_quota import COUNTS, SET, TENANT_PREFIX, TENANTS
 from prefixkv.tiers.stats import TierCounters
@@ -218,7 +218,7 @@ class RemoteTier:
             self.counters.add(dropped=len(keys))
         return ok
 
-    def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def read_many(self, keys: Sequence[bytes]) -> list[Payload | None]:
         """Payloads for ``keys`` (``None`` for a miss); all misses while the remote is down."""
         if not keys or not self.is_up:
             return [None] * len(keys)
@@ -228,7 +228,7 @@ class RemoteTier:
             self._failed(exc)
             return [None] * len(keys)
         self._forget([k for k, rec in zip(keys, records) if rec is None])
-        out: list[bytes | None] = []
+        out: list[Payload | None] = []
         for key, rec in zip(keys, records):
             if rec is None:
                 out.append(None)

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from prefixkv.tiers.codec import secret_id
+from prefixkv.tiers.codec import Payload, secret_id
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.host import HostTier
 from prefixkv.tiers.keys import BlockKeyer
@@ -89,7 +89,7 @@ class BlockTransfer(Protocol):
         """The raw bytes of pool blocks."""
         ...
 
-    def write_block(self, block_id: int, data: bytes) -> None:
+    def write_block(self, block_id: int, data: bytes | bytearray) -> None:
         """Overwrite a pool block with raw bytes from :meth:`read_blocks`."""
         ...
 
@@ -102,7 +102,7 @@ class TierHit:
     key: bytes
     tier: str
     slot: int | None = None
-    payload: bytes | None = None
+    payload: Payload | None = None
     seconds: float = 0.0
 
 
@@ -255,7 +255,7 @@ class TieredStore:
         prefetched blocks, disk, remote). Host hits stay held until :meth:`load` or
         :meth:`cancel`."""
         hits: list[TierHit] = []
-        fetched: dict[int, tuple[bytes | None, float]] = {}
+        fetched: dict[int, tuple[Payload | None, float]] = {}
         for j, key in enumerate(keys):
             hit = self._find(j, key, keys, fetched)
             if hit is None:
@@ -266,7 +266,7 @@ class TieredStore:
         return hits
 
     def _find(
-        self, j: int, key: bytes, keys: Sequence[bytes], fetched: dict[int, tuple[bytes | None, float]]
+        self, j: int, key: bytes, keys: Sequence[bytes], fetched: dict[int, tuple[Payload | None, float]]
     ) -> TierHit | None:
         if self.host is not None:
             slot = self.host.hold(key)
@@ -278,7 +278,7 @@ class TieredStore:
                 return TierHit(key, staged.tier, payload=staged.payload)
         if self.disk is not None and self.disk.contains(key):
             t0 = self._timer()
-            payload = self.disk.read(key)
+            payload: Payload | None = self.disk.read(key)
             if payload is not None:
                 return TierHit(key, "disk", payload=payload, seconds=self._timer() - t0)
         if self.remote is None:

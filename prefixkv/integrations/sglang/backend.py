@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from prefixkv.integrations.sglang.config import PageKeys, Shard, StorageSettings, page_layout
 from prefixkv.integrations.sglang.shared_disk import SharedDiskTier
+from prefixkv.tiers.codec import Payload
 from prefixkv.tiers.remote import RemoteTier
 from prefixkv.tiers.spec import parse_size
 from prefixkv.tiers.stats import TierStats
@@ -243,8 +244,8 @@ class PrefixKVStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untype
             return None
         return [int(i) for i in host_indices[::page].tolist()]
 
-    def _read(self, keys: list[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
+    def _read(self, keys: list[bytes]) -> list[Payload | None]:
+        out: list[Payload | None] = [None] * len(keys)
         disk, remote = self.disk, self.remote
         if disk is not None:
             t0 = time.perf_counter()
@@ -278,7 +279,7 @@ class PrefixKVStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untype
         return [(disk is not None and disk.contains(k))
                 or (remote is not None and remote.is_known(k)) for k in keys]
 
-    def _tensor(self, payload: bytes) -> torch.Tensor:
+    def _tensor(self, payload: Payload) -> torch.Tensor:
         return torch.frombuffer(bytearray(payload), dtype=self._dtype)
 
     def _record(self, kind: str, pages: int, start: float) -> None:

@@ -77,6 +77,9 @@ def child(spec: dict[str, Any]) -> None:
                 name = "failed" if "failed" in metric.name else "loaded"
                 tier = metric.labels.get("tier", "?")
                 loads[f"{name}_{tier}"] = loads.get(f"{name}_{tier}", 0) + metric.value
+            elif metric.name == "vllm:prefixkv_load_seconds":  # the connector's time loading
+                key = f"load_ms_{metric.labels.get('tier', '?')}"
+                loads[key] = loads.get(key, 0) + 1e3 * metric.sum / max(1, spec["rounds"])
     Path(spec["out"]).write_text(json.dumps({"times": times, "cached": cached,
                                              "loads": loads}))
 
@@ -168,12 +171,16 @@ def _run_rows(python: str, base: dict[str, Any], runs: list[tuple[str, dict[str,
     order = [r for r in runs if r not in readers]
     order[2:2] = readers  # baseline, writer, then the readers (they need the writer's records)
     order += readers * (repeat - 1)
+    runs_of: dict[str, int] = {}
     for i, (name, spec) in enumerate(order):
         res = _run(python, {**base, **spec}, threads, Path(tmp, f"result-{i}.json"))
         pooled[name]["times"] += res["times"]
         pooled[name]["cached"] += res["cached"]
-        for k, v in res.get("loads", {}).items():
-            pooled[name]["loads"][k] = pooled[name]["loads"].get(k, 0) + v
+        runs_of[name] = runs_of.get(name, 0) + 1
+        for k, v in res.get("loads", {}).items():  # counts add up; load_ms: the mean per round
+            was = pooled[name]["loads"].get(k, 0)
+            pooled[name]["loads"][k] = (was + v if not k.startswith("load_ms") else
+                                        was + (v - was) / runs_of[name])
     return [(name, pooled[name]) for name, _ in runs]
 
 

@@ -57,7 +57,7 @@ class KVBlocks:
             view[block_id].copy_(row[a:b].view(view.dtype).view(view.shape[1:]))
 
 
-def row_of(payload: bytes) -> torch.Tensor:
+def row_of(payload: bytes | bytearray) -> torch.Tensor:
     """A uint8 view of ``payload`` without a copy (the caller never writes it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": never written

@@ -34,6 +34,7 @@ from prefixkv.integrations.vllm.config import ConnectorConfig
 from prefixkv.integrations.vllm.plan import DISK, GONE, HOST, REMOTE, LoadBlock, SaveBlock, StepPlan
 from prefixkv.integrations.vllm.remote_watch import RemoteWatch
 from prefixkv.integrations.vllm.saver import SaveQueue
+from prefixkv.tiers.codec import Payload
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.pins import PinnedKeys
 from prefixkv.tiers.remote import RemoteTier
@@ -145,7 +146,7 @@ class WorkerSide:
             self.counts["failed_blocks"] += len(failed)
         return failed
 
-    def _write_payload(self, block_id: int, payload: bytes | None, failed: set[int]) -> None:
+    def _write_payload(self, block_id: int, payload: Payload | None, failed: set[int]) -> None:
         """Copy a read record's payload into vLLM's block, or note the failure."""
         assert self.kv is not None
         if payload is None or len(payload) != self.kv.nbytes:
