@@ -42,6 +42,21 @@ def test_the_sglang_route_has_the_same_bounds(http: httpx.Client) -> None:
         assert f"{field} holds at most" in _error(r)["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_an_oversized_logit_bias_is_refused_before_its_entries_are_read(
+    http: httpx.Client, path: str
+) -> None:
+    """The size bound runs before pydantic checks each entry (those checks held the event loop
+    ~22 ms for 100k entries): entries that are not even numbers get the size error alone."""
+    bias = {str(i): "not a number" for i in range(MAX_LOGIT_BIAS_TOKENS + 1)}
+    body: dict[str, Any] = (
+        {"prompt": "hi", "max_tokens": 1, "logit_bias": bias} if path == "/v1/completions"
+        else {"text": "hi", "sampling_params": {"max_new_tokens": 1, "logit_bias": bias}})
+    err = _error(http.post(path, json=body))
+    assert f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries" in err["message"]
+    assert "number" not in err["message"]
+
+
 def test_the_bounds_admit_what_they_promise(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={
         "prompt": "hi", "max_tokens": 2, "stop": [f"zz{i}" for i in range(MAX_STOP_STRINGS)],

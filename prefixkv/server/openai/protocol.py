@@ -165,6 +165,15 @@ class SamplingRequest(_Body):
             raise ValueError("truncate_prompt_tokens must be -1 (the context length) or >= 1")
         return value
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_size_first(cls, value: Any) -> Any:
+        """The size bound before pydantic checks each entry (100k entries: ~22 ms on the
+        event loop, every other request waiting)."""
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(value)}")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:

@@ -30,12 +30,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, StrictBool, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from prefixkv import __version__
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import CompletionOutput, RequestOutput
-from prefixkv.engine.sampling_params import SamplingParams
+from prefixkv.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.wire.kv_events import request_salt
 from prefixkv.server.errors import APIError
@@ -86,6 +86,14 @@ class SGLangSampling(_Body):
     stop_regex: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_size_first(cls, value: Any) -> Any:
+        """The size bound before pydantic checks each entry (see the OpenAI request's)."""
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(value)}")
+        return value
 
     def to_params(self, **extra: Any) -> SamplingParams:
         """Our :class:`SamplingParams`, with ``extra`` fields (``ValueError`` naming the bad
