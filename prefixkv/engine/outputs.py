@@ -93,6 +93,17 @@ class RequestMetrics:
             return None
         return self.finished_time - self.arrival_time
 
+    def phases(self) -> dict[str, float]:
+        """vLLM's request phases in seconds, those reached: ``queue`` (arrival to first step),
+        ``prefill`` (first step to first token), ``decode`` (first to last token),
+        ``inference`` (first step to last token); never negative."""
+        spans = {"queue": (self.arrival_time, self.first_scheduled_time),
+                 "prefill": (self.first_scheduled_time, self.first_token_time),
+                 "decode": (self.first_token_time, self.finished_time),
+                 "inference": (self.first_scheduled_time, self.finished_time)}
+        return {name: max(0.0, b - a) for name, (a, b) in spans.items()
+                if a is not None and b is not None}
+
 
 @dataclass(slots=True)
 class RequestOutput:

@@ -188,15 +188,8 @@ class ServerMetrics:
         if timings is None:
             return
         t = timings
-        spans = {
-            "request_queue_time_seconds": (t.arrival_time, t.first_scheduled_time),
-            "request_prefill_time_seconds": (t.first_scheduled_time, t.first_token_time),
-            "request_decode_time_seconds": (t.first_token_time, t.finished_time),
-            "request_inference_time_seconds": (t.first_scheduled_time, t.finished_time),
-        }
-        for name, (a, b) in spans.items():
-            if a is not None and b is not None:
-                self.phases[name].labels(m).observe(max(0.0, b - a))
+        for phase, seconds in t.phases().items():
+            self.phases[f"request_{phase}_time_seconds"].labels(m).observe(seconds)
         if longest > 1 and t.first_token_time is not None and t.finished_time is not None:
             self.phases["request_time_per_output_token_seconds"].labels(m).observe(
                 max(0.0, t.finished_time - t.first_token_time) / (longest - 1))

@@ -187,16 +187,10 @@ def _latencies(out: RequestOutput, ttft_s: float | None, e2e_s: float) -> dict[s
     ttft = ttft_s if ttft_s is not None else out.ttft  # else the engine's (SGLang's route)
     if ttft is not None:
         found["gen_ai.latency.time_to_first_token"] = ttft
-    t = out.metrics
-    phases = {
-        "gen_ai.latency.time_in_queue": (t.arrival_time, t.first_scheduled_time),
-        "gen_ai.latency.time_in_model_prefill": (t.first_scheduled_time, t.first_token_time),
-        "gen_ai.latency.time_in_model_decode": (t.first_token_time, t.finished_time),
-        "gen_ai.latency.time_in_model_inference": (t.first_scheduled_time, t.finished_time),
-    }
-    for name, (a, b) in phases.items():
-        if a is not None and b is not None:
-            found[name] = max(0.0, b - a)
+    names = {"queue": "time_in_queue", "prefill": "time_in_model_prefill",
+             "decode": "time_in_model_decode", "inference": "time_in_model_inference"}
+    for phase, seconds in out.metrics.phases().items():
+        found[f"gen_ai.latency.{names[phase]}"] = seconds
     return found
 
 
