@@ -7,7 +7,7 @@ object is frozen; ``stop`` and ``stop_token_ids`` are normalised to tuples.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, field, replace
 
 from prefixkv.cache.retention import Retention
@@ -28,6 +28,13 @@ MAX_STOP_TOKEN_IDS = 1024
 """Most ``stop_token_ids`` one request may give."""
 MAX_LOGIT_BIAS_TOKENS = 1024
 """Most ``logit_bias`` entries one request may give."""
+
+
+def check_logit_bias_size(bias: Sized) -> None:
+    """``ValueError`` if ``bias`` holds more than :data:`MAX_LOGIT_BIAS_TOKENS` entries (the
+    servers call it before they validate any entry)."""
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(bias)}")
 
 
 def _is_int(x: object) -> bool:
@@ -254,8 +261,7 @@ class SamplingParams:
             return
         if not isinstance(bias, Mapping):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")  # noqa: TRY004
-        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(bias)}")
+        check_logit_bias_size(bias)
         pairs = []
         for tok, b in bias.items():
             if not _is_int(tok) or tok < 0:

@@ -35,7 +35,7 @@ from pydantic import Field, StrictBool, field_validator, model_validator
 from prefixkv import __version__
 from prefixkv.engine.async_engine import AsyncEngine
 from prefixkv.engine.outputs import CompletionOutput, RequestOutput
-from prefixkv.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams
+from prefixkv.engine.sampling_params import SamplingParams, check_logit_bias_size
 from prefixkv.engine.structured_output import StructuredOutputsParams
 from prefixkv.wire.kv_events import request_salt
 from prefixkv.server.errors import APIError
@@ -91,8 +91,8 @@ class SGLangSampling(_Body):
     @classmethod
     def _bias_size_first(cls, value: Any) -> Any:
         """The size bound before pydantic checks each entry (see the OpenAI request's)."""
-        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS_TOKENS:
-            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(value)}")
+        if isinstance(value, dict):
+            check_logit_bias_size(value)
         return value
 
     def to_params(self, **extra: Any) -> SamplingParams:
