@@ -3,8 +3,9 @@
 A block is stored as one string value (a :mod:`~prefixkv.tiers.codec` record) under
 ``pkv:<key hex>``; keys are process independent (:mod:`~prefixkv.tiers.keys`), so a block one
 worker publishes is a hit for every other worker running the same model. Writes go through a
-background thread; reads (``MGET``) run on the engine thread with a short socket timeout, each value read off the
-socket into its own buffer (:mod:`~prefixkv.tiers.bulk_read`).
+background thread; reads (``MGET``) run on the engine thread with a short socket timeout, split
+over a few connections and read off the sockets straight into each value's buffer
+(:mod:`~prefixkv.tiers.bulk_read`; redis-py's own reply parser serves the small replies).
 
 Failure policy: the remote is a cache. Any error or timeout counts in ``errors``, logs one
 warning, and opens a circuit for ``retry_after`` seconds during which every read is a miss and
@@ -65,9 +66,6 @@ PIN_PREFIX = b"pkv:pin:"
 """Pin counters; as long as a pin exists the block it names has no expiry."""
 KNOWN_KEYS = 1 << 17
 """Most keys remembered as already published (their re-publication is skipped)."""
-READ_BYTES = 4 << 20
-"""Socket read size: a block is megabytes, and redis-py's 64 KiB default made an ``MGET`` of 15
-blocks (44 MB) 2.6x slower (196 vs 76 ms with hiredis, loaded 2-core machine)."""
 CLEAR_BATCH = 512
 COUNTS_EVERY = 5.0
 """Seconds a reading of the per-tenant counts is reused (:meth:`RemoteTier.tenant_counts`)."""
@@ -124,8 +122,7 @@ class RemoteTier:
         """The URL without its password (for messages)."""
         try:
             self._client: Any = redis.Redis.from_url(
-                url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                socket_read_size=READ_BYTES)
+                url, socket_timeout=timeout, socket_connect_timeout=timeout)
         except ValueError as exc:
             raise ValueError(f"kv_remote {self.url!r} is not a valid redis URL: {exc}") from None
         self._bulk = BulkReader(self._client)  # MGET straight off the socket (bulk_read.py)
