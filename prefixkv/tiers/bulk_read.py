@@ -144,7 +144,8 @@ class _Connection:
                 kept = self._end - self._start
                 self._buf[:kept] = self._buf[self._start:self._end]
                 self._start, self._end = 0, kept
-            else:
+            else:  # a line longer than the buffer: grow it (the view must go first)
+                self._view.release()
                 self._buf.extend(bytes(len(self._buf)))
             self._view = memoryview(self._buf)
         assert self._sock is not None

@@ -90,3 +90,19 @@ def test_a_batch_split_over_connections_keeps_its_order_and_fails_whole(
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="connections"):
             BulkReader(client, connections=bad)  # type: ignore[arg-type]
+
+
+def test_a_reply_line_longer_than_the_header_buffer_is_read_whole() -> None:
+    """A line past the 64 KiB header buffer grows it (an error reply here; the connection is
+    a socket pair standing in for the server's end)."""
+    from prefixkv.tiers.bulk_read import _CHUNK, _Connection
+
+    ours, theirs = socket.socketpair()
+    conn = _Connection(redis.Redis())  # its pool is never asked: the socket is given
+    conn._sock = ours
+    message = b"E" * (3 * _CHUNK)
+    theirs.sendall(b"*1\r\n-" + message + b"\r\n")
+    assert conn._line() == b"*1"
+    assert conn._line() == b"-" + message
+    ours.close()
+    theirs.close()
