@@ -20,11 +20,18 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["BulkReader"]
+__all__ = ["BulkReader", "Done", "Into", "Range"]
+
+Range = tuple[bytes, int, int]
+"""A key and a byte range of its value: ``(key, start, end)``, ``end`` exclusive."""
+Into = Callable[[int, int, int], Sequence[memoryview]]
+"""``into(part, i, size)``: byte buffers (``size`` bytes in all) for reply ``i`` of ``part``."""
+Done = Callable[[int, int], None]
+"""``done(part, i)``: reply ``i`` of ``part`` is in its buffers."""
 
 _CHUNK = 1 << 16
 """Bytes read at once for reply headers (values go straight to their own buffer)."""
@@ -41,6 +48,11 @@ class BulkReader:
         self._conns = [_Connection(client) for _ in range(connections)]
         self._lock = threading.Lock()
         self._threads: ThreadPoolExecutor | None = None
+
+    @property
+    def connections(self) -> int:
+        """Connections the reader reads over at once."""
+        return len(self._conns)
 
     def mget(self, keys: Sequence[bytes]) -> list[bytearray | None]:
         """The values of ``keys`` (``None`` where the server has none), in order. Raises what
@@ -66,6 +78,36 @@ class BulkReader:
                     raise got
                 out.extend(got)
             return out
+
+    def getranges(self, parts: Sequence[Sequence[Sequence[Range]]], into: Into,
+                  done: Done) -> None:
+        """Send each part's ``GETRANGE`` commands (batches of ranges, see
+        :meth:`_Connection.getrange`) on a connection of its own (at most ``connections``
+        parts) and read the replies in parallel: each reply's bytes
+        go straight into the buffers ``into(part, i, size)`` gives (``size`` bytes in all),
+        then ``done(part, i)`` is called, both on that part's thread, replies in order. Raises
+        what the first failing part raised, after every part has stopped (a failed part's
+        connection is closed)."""
+        if len(parts) > len(self._conns):
+            raise ValueError(f"{len(parts)} parts for {len(self._conns)} connections")
+        if not parts:
+            return
+        with self._lock:
+            if len(parts) > 1 and self._threads is None:
+                self._threads = ThreadPoolExecutor(len(self._conns) - 1,
+                                                   thread_name_prefix="prefixkv-bulk-read")
+            pool = self._threads
+        futures = [pool.submit(c.getrange, j, part, into, done)  # type: ignore[union-attr]
+                   for j, (c, part) in enumerate(zip(self._conns, parts)) if j > 0]
+        first: BaseException | None = None
+        try:
+            self._conns[0].getrange(0, parts[0], into, done)
+        except BaseException as exc:  # noqa: BLE001 - raised once every part has stopped
+            first = exc
+        for f in futures:
+            first = first or f.exception()
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         """Drop the connections and the reader threads (the next :meth:`mget` opens again)."""
@@ -106,6 +148,38 @@ class _Connection:
                 if head[:1] != b"*" or int(head[1:]) != len(keys):
                     raise ConnectionError(f"unexpected MGET reply {bytes(head[:80])!r}")
                 return [self._value() for _ in keys]
+            except BaseException:  # the connection's state is unknown: a new one next time
+                self._close()
+                raise
+
+    def getrange(self, part: int, batches: Sequence[Sequence[Range]], into: Into,
+                 done: Done) -> None:
+        """``GETRANGE`` each range of ``batches``, a batch pipelined at once and sent while
+        the batch before it is read (a server writes nothing before it has run every command it
+        was sent: one batch in flight behind the one being read keeps it busy and the first
+        replies early); reply ``i`` (counted over all batches) is read into ``into(part, i,
+        size)``'s buffers, then ``done(part, i)``. Raises as :meth:`mget` does."""
+        if not any(batches):
+            return
+        with self._lock:
+            try:
+                sock = self._sock if self._sock is not None else self._connect()
+                sock.sendall(_getranges(batches[0]))
+                i = 0
+                for k, batch in enumerate(batches):
+                    if k + 1 < len(batches):
+                        sock.sendall(_getranges(batches[k + 1]))
+                    for _ in batch:
+                        head = self._line()
+                        if head[:1] in (b"-", b"!"):
+                            raise ConnectionError(
+                                f"error reply: {head[1:200].decode(errors='replace')}")
+                        if head[:1] != b"$":
+                            raise ConnectionError(f"unexpected reply {head[:80]!r}")
+                        size = int(head[1:])
+                        self._bulk_into(into(part, i, size), size)
+                        done(part, i)
+                        i += 1
             except BaseException:  # the connection's state is unknown: a new one next time
                 self._close()
                 raise
@@ -177,22 +251,40 @@ class _Connection:
         if size < 0:
             return None
         out = bytearray(size)
-        have = min(size, self._end - self._start)
-        out[:have] = self._view[self._start:self._start + have]
-        self._start += have
-        view = memoryview(out)
+        with memoryview(out) as view:  # released before the caller trims ``out``
+            self._bulk_into([view], size)
+        return out
+
+    def _bulk_into(self, targets: Sequence[memoryview], size: int) -> None:
+        """Read a bulk string's ``size`` bytes (its header line read) into ``targets``, one
+        after another (1-D views of format ``B`` summing to ``size``), and its closing CRLF."""
+        if sum(t.nbytes for t in targets) != size:
+            raise ValueError(f"buffers for {size} bytes hold {sum(t.nbytes for t in targets)}")
         assert self._sock is not None
-        while have < size:
-            got = self._sock.recv_into(view[have:])
-            if got == 0:
-                raise ConnectionError("the server closed the connection")
-            have += got
+        for view in targets:
+            have = min(view.nbytes, self._end - self._start)
+            view[:have] = self._view[self._start:self._start + have]
+            self._start += have
+            while have < view.nbytes:
+                got = self._sock.recv_into(view[have:])
+                if got == 0:
+                    raise ConnectionError("the server closed the connection")
+                have += got
         while self._end - self._start < 2:
             self._fill()
         if self._buf[self._start:self._start + 2] != b"\r\n":
             raise ConnectionError("a value did not end in CRLF")
         self._start += 2
-        return out
+
+
+def _getranges(ranges: Sequence[Range]) -> bytes:
+    """The ``GETRANGE`` commands of ``ranges`` (RESP; ``GETRANGE``'s end is inclusive)."""
+    cmds = []
+    for key, start, end in ranges:
+        a, b = b"%d" % start, b"%d" % (end - 1)
+        cmds.append(b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+                    % (len(key), key, len(a), a, len(b), b))
+    return b"".join(cmds)
 
 
 def main() -> None:

@@ -122,6 +122,58 @@ def decode(
     return record[head_len:end]
 
 
+class RecordCheck:
+    """:func:`decode`'s checks for a record read in pieces, in order: its header (its first
+    :func:`header_size` bytes: a record without a tenant label, as the remote tier writes),
+    then its payload's pieces, then (with ``secret``) its MAC tag. Each step raises
+    :class:`CorruptBlockError` (:class:`UnauthenticatedBlockError` for the MAC) as
+    :func:`decode` would; the payload is the reader's to drop if any step fails."""
+
+    def __init__(self, key: bytes, layout: str, nbytes: int, secret: bytes | None = None) -> None:
+        self.key, self.layout, self.nbytes, self.secret = key, layout, nbytes, secret
+        self._lay = layout.encode()
+        self._checksum = 0
+        self._seen = 0
+        self._xxh = xxhash.xxh64()
+        self._mac: hmac.HMAC | None = None
+
+    def head(self, head: bytes | bytearray | memoryview) -> None:
+        """Check the header (the record's first :func:`header_size` bytes)."""
+        head = bytes(head)
+        if len(head) != _FIXED.size + len(self._lay):
+            raise CorruptBlockError(f"truncated header ({len(head)} bytes)")
+        magic, version, head_len, length, self._checksum, stored_key = _FIXED.unpack_from(head)
+        if magic != MAGIC or version != (VERSION if self.secret is None else VERSION_MAC):
+            if magic == MAGIC and version in (VERSION, VERSION_MAC) and self.secret is not None:
+                raise UnauthenticatedBlockError("record carries no MAC")
+            raise CorruptBlockError(f"bad magic/version {magic!r}/{version}")
+        if stored_key != self.key:
+            raise CorruptBlockError("record holds another key")
+        if head_len != len(head) or head[_FIXED.size:] != self._lay:
+            raise CorruptBlockError("layout differs")
+        if length != self.nbytes:
+            raise CorruptBlockError(f"payload is {length} bytes, expected {self.nbytes}")
+        if self.secret is not None:
+            self._mac = hmac.new(self.secret, head, hashlib.sha256)
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        """Take the payload's next piece (after :meth:`head`)."""
+        self._xxh.update(piece)
+        if self._mac is not None:
+            self._mac.update(piece)
+        self._seen += len(piece)
+
+    def finish(self, tag: bytes | bytearray | memoryview = b"") -> None:
+        """After the last piece: the payload is whole and its checksum holds, and with a
+        secret ``tag`` is its MAC."""
+        if self._seen != self.nbytes:
+            raise CorruptBlockError(f"payload is {self._seen} bytes, expected {self.nbytes}")
+        if self._mac is not None and not hmac.compare_digest(self._mac.digest(), bytes(tag)):
+            raise UnauthenticatedBlockError("MAC mismatch (tampered, or written under another secret)")
+        if self._xxh.intdigest() != self._checksum:
+            raise CorruptBlockError("checksum mismatch")
+
+
 def _layout_ok(head: bytes | bytearray, head_len: int, lay: bytes) -> bool:
     """Whether ``head``'s layout field is ``lay``, followed by at most a tenant label."""
     end = _FIXED.size + len(lay)

@@ -55,6 +55,7 @@ from urllib.parse import urlsplit
 
 from prefixkv.tiers.bulk_read import BulkReader
 from prefixkv.tiers.codec import CorruptBlockError, Payload, UnauthenticatedBlockError, decode, encode
+from prefixkv.tiers.range_read import MISSING, OK, Place, StreamedRead
 from prefixkv.tiers.quotas import DEFAULT_TENANT
 from prefixkv.tiers.remote_quota import COUNTS, SET, TENANT_PREFIX, TENANTS
 from prefixkv.tiers.stats import TierCounters
@@ -233,18 +234,48 @@ class RemoteTier:
             try:
                 out.append(decode(rec, key, self.layout, self.nbytes, self._secret))
             except CorruptBlockError as exc:
-                forged = isinstance(exc, UnauthenticatedBlockError)
-                logger.warning("remote tier: block %s is %s (%s); deleted", key.hex()[:16],
-                               "unauthenticated" if forged else "corrupt", exc)
-                self.counters.add(**{"unauthenticated" if forged else "corrupt": 1})
-                self._delete(key)
-                with self._lock:  # published again by the next engine that computes it
-                    self._known.pop(key, None)
+                self._corrupt(key, exc)
                 out.append(None)
                 continue
             with self._lock:
                 self._remember(key)
         return out
+
+    def streamed(self, keys: Sequence[bytes], cuts: Sequence[int], place: Place) -> StreamedRead:
+        """A read of ``keys``' blocks in pieces at ``cuts``, each into ``place``'s buffers
+        (:mod:`~prefixkv.tiers.range_read`); run it with :meth:`read_streamed`."""
+        return StreamedRead([PREFIX + k for k in keys], keys, self.layout, self.nbytes, cuts,
+                            place, self._secret, self._bulk.connections)
+
+    def read_streamed(self, read: StreamedRead) -> list[bool]:
+        """Run ``read`` (blocking; another thread may :meth:`~StreamedRead.wait` on its pieces)
+        over this tier's connections: per key, whether its block arrived whole and good. Misses,
+        corrupt records and failures count as in :meth:`read_many`; all fail while the remote
+        is down."""
+        if read.keys and self.is_up:
+            try:
+                read.run(self._bulk)
+            except Exception as exc:  # noqa: BLE001 - any client failure degrades to a miss
+                self._failed(exc)
+        read.abandon()
+        self._forget([k for k, st in zip(read.keys, read.state) if st == MISSING])
+        for key, st in zip(read.keys, read.state):
+            if isinstance(st, CorruptBlockError):
+                self._corrupt(key, st)
+            elif st == OK:
+                with self._lock:
+                    self._remember(key)
+        return [st == OK for st in read.state]
+
+    def _corrupt(self, key: bytes, exc: CorruptBlockError) -> None:
+        """A record that failed its checks: counted, warned about, deleted, forgotten."""
+        forged = isinstance(exc, UnauthenticatedBlockError)
+        logger.warning("remote tier: block %s is %s (%s); deleted", key.hex()[:16],
+                       "unauthenticated" if forged else "corrupt", exc)
+        self.counters.add(**{"unauthenticated" if forged else "corrupt": 1})
+        self._delete(key)
+        with self._lock:  # published again by the next engine that computes it
+            self._known.pop(key, None)
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether the server holds each of ``keys`` (one pipelined ``EXISTS`` each; all

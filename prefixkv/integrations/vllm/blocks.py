@@ -22,15 +22,18 @@ class KVBlocks:
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         """Take vLLM's per-layer KV tensors (``num_blocks`` blocks each); ``ValueError`` for a
         layer with no dimension of ``num_blocks``."""
-        seen: set[int] = set()
+        seen: dict[int, int] = {}
         shapes = []
         self.views: list[torch.Tensor] = []
         self.offsets: list[tuple[int, int]] = []  # per layer: (start, end) within a row
+        self.index: dict[str, int] = {}
+        """Layer name -> its view (layers sharing one cache share it)."""
         off = 0
         for name, t in kv_caches.items():
             if t.data_ptr() in seen:  # layers sharing one cache are stored once
+                self.index[name] = seen[t.data_ptr()]
                 continue
-            seen.add(t.data_ptr())
+            self.index[name] = seen[t.data_ptr()] = len(self.views)
             dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
             if not dims:
                 raise ValueError(f"prefixkv connector: layer {name} has KV shape {tuple(t.shape)}"
@@ -45,6 +48,28 @@ class KVBlocks:
         self.layout = f"vllm/{dtype}/{len(self.views)}x" + ",".join(sorted(set(shapes)))
         """Names the dtype and every layer's block shape: records of another layout are misses."""
         self.nbytes = off
+        self.direct = all(v.device.type == "cpu" and v[0].is_contiguous() for v in self.views)
+        """Each layer's block is one run of host memory: :meth:`buffers` can hand it out."""
+
+    def cuts(self, pieces: int) -> tuple[list[int], list[int]]:
+        """The row cut into at most ``pieces`` runs of whole layers, about equal: (the byte
+        offsets, from 0 to :attr:`nbytes`; each layer's piece)."""
+        n = len(self.views)
+        pieces = max(1, min(pieces, n))
+        piece_of = [layer * pieces // n for layer in range(n)]
+        cuts = [0] + [self.offsets[layer][1] for layer in range(n)
+                      if layer + 1 == n or piece_of[layer + 1] != piece_of[layer]]
+        return cuts, piece_of
+
+    def buffers(self, block_id: int, start: int, end: int) -> list[memoryview]:
+        """Byte views of vLLM block ``block_id``'s own memory holding row bytes ``[start,
+        end)`` (layer boundaries; only where :attr:`direct`): bytes written there are the
+        block's KV, with no copy."""
+        out = []
+        for view, (a, b) in zip(self.views, self.offsets):
+            if a >= start and b <= end:
+                out.append(view[block_id].reshape(-1).view(torch.uint8).numpy().data)
+        return out
 
     def read(self, block_id: int, row: torch.Tensor) -> None:
         """Copy vLLM block ``block_id`` into ``row`` (``[nbytes]`` uint8)."""

@@ -227,22 +227,29 @@ class PrefixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.worker.register(kv_caches, self.num_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Run this step's loads (all of them, before the forward pass)."""
+        """Run this step's loads: host and disk before the forward pass; Valkey's start
+        streaming in, layer by layer (:mod:`.streamed_load`)."""
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, PrefixKVMetadata)
             self.worker.run_loads(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finished in :meth:`start_load_kv`: nothing to wait for."""
+        """Wait for the streaming Valkey loads of ``layer_name`` (host and disk loads ended
+        in :meth:`start_load_kv`)."""
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         """Saves run once per step in :meth:`wait_for_save`, over all layers."""
 
     def wait_for_save(self) -> None:
-        """Queue the blocks this step completed for the save thread (host arena, then the
-        disk and Valkey writers); the step does not wait for the copies."""
+        """End the step's streamed loads (their failures reported this step), then queue the
+        blocks this step completed for the save thread (host arena, then the disk and Valkey
+        writers); the step does not wait for the copies."""
+        if self.worker is not None:
+            self.worker.end_loads()
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, PrefixKVMetadata)

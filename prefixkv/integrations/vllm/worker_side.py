@@ -34,6 +34,7 @@ from prefixkv.integrations.vllm.config import ConnectorConfig
 from prefixkv.integrations.vllm.plan import DISK, GONE, HOST, REMOTE, LoadBlock, SaveBlock, StepPlan
 from prefixkv.integrations.vllm.remote_watch import RemoteWatch
 from prefixkv.integrations.vllm.saver import SaveQueue
+from prefixkv.integrations.vllm.streamed_load import StreamedLoad
 from prefixkv.tiers.codec import Payload
 from prefixkv.tiers.disk import DiskTier
 from prefixkv.tiers.pins import PinnedKeys
@@ -64,6 +65,9 @@ class WorkerSide:
         self._remote_pinned: set[bytes] = set()
         self.saver = SaveQueue(self._copy_out)
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="prefixkv-loader")
+        self.streamer = ThreadPoolExecutor(1, thread_name_prefix="prefixkv-stream")
+        self.streaming: StreamedLoad | None = None
+        """This step's remote loads while they stream in (:meth:`end_loads` ends them)."""
         self._recv: dict[str, tuple[Future[set[int]], list[LoadBlock]]] = {}
         """Asynchronous loads in flight, per request."""
         self.failed: set[int] = set()
@@ -105,12 +109,20 @@ class WorkerSide:
                 self.watch = RemoteWatch(self.remote, spec.remote, timeout=spec.remote_timeout)
 
     # ------------------------------------------------------------------ loads
-    def load(self, loads: Sequence[LoadBlock]) -> set[int]:
+    def load(self, loads: Sequence[LoadBlock], stream: bool = False) -> set[int]:
         """Copy ``loads`` into vLLM's blocks; returns the block ids that could not be read
-        (any thread: the step's, or the loader's for asynchronous loads)."""
+        (any thread: the step's, or the loader's for asynchronous loads). With ``stream`` the
+        remote loads are left streaming in (:attr:`streaming`, :mod:`.streamed_load`) and
+        their failures join :attr:`failed` at :meth:`end_loads`."""
         kv = self.kv
         assert kv is not None
         failed: set[int] = set()
+        remote = [ld for ld in loads if ld.tier == REMOTE]
+        streamed = None
+        if remote and self.remote is not None and kv.direct:
+            streamed = StreamedLoad(self.remote, kv, remote)
+            if stream:  # first: it overlaps the host and disk copies
+                streamed.start(self.streamer)
         host = [ld for ld in loads if ld.tier in (HOST, GONE)]
         if host:
             t0 = time.perf_counter()
@@ -121,30 +133,59 @@ class WorkerSide:
                     kv.write(ld.block_id, self.arena[ld.slot])
                 else:
                     failed.add(ld.block_id)
-            self._count(HOST, host, failed, t0)
+            self._count(HOST, host, failed, time.perf_counter() - t0)
         disk = [ld for ld in loads if ld.tier == DISK]
         if disk:
             t0 = time.perf_counter()
             for ld in disk:
                 self._write_payload(ld.block_id, self.disk.read(ld.key) if self.disk else None,
                                     failed)
-            self._count(DISK, disk, failed, t0)
-        remote = [ld for ld in loads if ld.tier == REMOTE]
-        if remote:
+            self._count(DISK, disk, failed, time.perf_counter() - t0)
+        if streamed is not None and stream:
+            self.streaming = streamed
+        elif streamed is not None:  # on this thread, all before returning
+            self._remote_done(streamed.loads, streamed.run(), failed, streamed.seconds)
+        elif remote:  # vLLM's blocks are not plain host memory: whole records, then copies
             t0 = time.perf_counter()
+            got: list[Payload | None] = []
             for i in range(0, len(remote), REMOTE_BATCH):
-                batch = remote[i : i + REMOTE_BATCH]
-                got = self.remote.read_many([ld.key for ld in batch]) if self.remote else \
-                    [None] * len(batch)
-                for ld, payload in zip(batch, got):
-                    self._write_payload(ld.block_id, payload, failed)
-                if self.watch is not None and self.remote is not None and self.remote.is_up:
-                    # the server answered: a miss is a block it no longer holds
-                    self.watch.missing([ld.key for ld, p in zip(batch, got) if p is None])
-            self._count(REMOTE, remote, failed, t0)
+                keys = [ld.key for ld in remote[i : i + REMOTE_BATCH]]
+                got += self.remote.read_many(keys) if self.remote else [None] * len(keys)
+            for ld, payload in zip(remote, got):
+                self._write_payload(ld.block_id, payload, failed)
+            self._remote_done(remote, [p is not None for p in got], failed,
+                              time.perf_counter() - t0)
         with self._lock:
             self.counts["failed_blocks"] += len(failed)
         return failed
+
+    def _remote_done(self, loads: Sequence[LoadBlock], ok: Sequence[bool], failed: set[int],
+                     seconds: float) -> None:
+        """Count remote ``loads`` (``ok``: which arrived good; the others join ``failed``)."""
+        failed.update(ld.block_id for ld, good in zip(loads, ok) if not good)
+        if self.watch is not None and self.remote is not None and self.remote.is_up:
+            # the server answered: a miss is a block it no longer holds
+            self.watch.missing([ld.key for ld, good in zip(loads, ok) if not good])
+        self._count(REMOTE, loads, failed, seconds)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """vLLM's ``wait_for_layer_load``: the streaming remote loads of ``layer_name`` are in
+        place on return."""
+        if self.streaming is not None:
+            self.streaming.wait_layer(layer_name)
+
+    def end_loads(self) -> None:
+        """The step's forward pass is over: wait for the streamed remote loads to end; the
+        blocks that failed them join :attr:`failed` (reported to vLLM this step)."""
+        streamed, self.streaming = self.streaming, None
+        if streamed is None:
+            return
+        failed: set[int] = set()
+        self._remote_done(streamed.loads, streamed.finish(), failed, streamed.seconds)
+        self.failed |= failed
+        with self._lock:
+            self.counts["failed_blocks"] += len(failed)
+            self.counts["remote_wait_seconds"] += streamed.waited
 
     def _write_payload(self, block_id: int, payload: Payload | None, failed: set[int]) -> None:
         """Copy a read record's payload into vLLM's block, or note the failure."""
@@ -155,9 +196,8 @@ class WorkerSide:
             self.kv.write(block_id, row_of(payload))
 
     def _count(self, tier: str, loads: Sequence[LoadBlock], failed: set[int],
-               since: float) -> None:
+               seconds: float) -> None:
         """Count ``loads`` from ``tier`` (those in ``failed`` did not load) and their time."""
-        seconds = time.perf_counter() - since
         bad = sum(ld.block_id in failed for ld in loads)
         good = len(loads) - bad
         with self._lock:
@@ -170,7 +210,8 @@ class WorkerSide:
     # ------------------------------------------------------------------ saves
     def save(self, saves: Sequence[SaveBlock]) -> None:
         """Queue ``saves`` (blocks computed by now) for the save thread; blocks that failed to
-        load this step are skipped."""
+        load this step are skipped (the streamed loads are ended first)."""
+        self.end_loads()
         todo = [s for s in saves if s.block_id not in self.failed]
         self.saver.submit(saves, todo)
 
@@ -222,12 +263,13 @@ class WorkerSide:
     # ------------------------------------------------------------------ a step
     def run_loads(self, plan: StepPlan) -> None:
         """Start of a step: pins (first plan), this step's loads (load errors reset)."""
+        self.end_loads()  # a step whose end vLLM never signalled
         if plan.pins:
             self.pinned.clear()
             self.pinned.add(plan.pins)
         self.failed = set()
         if plan.loads:
-            self.failed = self.load(plan.loads)
+            self.failed = self.load(plan.loads, stream=True)
         by_request: dict[str, list[LoadBlock]] = {}
         for ld in plan.recv:
             by_request.setdefault(ld.req_id, []).append(ld)
@@ -296,7 +338,9 @@ class WorkerSide:
 
     def close(self) -> None:
         """Finish the loads and copies, flush and stop the writer threads (idempotent)."""
+        self.end_loads()
         self.loader.shutdown(wait=True)
+        self.streamer.shutdown(wait=True)
         self.saver.close()
         if self.watch is not None:
             self.watch.close()
