@@ -117,7 +117,11 @@ class OutputProcessor:
             if params.stop_strings and _check_stop_strings(seq, out, old_len):
                 return
             if params.stop_regexes:
-                budget = self._regex_budgets.setdefault(seq.request.request_id, StepBudget())
+                rid = seq.request.request_id
+                budget = self._regex_budgets.get(rid)
+                if budget is None:  # the request's first sample this step: a fresh budget
+                    budget = StepBudget.for_samples(len(seq.request.seqs))
+                    self._regex_budgets[rid] = budget
                 for rx in params.stop_regexes:  # in order; the text is kept (SGLang's rule)
                     if rx.found(out.text, out.stop_check_from, old_len, budget):
                         seq.finish_reason, out.stop_reason = "stop", rx.pattern

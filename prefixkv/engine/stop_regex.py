@@ -2,16 +2,20 @@
 
 A pattern is Python ``re`` syntax, compiled by the ``regex`` package (``re``-compatible): its
 searches take a timeout. One request's searches in one engine step, over all its patterns and
-samples together, may take :data:`STOP_REGEX_STEP_BUDGET_S` (a :class:`StepBudget`); a request
-past it fails alone (the engine's failure isolation) instead of stalling the one engine thread
-every other request waits on, whether one pattern backtracks catastrophically or many are each
-merely slow.
+samples together, may take :func:`step_budget` of CPU time (2 ms, plus 0.1 ms a sample: 2.4 ms at
+``n=4``, 8.4 ms at ``n=64``); a request past it fails alone (the engine's failure isolation)
+instead of stalling the one engine thread every other request waits on, whether one pattern
+backtracks catastrophically or many are each merely slow. The budget is small because every
+other request's step waits for it: at 20 ms a step, 32 slow patterns held another client's
+8-token request 4-5x its usual latency (``prefixkv bench hostile``); at 2.4 ms, within 2x.
 
 Each step searches only where a *new* match can be: a match of at most ``width`` characters
 that takes in some of the new token's text starts no earlier than ``width - 1`` characters
-before it. A pattern whose longest match is unbounded, or that asserts anything about text
-outside its match (lookarounds, ``\\b``, anchors, back-references), is searched from the start
-of the checked text every step: still correct, linear in the output per step.
+before it; one whose assertions look one character past it (``\\b``, ``\\B``, ``^``, ``$``,
+``\\A``, ``\\Z``) may also end just before the new text and be new because of it, so it starts
+no earlier than ``width`` before it. A pattern whose longest match is unbounded, or that looks
+further outside its match (lookarounds, back-references), is searched from the start of the
+checked text every step: still correct, linear in the output per step.
 """
 
 from __future__ import annotations
@@ -30,13 +34,21 @@ MAX_STOP_REGEX = 32
 MAX_STOP_REGEX_LEN = 256
 """Longest pattern, in characters (SGLang allows 256 bytes)."""
 
-STOP_REGEX_STEP_BUDGET_S = 0.02
+STOP_REGEX_STEP_BUDGET_S = 0.002
 """CPU time one request's stop-regex searches may take in one engine step, all patterns and
-samples together, before the request is failed."""
+samples together, before the request is failed; plus :data:`STOP_REGEX_SAMPLE_BUDGET_S` a
+sample (:func:`step_budget`)."""
 
-_PREEMPTION_SLACK_S = 0.03
-"""Added to a search's wall-clock timeout: the budget counts the engine thread's CPU time, so a
-search the OS paused on a busy machine is not failed for the pause."""
+STOP_REGEX_SAMPLE_BUDGET_S = 0.0001
+"""Added to the step budget for each sample (``n``) of the request: 32 bounded patterns cost
+about 2-3 us a search, so 64 samples need ~5 ms a step."""
+
+_PREEMPTION_SLACK_S = 0.001
+"""Added to a search's wall-clock timeout (the ``regex`` package times wall-clock, the budget
+counts the engine thread's CPU time): a search that ran out of wall-clock time with CPU budget
+left was paused by the OS and is tried again (:data:`_PREEMPTED_RETRIES` times at most)."""
+
+_PREEMPTED_RETRIES = 3
 
 _MAX_WIDTH = 4096  # a longer bounded match is searched like an unbounded one
 
@@ -49,22 +61,28 @@ class StopRegex:
     pattern: str
     compiled: regex.Pattern[str]
     width: int | None
+    reach: int = 0
+    """Characters past the match its assertions look at (1 for ``\\b``, ``^``, ``$`` ...)."""
 
     def found(self, text: str, check_from: int, new_from: int, budget: StepBudget) -> bool:
         """Whether ``text`` holds a match that was not there before its characters from
         ``new_from`` on arrived, looking no earlier than ``check_from``; the search's time is
         taken from ``budget`` (``ValueError`` once it is spent)."""
-        start = check_from if self.width is None else max(check_from, new_from - self.width + 1)
-        left = budget.left
-        if left <= 0:
-            raise budget.spent_error(self.pattern)
-        t0 = time.thread_time()
-        try:
-            return self.compiled.search(text, start, timeout=left + _PREEMPTION_SLACK_S) is not None
-        except TimeoutError as exc:
-            raise budget.spent_error(self.pattern) from exc
-        finally:
-            budget.used += time.thread_time() - t0
+        start = (check_from if self.width is None else
+                 max(check_from, new_from - self.width + 1 - self.reach))
+        for _ in range(_PREEMPTED_RETRIES + 1):
+            left = budget.left
+            if left <= 0:
+                break
+            t0 = time.thread_time()
+            try:
+                return self.compiled.search(text, start,
+                                            timeout=left + _PREEMPTION_SLACK_S) is not None
+            except TimeoutError:
+                pass  # out of CPU budget, or paused by the OS: the loop's check tells which
+            finally:
+                budget.used += time.thread_time() - t0
+        raise budget.spent_error(self.pattern)
 
 
 @dataclass(slots=True)
@@ -80,13 +98,23 @@ class StepBudget:
         """Seconds left in this step."""
         return self.limit - self.used
 
+    @classmethod
+    def for_samples(cls, samples: int) -> StepBudget:
+        """A fresh step's budget for a request of ``samples`` samples (:func:`step_budget`)."""
+        return cls(limit=step_budget(samples))
+
     def spent_error(self, pattern: str) -> ValueError:
         """The error that fails the request (names the pattern being searched)."""
         shown = pattern if len(pattern) <= 64 else pattern[:61] + "..."
         return ValueError(
-            f"stop_regex searches took longer than {self.limit * 1000:.0f} ms in one step (all "
+            f"stop_regex searches took longer than {self.limit * 1000:.1f} ms in one step (all "
             f"patterns and samples together; last searched: {shown!r}; catastrophic backtracking?)"
         )
+
+
+def step_budget(samples: int) -> float:
+    """CPU seconds one request of ``samples`` samples may search in one step."""
+    return STOP_REGEX_STEP_BUDGET_S + STOP_REGEX_SAMPLE_BUDGET_S * max(samples, 1)
 
 
 def compile_stop_regex(value: str | Sequence[str] | None) -> tuple[StopRegex, ...]:
@@ -110,39 +138,51 @@ def compile_stop_regex(value: str | Sequence[str] | None) -> tuple[StopRegex, ..
             compiled = regex.compile(p)
         except regex.error as exc:
             raise ValueError(f"stop_regex {p!r} is not a valid regular expression: {exc}") from exc
-        least, most = _widths(p)
+        least, most, reach = _widths(p)
         if least == 0 or compiled.fullmatch("") is not None:
             raise ValueError(f"stop_regex {p!r} matches the empty string (it would stop at once)")
-        out.append(StopRegex(p, compiled, most))
+        out.append(StopRegex(p, compiled, most, reach))
     return tuple(out)
 
 
-def _widths(pattern: str) -> tuple[int | None, int | None]:
-    """The shortest and longest match of ``pattern``; the longest is ``None`` when unbounded or
-    when the pattern looks outside its match, both ``None`` for syntax the standard parser does
-    not know (the ``regex`` package's own)."""
+def _widths(pattern: str) -> tuple[int | None, int | None, int]:
+    """The shortest and longest match of ``pattern`` and how far past it its assertions look;
+    the longest is ``None`` when unbounded or when the pattern looks further than one character
+    outside its match, both ``None`` for syntax the standard parser does not know (the
+    ``regex`` package's own)."""
     try:
         parser: Any = getattr(re, "_parser")  # CPython 3.11+: the sre parser
         tree = parser.parse(pattern)
         least, most = tree.getwidth()
     except Exception:  # noqa: BLE001 - no parser, or regex-only syntax: search everything
-        return None, None
-    if most > _MAX_WIDTH or not _self_contained(tree, parser):
-        return int(least), None
-    return int(least), int(most)
+        return None, None, 0
+    reach = _reach(tree, parser)
+    if most > _MAX_WIDTH or reach is None:
+        return int(least), None, 0
+    return int(least), int(most), reach
 
 
-_OUTSIDE = {"AT", "ASSERT", "ASSERT_NOT", "GROUPREF", "GROUPREF_EXISTS", "GROUPREF_IGNORE",
+_OUTSIDE = {"ASSERT", "ASSERT_NOT", "GROUPREF", "GROUPREF_EXISTS", "GROUPREF_IGNORE",
             "GROUPREF_LOC_IGNORE", "GROUPREF_UNI_IGNORE"}
+"""Nodes that may look any distance outside the match (lookarounds, back-references)."""
 
 
-def _self_contained(tree: Any, parser: Any) -> bool:
-    """Whether no node of the parsed pattern asserts about text outside the match."""
+def _reach(tree: Any, parser: Any) -> int | None:
+    """How many characters past its match the parsed pattern looks: 0, 1 for position
+    assertions (``AT``: ``\\b``, ``\\B``, ``^``, ``$``, ``\\A``, ``\\Z``, each looking at the
+    neighbouring character at most), ``None`` for lookarounds and back-references."""
+    reach = 0
     for op, av in tree:
-        if str(op) in _OUTSIDE:
-            return False
+        name = str(op)
+        if name in _OUTSIDE:
+            return None
+        if name == "AT":
+            reach = 1
         for x in av if isinstance(av, (tuple, list)) else (av,):
-            subs = x if isinstance(x, list) else [x]
-            if any(isinstance(s, parser.SubPattern) and not _self_contained(s, parser) for s in subs):
-                return False
-    return True
+            for sub in x if isinstance(x, list) else [x]:
+                if isinstance(sub, parser.SubPattern):
+                    inner = _reach(sub, parser)
+                    if inner is None:
+                        return None
+                    reach = max(reach, inner)
+    return reach

@@ -17,6 +17,7 @@ from prefixkv.engine.stop_regex import (
     STOP_REGEX_STEP_BUDGET_S,
     StepBudget,
     compile_stop_regex,
+    step_budget,
 )
 
 
@@ -38,7 +39,8 @@ def test_bad_patterns_are_value_errors_naming_stop_regex(value: object, says: st
 @pytest.mark.parametrize("pattern, width", [
     (r"\n\n", 2), (r"ab{2,3}", 4), (r"x\d{2}", 3),
     (r"[0-9]+\.", None),  # unbounded
-    (r"foo\B", None), (r"a(?=b)", None), (r"(?<=x)y", None), (r"^ab", None),  # look outside
+    (r"foo\B", 3), (r"^ab", 2), (r"\bx\b", 1),  # position assertions: one character past
+    (r"a(?=b)", None), (r"(?<=x)y", None),  # lookarounds: any distance
     (r"(x)\1", None), (r"\p{L}{3}", None),  # a back-reference; the regex package's own syntax
 ])
 def test_the_window_is_the_longest_match_of_a_self_contained_pattern(pattern: str, width: int | None) -> None:
@@ -46,14 +48,18 @@ def test_the_window_is_the_longest_match_of_a_self_contained_pattern(pattern: st
 
 
 PATTERNS = [r"ab", r"b{2,3}c", r"[0-9]+\.", r"a(?=b)", r"ab\B", r"(?<=c)a", r"(a)b\1", r"c$", r"^b",
-            r"\bba", r"a.{0,3}c"]
+            r"\bba", r"a.{0,3}c", r"a\b", r"a\B", r"\Bb", r"(?m)^b", r"(?m)c$", r"b\Z", r"\Aa",
+            r"\bc.?a\b"]
 
 
 @settings(max_examples=300, deadline=None)
 @example(r"a(?=b)", ["a", "b"], 0)  # the match ends before the new text: a lookahead saw it
 @example(r"ab\B", ["ab", "a"], 0)  # ... an assertion after the match
 @example(r"b{2,3}c", ["0b", "b", "bc"], 0)  # the match starts two tokens back
-@given(st.sampled_from(PATTERNS), st.lists(st.text("abc.0 ", min_size=1, max_size=3), min_size=1, max_size=25),
+@example(r"a\B", ["a", "a"], 0)  # ends where the new text starts; \B looked at it
+@example(r"(?m)c$", ["xc", "\n"], 0)  # ... $ before a new line
+@example(r"c$", ["c", "\n"], 0)
+@given(st.sampled_from(PATTERNS), st.lists(st.text("abc.0 \n", min_size=1, max_size=3), min_size=1, max_size=25),
        st.integers(0, 4))
 def test_the_windowed_search_stops_where_a_full_search_first_matches(
         pattern: str, chunks: list[str], min_steps: int) -> None:
@@ -91,17 +97,30 @@ def test_the_budget_is_shared_by_all_patterns_of_a_step() -> None:
     patterns each just under the old 50 ms per-search limit held every step for 1.6 s)."""
     slow = [rf"^(a|aa)+{d}" for d in "0123456789"]  # each backtracks on a run of a's
     patterns = compile_stop_regex(slow)
-    text = "a" * 18  # one search takes about a millisecond: far under the budget alone
+    text = "a" * 12  # one search takes about 0.1 ms: far under the budget alone
     t = StepBudget()
-    patterns[0].found(text, 0, 17, t)
+    patterns[0].found(text, 0, 11, t)
     assert 0 < t.used < STOP_REGEX_STEP_BUDGET_S / 4
-    budget, t0 = StepBudget(), time.perf_counter()
+    budget, t0 = StepBudget(), time.thread_time()
     with pytest.raises(ValueError, match="in one step"):
-        for _ in range(100):
+        for _ in range(1000):
             for rx in patterns:
-                rx.found(text, 0, 17, budget)
-    assert time.perf_counter() - t0 < STOP_REGEX_STEP_BUDGET_S * 10  # bounded, not 100 x 10 searches
+                rx.found(text, 0, 11, budget)
+    assert time.thread_time() - t0 < STOP_REGEX_STEP_BUDGET_S * 3  # bounded, not 1000 x 10 searches
     assert budget.left <= 0.001
+
+
+def test_one_catastrophic_search_stops_near_the_budget_not_tens_of_ms_later() -> None:
+    """The engine thread's CPU time for a search that would backtrack for ever is the step's
+    budget (2.4 ms at n=4) plus ~1 ms: every other request's step waits for it (issue 40: the
+    old 20 ms budget plus a 30 ms wall-clock slack let one search hold a step ~50 ms)."""
+    rx = compile_stop_regex(r"^(a|aa)+\d")[0]
+    budget = StepBudget.for_samples(4)
+    assert budget.limit == pytest.approx(step_budget(4)) and 0.002 < budget.limit < 0.003
+    t0 = time.thread_time()
+    with pytest.raises(ValueError, match=r"longer than 2\.4 ms in one step"):
+        rx.found("a" * 60, 0, 59, budget)
+    assert time.thread_time() - t0 < budget.limit + 0.003
 
 
 A = ord("a")  # the demo model's byte tokens: its output forced to a run of a's
@@ -136,3 +155,30 @@ def test_the_budget_restarts_each_step(make_llm: Any) -> None:
     out = make_llm().generate([[1, 2, 3]], params)[0]
     assert out.error is None
     assert [o.finish_reason for o in out.outputs] == ["length"] * 8
+
+
+def test_a_regex_request_stops_where_a_full_search_of_its_text_first_matches(
+        make_llm: Any, helpers: Any) -> None:
+    """The regex request's own output is what it was with a 20 ms budget and whole-text
+    searches: the same tokens, text and pattern, at the first token whose text (searched
+    whole, patterns in order) holds a match; position assertions included."""
+    printable = list(range(32, 127))  # byte tokens: the text of i tokens is bytes(ids[:i])
+    prompt = helpers.tokens(3, 12)
+    llm = make_llm()
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True,
+                                                 allowed_token_ids=printable))[0].outputs[0]
+    ids = list(free.token_ids)
+    word = regex.escape(bytes(ids[40:43]).decode())
+    patterns = [rf"{word}\b", rf"\B{word}", rf"(?m)^{word}", rf"{word}$", r"\d\d\d", rf"{word}",
+                r"(?<=q)z{2}"]
+    expected = next((i, p) for i in range(1, len(ids) + 1) for p in patterns
+                    if regex.search(p, bytes(ids[:i]).decode()))
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=80, ignore_eos=True,
+                            allowed_token_ids=printable, stop_regex=patterns)
+    out = llm.generate([prompt], params)[0]
+    assert out.error is None
+    stop, pattern = expected
+    for o in out.outputs:
+        assert (o.finish_reason, o.stop_reason) == ("stop", pattern)
+        assert list(o.token_ids) == ids[:stop] and o.text == bytes(ids[:stop]).decode()
+    helpers.assert_no_leak(llm)
