@@ -7,18 +7,23 @@ alone; then each case is posted while the victim loops beside it on its own conn
 case: the status, the time to the answer, the answer's size, the server's RSS before, at its
 peak during the request (sampled every 10 ms) and after (``/proc/PID/status``, with ``--pid``
 or when the benchmark starts the server), and the victim's p50 / max over its requests that
-overlapped the hostile one. The victim loops in a process of its own for the whole run (its
-"alone" figure is its first requests, before any case), so the benchmark's own sending and
-sampling do not slow it. The target (issue 40): every case answered in under a second, under
-100 MB of extra memory, and the victim's slowest request within 2x its slowest alone; each line
-says which of the three held (the machine's other load moves the victim's figures too: compare
-runs of one session, and repeat).
+overlapped the hostile one, the server's worst event-loop stall and the CPU time the server and
+the sender (this process) ran meanwhile. The victim loops in a process of its own for the whole
+run (``hostile_victim.py``; its "alone" figure is its first requests, before any case), so the
+benchmark's own sending and sampling do not slow it; on a small machine they still take CPU
+from the server, so ``--pin`` runs every case a second time with the sender on one CPU and the
+server and victim on the others (a client on another machine), printing both. The target
+(issue 40): every case answered in under a second, under 100 MB of extra memory, and the
+victim's slowest request within 2x its slowest alone; each line says which of the three held
+(the machine's other load moves the victim's figures too: compare runs of one session, and
+repeat).
 
 Without ``--url`` it starts ``prefixkv serve`` (the demo model, or ``--model``) on a free
 loopback port and stops it after. Only loopback or your own servers: it sends what it says.
 
     python -m prefixkv.bench.hostile
     prefixkv bench hostile --url http://127.0.0.1:8000 --pid 1234 --only /tokenize
+    prefixkv bench hostile --only /v1/completions /generate stop_regex --pin
 """
 
 from __future__ import annotations
@@ -26,30 +31,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
-import queue
-import statistics
+import os
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from prefixkv.bench.hostile_victim import VICTIM, Latencies, Pinning, Victim, process_cpu_s
 from prefixkv.bench.load import rss_mb
 from prefixkv.router.local import free_port, stop_processes
 
-__all__ = ["Case", "CaseResult", "HostileReport", "Latencies", "add_arguments", "default_cases",
-           "main", "run_from_args", "run_hostile"]
-
-VICTIM = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
-"""The other client's request: short, greedy, 8 tokens."""
-
+__all__ = ["VICTIM", "Case", "CaseResult", "HostileReport", "Latencies", "Pinning",
+           "add_arguments", "default_cases", "main", "run_from_args", "run_hostile"]
 
 @dataclass(frozen=True, slots=True)
 class Case:
@@ -96,23 +96,6 @@ def default_cases(big_mb: float = 10.0) -> list[Case]:
 
 
 @dataclass(frozen=True, slots=True)
-class Latencies:
-    """The victim's latencies over one window, in seconds; ``errors`` counts non-200 answers."""
-
-    n: int
-    p50_s: float
-    max_s: float
-    errors: int = 0
-
-    @classmethod
-    def of(cls, seconds: Sequence[float], errors: int = 0) -> Latencies:
-        """Summarise ``seconds`` (zeros when empty)."""
-        if not seconds:
-            return cls(0, 0.0, 0.0, errors)
-        return cls(len(seconds), statistics.median(seconds), max(seconds), errors)
-
-
-@dataclass(frozen=True, slots=True)
 class CaseResult:
     """What one case cost: its answer, the server's memory, the victim beside it."""
 
@@ -130,6 +113,10 @@ class CaseResult:
     loop_stall_s: float | None = None
     """The server's worst event-loop lag while the case ran, as the upper bound of its
     ``prefixkv:event_loop_lag_seconds`` bucket (``None``: a server without the series)."""
+    server_cpu_ms: float | None = None
+    """CPU time the server's threads ran while the case ran (``None`` without a pid)."""
+    sender_cpu_ms: float | None = None
+    """CPU time the benchmark's own process (the sender) ran meanwhile."""
 
     @property
     def extra_mb(self) -> float | None:
@@ -146,6 +133,7 @@ class HostileReport:
     alone: Latencies
     results: list[CaseResult] = field(default_factory=list)
     healthy_after: bool = False
+    pinning: Pinning | None = None
 
     def targets(self, result: CaseResult) -> dict[str, bool]:
         """Issue 40's three targets for one case: answered in under a second, under 100 MB
@@ -154,77 +142,6 @@ class HostileReport:
         return {"fast": result.seconds < 1.0,
                 "memory": extra is None or extra < 100.0,
                 "victim": result.victim.errors == 0 and result.victim.max_s <= 2 * self.alone.max_s}
-
-
-def _victim_once(client: httpx.Client) -> tuple[float, bool]:
-    start = time.perf_counter()
-    ok = client.post("/v1/completions", json=VICTIM).status_code == 200
-    return time.perf_counter() - start, ok
-
-
-def _victim_loop(url: str, headers: dict[str, str] | None, out: Any, stop: Any) -> None:
-    """The victim's process: post :data:`VICTIM` over and over until ``stop`` is set, putting
-    ``(monotonic start, seconds, ok)`` on ``out`` for each."""
-    with httpx.Client(base_url=url, timeout=600, headers=headers) as client:
-        for _ in range(5):  # warm-up: a connection, the engine's first steps
-            _victim_once(client)
-        out.put(None)  # ready
-        while not stop.is_set():
-            began = time.monotonic()
-            took, ok = _victim_once(client)
-            out.put((began, took, ok))
-
-
-class _Victim:
-    """The other client, in a process of its own so that the benchmark's own work (sending the
-    hostile body, sampling RSS) cannot slow it: only the server can. Its requests are stamped
-    with ``time.monotonic`` (one clock for every process of the machine)."""
-
-    def __init__(self, url: str, headers: dict[str, str] | None) -> None:
-        ctx = mp.get_context("spawn")
-        self._out: Any = ctx.Queue()
-        self._stop = ctx.Event()
-        self._proc = ctx.Process(target=_victim_loop, args=(url, headers, self._out, self._stop),
-                                 daemon=True)
-        self._seen: list[tuple[float, float, bool]] = []
-        self._proc.start()
-        if self._out.get(timeout=120) is not None:
-            raise RuntimeError("the victim process did not start")
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                item = self._out.get_nowait()
-            except queue.Empty:
-                return
-            self._seen.append(item)
-
-    def window(self, start: float, end: float) -> Latencies:
-        """The victim's requests that overlapped ``[start, end]`` (monotonic)."""
-        self._drain()
-        hit = [(t, ok) for began, t, ok in self._seen if began < end and began + t > start]
-        return Latencies.of([t for t, _ in hit], sum(not ok for _, ok in hit))
-
-    def count(self, n: int, timeout_s: float = 120.0) -> Latencies:
-        """Its next ``n`` requests from now."""
-        self._drain()
-        first = len(self._seen)
-        deadline = time.monotonic() + timeout_s
-        while len(self._seen) < first + n and time.monotonic() < deadline:
-            try:
-                self._seen.append(self._out.get(timeout=1))
-            except queue.Empty:
-                pass
-        got = self._seen[first:first + n]
-        return Latencies.of([t for _, t, _ in got], sum(not ok for _, _, ok in got))
-
-    def close(self) -> None:
-        """Stop the process (its request in flight finishes first)."""
-        self._stop.set()
-        self._proc.join(timeout=60)
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._out.cancel_join_thread()
 
 
 @contextmanager
@@ -248,7 +165,7 @@ def _looping(action: Callable[[], None], pause_s: float = 0.0) -> Iterator[None]
         thread.join()
 
 
-def run_case(url: str, case: Case, victim: _Victim, *, pid: int | None = None,
+def run_case(url: str, case: Case, victim: Victim, *, pid: int | None = None,
              settle_s: float = 0.3, headers: dict[str, str] | None = None) -> CaseResult:
     """Post ``case`` while ``victim`` loops on ``url``; the victim's figures are over its
     requests that overlapped the hostile one (the ``settle_s`` before it if none did)."""
@@ -263,11 +180,15 @@ def run_case(url: str, case: Case, victim: _Victim, *, pid: int | None = None,
     before = rss_mb(pid)
     lag_before = loop_lag_buckets(url, headers)
     with _looping(sample, pause_s=0.01):
+        cpu = process_cpu_s(pid), process_cpu_s(os.getpid())
         start = time.monotonic()
         resp = httpx.post(url + case.path, content=case.body, timeout=600,
                           headers={"content-type": "application/json", **(headers or {})})
         end = time.monotonic()
+        cpu_after = process_cpu_s(pid), process_cpu_s(os.getpid())
     after = rss_mb(pid)
+    server_ms, sender_ms = ((None if b is None or a is None else (a - b) * 1e3)
+                            for b, a in zip(cpu, cpu_after))
     stall = worst_bucket(lag_before, loop_lag_buckets(url, headers))
     time.sleep(settle_s)
     during = victim.window(start, end)
@@ -278,7 +199,7 @@ def run_case(url: str, case: Case, victim: _Victim, *, pid: int | None = None,
         seconds=end - start, response_bytes=len(resp.content),
         excerpt=resp.text[:110].replace("\n", " "), victim=during,
         rss_before_mb=before, rss_peak_mb=max([*peak, after]) if after is not None else None,
-        rss_after_mb=after, loop_stall_s=stall)
+        rss_after_mb=after, loop_stall_s=stall, server_cpu_ms=server_ms, sender_cpu_ms=sender_ms)
 
 
 def loop_lag_buckets(url: str, headers: dict[str, str] | None = None) -> dict[float, float]:
@@ -317,21 +238,26 @@ def run_hostile(url: str, cases: Sequence[Case], *, pid: int | None = None,
                 alone_requests: int = 20, settle_s: float = 0.3,
                 headers: dict[str, str] | None = None,
                 on_alone: Callable[[Latencies], None] | None = None,
-                on_result: Callable[[HostileReport, CaseResult], None] | None = None
-                ) -> HostileReport:
+                on_result: Callable[[HostileReport, CaseResult], None] | None = None,
+                pinning: Pinning | None = None) -> HostileReport:
     """Start the victim's process (5 warm-up requests), time ``alone_requests`` of its requests
     with nothing else sent, then run every case in order while it loops; the callbacks see each
-    figure as it comes."""
-    victim = _Victim(url, headers)
+    figure as it comes. With ``pinning`` (it needs ``pid``), the victim alone and every case run
+    with the sender, the server and the victim on those CPUs."""
+    if pinning is not None and pid is None:
+        raise ValueError("pinning needs pid (the server's process id, to pin it)")
+    victim = Victim(url, headers)
     try:
-        report = HostileReport(victim.count(alone_requests))
-        if on_alone is not None:
-            on_alone(report.alone)
-        for case in cases:
-            result = run_case(url, case, victim, pid=pid, settle_s=settle_s, headers=headers)
-            report.results.append(result)
-            if on_result is not None:
-                on_result(report, result)
+        with (nullcontext() if pinning is None or pid is None else
+              pinning.applied(pid, victim.pid)):
+            report = HostileReport(victim.count(alone_requests), pinning=pinning)
+            if on_alone is not None:
+                on_alone(report.alone)
+            for case in cases:
+                result = run_case(url, case, victim, pid=pid, settle_s=settle_s, headers=headers)
+                report.results.append(result)
+                if on_result is not None:
+                    on_result(report, result)
     finally:
         victim.close()
     try:
@@ -350,9 +276,11 @@ def format_result(report: HostileReport, r: CaseResult) -> str:
     stall = ("" if r.loop_stall_s is None else
              f"; loop stall <= {r.loop_stall_s * 1e3:g} ms" if math.isfinite(r.loop_stall_s) else
              "; loop stall > 10 s")
+    cpu = ("" if r.server_cpu_ms is None or r.sender_cpu_ms is None else
+           f"; CPU server {r.server_cpu_ms:.0f} ms, sender {r.sender_cpu_ms:.0f} ms")
     return (f"{r.label} ({r.body_mb:.1f} MB, {r.path}): {r.status} in {r.seconds * 1e3:.0f} ms, "
             f"{r.response_bytes} B{mem}; victim n={v.n} p50 {v.p50_s * 1e3:.0f} ms "
-            f"max {v.max_s * 1e3:.0f} ms errors {v.errors}{stall} [{marks}] | {r.excerpt}")
+            f"max {v.max_s * 1e3:.0f} ms errors {v.errors}{stall}{cpu} [{marks}] | {r.excerpt}")
 
 
 @contextmanager
@@ -392,6 +320,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", metavar="TEXT",
                    help="run the cases whose label or route contains one of these")
     p.add_argument("--json", type=Path, help="also write the report here")
+    p.add_argument("--pin", action="store_true",
+                   help="after the usual run, run the cases again with the sender on one CPU and "
+                        "the server + victim on the others (as a client on another machine); "
+                        "both runs are printed (needs --pid with --url)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -406,22 +338,42 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"victim alone: n={a.n} p50 {a.p50_s * 1e3:.0f} ms max {a.max_s * 1e3:.0f} ms "
               f"errors {a.errors}", flush=True)
 
-    def go(url: str, pid: int | None) -> HostileReport:
-        return run_hostile(url, cases, pid=pid, headers=headers, on_alone=alone,
+    def go(url: str, pid: int | None, pinning: Pinning | None = None) -> HostileReport:
+        return run_hostile(url, cases, pid=pid, headers=headers, on_alone=alone, pinning=pinning,
                            on_result=lambda rep, r: print(format_result(rep, r), flush=True))
 
+    def both(url: str, pid: int | None) -> list[HostileReport]:
+        reports = [go(url, pid)]  # unpinned first, always: the figure a deployment sees too
+        if args.pin:
+            pinning = Pinning.split()
+            print(pinning.describe(), flush=True)
+            reports.append(go(url, pid, pinning))
+        return reports
+
+    if args.pin and args.url is not None and args.pid is None:
+        raise SystemExit("--pin with --url needs --pid (the server's process id, to pin it)")
     if args.url is None:
         with served(args.model) as (url, pid):
-            report = go(url, pid)
+            reports = both(url, pid)
     else:
-        report = go(args.url, args.pid)
-    print(f"health after: {report.healthy_after}")
+        reports = both(args.url, args.pid)
+    healthy = all(r.healthy_after for r in reports)
+    print(f"health after: {healthy}")
     if args.json is not None:
-        rows = [{**asdict(r), "extra_mb": r.extra_mb, "targets": report.targets(r)}
-                for r in report.results]
-        args.json.write_text(json.dumps({"alone": asdict(report.alone), "results": rows,
-                                         "healthy_after": report.healthy_after}, indent=2))
-    return 0 if report.healthy_after else 1
+        data = _as_json(reports[0])
+        if len(reports) > 1:
+            data["pinned"] = _as_json(reports[1])
+        args.json.write_text(json.dumps(data, indent=2))
+    return 0 if healthy else 1
+
+
+def _as_json(report: HostileReport) -> dict[str, Any]:
+    rows = [{**asdict(r), "extra_mb": r.extra_mb, "targets": report.targets(r)}
+            for r in report.results]
+    pin = report.pinning
+    cpus = None if pin is None else {"sender": sorted(pin.sender), "server": sorted(pin.server)}
+    return {"alone": asdict(report.alone), "results": rows, "healthy_after": report.healthy_after,
+            "cpus": cpus}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from server_live import LiveServer, start_server
 
-from prefixkv.bench.hostile import (Case, default_cases, loop_lag_buckets, main, run_hostile,
-                                    worst_bucket)
+from prefixkv.bench.hostile import (Case, Pinning, default_cases, loop_lag_buckets, main,
+                                    run_hostile, worst_bucket)
+from prefixkv.bench.hostile_victim import process_cpu_s
 from prefixkv.engine import AsyncEngine
 
 
@@ -98,3 +101,39 @@ def test_the_worst_loop_stall_is_the_smallest_bucket_holding_every_new_lag(
     assert worst_bucket(before, {0.005: 15.0, 0.1: 17.0, math.inf: 18.0}) == math.inf
     assert worst_bucket(before, {0.005: 16.0, 0.1: 18.0, math.inf: 18.0}) == 0.005
     assert worst_bucket(before, before) is None and worst_bucket({}, before) is None
+
+
+def _threads_cpus(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_pinning_puts_every_thread_of_the_server_and_victim_apart_from_the_sender() -> None:
+    busy = ("import threading, time\n"
+            "for _ in range(2): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+            "sum(range(3_000_000)); time.sleep(30)")
+    procs = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(2)]
+    try:
+        server, victim = (p.pid for p in procs)
+        time.sleep(0.5)  # its threads started
+        own, before = os.sched_getaffinity(0), _threads_cpus(server)
+        cpu = process_cpu_s(server)
+        assert cpu is not None and cpu > 0 and process_cpu_s(None) is None
+        pinning = Pinning.split()
+        assert pinning.sender.isdisjoint(pinning.server) and pinning.sender | pinning.server <= own
+        with pinning.applied(server, victim):
+            assert _threads_cpus(server) == _threads_cpus(victim) == {pinning.server}
+            assert len(os.listdir(f"/proc/{server}/task")) == 3  # every thread, not the first
+            assert _threads_cpus(os.getpid()) == {pinning.sender}
+        assert _threads_cpus(server) == before and os.sched_getaffinity(0) == own
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_pin_with_a_url_needs_the_server_pid(live: LiveServer) -> None:
+    with pytest.raises(SystemExit, match="--pid"):
+        main(["--url", live.url, "--only", "lone surrogate", "--pin"])
+    with pytest.raises(ValueError, match="pid"):
+        run_hostile(live.url, [], pinning=Pinning(frozenset({0}), frozenset({0})))
