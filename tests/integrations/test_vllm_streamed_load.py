@@ -110,4 +110,5 @@ def test_layers_are_cut_into_runs_in_the_caches_order() -> None:
     cuts, piece_of = worker.kv.cuts(PIECES)
     assert len(cuts) == PIECES + 1 and cuts[0] == 0 and cuts[-1] == worker.block_nbytes
     assert piece_of == sorted(piece_of) and set(piece_of) == set(range(PIECES))
+    assert piece_of.count(0) == 1  # the first layer alone: the forward pass starts sooner
     worker.close()

@@ -52,11 +52,13 @@ class KVBlocks:
         """Each layer's block is one run of host memory: :meth:`buffers` can hand it out."""
 
     def cuts(self, pieces: int) -> tuple[list[int], list[int]]:
-        """The row cut into at most ``pieces`` runs of whole layers, about equal: (the byte
+        """The row cut into at most ``pieces`` runs of whole layers: the first layer alone (the
+        forward pass needs it first: it comes soonest), the rest about equal. Returns (the byte
         offsets, from 0 to :attr:`nbytes`; each layer's piece)."""
         n = len(self.views)
         pieces = max(1, min(pieces, n))
-        piece_of = [layer * pieces // n for layer in range(n)]
+        piece_of = [0] + [1 + (layer - 1) * (pieces - 1) // (n - 1) for layer in range(1, n)] \
+            if pieces > 1 else [0] * n
         cuts = [0] + [self.offsets[layer][1] for layer in range(n)
                       if layer + 1 == n or piece_of[layer + 1] != piece_of[layer]]
         return cuts, piece_of
