@@ -6,6 +6,9 @@ worker publishes is a hit for every other worker running the same model. Writes 
 background thread; reads (``MGET``) run on the engine thread with a short socket timeout, split
 over a few connections and read off the sockets straight into each value's buffer
 (:mod:`~prefixkv.tiers.bulk_read`; redis-py's own reply parser serves the small replies).
+:meth:`RemoteTier.streamed` reads a batch in pieces instead, each into the caller's buffers
+while the rest arrive (:mod:`~prefixkv.tiers.range_read`; the vLLM connector's layer-by-layer
+loads).
 
 Failure policy: the remote is a cache. Any error or timeout counts in ``errors``, logs one
 warning, and opens a circuit for ``retry_after`` seconds during which every read is a miss and
