@@ -182,3 +182,14 @@ def test_a_regex_request_stops_where_a_full_search_of_its_text_first_matches(
         assert (o.finish_reason, o.stop_reason) == ("stop", pattern)
         assert list(o.token_ids) == ids[:stop] and o.text == bytes(ids[:stop]).decode()
     helpers.assert_no_leak(llm)
+
+
+def test_the_largest_request_with_cheap_patterns_fits_the_smaller_budget(make_llm: Any) -> None:
+    """64 samples x 32 bounded patterns (the most one request may ask) search ~2-3 us each:
+    ~5 ms of the 8.4 ms a 64-sample request may take a step, so it finishes."""
+    assert step_budget(64) == pytest.approx(0.0084)
+    params = SamplingParams(n=64, temperature=0.0, max_tokens=24, ignore_eos=True,
+                            allowed_token_ids=[A], stop_regex=[rf"z{i}q" for i in range(32)])
+    out = make_llm().generate([[1, 2, 3]], params)[0]
+    assert out.error is None
+    assert [o.finish_reason for o in out.outputs] == ["length"] * 64
