@@ -33,6 +33,9 @@ __all__ = ["MISSING", "OK", "UNREAD", "Place", "StreamedRead"]
 Place = Callable[[int, int], Sequence[memoryview]]
 """``place(i, g)``: byte buffers (1-D, format ``B``) summing to piece ``g``'s size, where
 block ``i``'s piece ``g`` is received."""
+BATCH_BYTES = 4 << 20
+"""Bytes asked for in one pipelined batch (at least one piece of one block): the server sends
+nothing of a batch before it has run all of it."""
 OK = "ok"
 """A block read whole, its checks passed."""
 MISSING = "missing"
@@ -72,7 +75,13 @@ class StreamedRead:
             blocks = range(a, min(a + step, len(keys)))
             pieces = range(self.pieces + (secret is not None))
             self._plan.append([(i, g) for g in pieces for i in blocks])
-            self._parts.append([[(self.names[i], *self._span(g)) for i in blocks] for g in pieces])
+            batches: list[list[Range]] = []
+            for g in pieces:  # a batch: one piece of at most BATCH_BYTES worth of blocks
+                start, end = self._span(g)
+                per = max(1, BATCH_BYTES // (end - start))
+                batches += [[(self.names[i], start, end) for i in blocks[b:b + per]]
+                            for b in range(0, len(blocks), per)]
+            self._parts.append(batches)
         self._ready = [0] * (self.pieces + 1)  # per piece: parts that delivered it
         self._over = not keys
         self._cond = threading.Condition()

@@ -3,12 +3,12 @@
 A block is stored as one string value (a :mod:`~prefixkv.tiers.codec` record) under
 ``pkv:<key hex>``; keys are process independent (:mod:`~prefixkv.tiers.keys`), so a block one
 worker publishes is a hit for every other worker running the same model. Writes go through a
-background thread; reads (``MGET``) run on the engine thread with a short socket timeout, split
-over a few connections and read off the sockets straight into each value's buffer
-(:mod:`~prefixkv.tiers.bulk_read`; redis-py's own reply parser serves the small replies).
-:meth:`RemoteTier.streamed` reads a batch in pieces instead, each into the caller's buffers
-while the rest arrive (:mod:`~prefixkv.tiers.range_read`; the vLLM connector's layer-by-layer
-loads).
+background thread; reads run on the engine thread with a short socket timeout, split over a
+few connections, pipelined ``GETRANGE`` batches read off the sockets straight into each value's
+buffer (:mod:`~prefixkv.tiers.range_read`, :mod:`~prefixkv.tiers.bulk_read`; redis-py's own
+reply parser serves the small replies). :meth:`RemoteTier.streamed` reads a batch in pieces
+into the caller's buffers, each piece usable while the rest arrive (the vLLM connector's
+layer-by-layer loads).
 
 Failure policy: the remote is a cache. Any error or timeout counts in ``errors``, logs one
 warning, and opens a circuit for ``retry_after`` seconds during which every read is a miss and
@@ -57,7 +57,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prefixkv.tiers.bulk_read import BulkReader
-from prefixkv.tiers.codec import CorruptBlockError, Payload, UnauthenticatedBlockError, decode, encode
+from prefixkv.tiers.codec import CorruptBlockError, Payload, UnauthenticatedBlockError, encode
 from prefixkv.tiers.range_read import MISSING, OK, Place, StreamedRead
 from prefixkv.tiers.quotas import DEFAULT_TENANT
 from prefixkv.tiers.remote_quota import COUNTS, SET, TENANT_PREFIX, TENANTS
@@ -220,29 +220,16 @@ class RemoteTier:
         return ok
 
     def read_many(self, keys: Sequence[bytes]) -> list[Payload | None]:
-        """Payloads for ``keys`` (``None`` for a miss); all misses while the remote is down."""
+        """Payloads for ``keys`` (``None`` for a miss); all misses while the remote is down.
+        Each record is read in one piece into a buffer of its own that becomes the payload
+        (:meth:`streamed`: pipelined ``GETRANGE`` batches, so the first blocks arrive while the
+        server copies the rest; an ``MGET`` is sent only once the server has run all of it)."""
         if not keys or not self.is_up:
             return [None] * len(keys)
-        try:
-            records = self._bulk.mget([PREFIX + k for k in keys])
-        except Exception as exc:  # noqa: BLE001 - any client failure degrades to a miss
-            self._failed(exc)
-            return [None] * len(keys)
-        self._forget([k for k, rec in zip(keys, records) if rec is None])
-        out: list[Payload | None] = []
-        for key, rec in zip(keys, records):
-            if rec is None:
-                out.append(None)
-                continue
-            try:
-                out.append(decode(rec, key, self.layout, self.nbytes, self._secret))
-            except CorruptBlockError as exc:
-                self._corrupt(key, exc)
-                out.append(None)
-                continue
-            with self._lock:
-                self._remember(key)
-        return out
+        bufs = [bytearray(self.nbytes) for _ in keys]
+        read = self.streamed(keys, [0, self.nbytes], lambda i, g: [memoryview(bufs[i])])
+        ok = self.read_streamed(read)
+        return [b if good else None for b, good in zip(bufs, ok)]
 
     def streamed(self, keys: Sequence[bytes], cuts: Sequence[int], place: Place) -> StreamedRead:
         """A read of ``keys``' blocks in pieces at ``cuts``, each into ``place``'s buffers

@@ -233,6 +233,7 @@ def test_worker_and_scheduler_announce_the_valkey_tier(valkey_server: Any) -> No
     worker.watch.close()
     redis.Redis.from_url(valkey_server.url).delete(PREFIX + keys[1])
     worker.run_loads(StepPlan(loads=[LoadBlock(4, keys[0], REMOTE), LoadBlock(5, keys[1], REMOTE)]))
+    worker.end_loads()  # the step's end (vLLM's wait_for_save): the streamed loads report then
     assert worker.take_failed() == {5}
     stored, dropped = worker.take_remote_changes()
     assert (stored, dropped) == ([], [keys[1]])
