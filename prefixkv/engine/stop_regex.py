@@ -49,6 +49,7 @@ counts the engine thread's CPU time): a search that ran out of wall-clock time w
 left was paused by the OS and is tried again (:data:`_PREEMPTED_RETRIES` times at most)."""
 
 _PREEMPTED_RETRIES = 3
+"""Searches of one pattern tried again after a wall-clock timeout with CPU budget left."""
 
 _MAX_WIDTH = 4096  # a longer bounded match is searched like an unbounded one
 
