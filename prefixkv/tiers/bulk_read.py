@@ -171,6 +171,11 @@ class _Connection:
                         sock.sendall(_getranges(batches[k + 1]))
                     for _ in batch:
                         head = self._line()
+                        if head.startswith(b"-WRONGTYPE"):  # not a string: no bytes (as MGET's nil)
+                            into(part, i, 0)
+                            done(part, i)
+                            i += 1
+                            continue
                         if head[:1] in (b"-", b"!"):
                             raise ConnectionError(
                                 f"error reply: {head[1:200].decode(errors='replace')}")
