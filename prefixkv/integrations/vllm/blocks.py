@@ -48,8 +48,10 @@ class KVBlocks:
         self.layout = f"vllm/{dtype}/{len(self.views)}x" + ",".join(sorted(set(shapes)))
         """Names the dtype and every layer's block shape: records of another layout are misses."""
         self.nbytes = off
-        self.direct = all(v.device.type == "cpu" and v[0].is_contiguous() for v in self.views)
+        self.direct = all(v.device.type == "cpu" and v.is_contiguous() for v in self.views)
         """Each layer's block is one run of host memory: :meth:`buffers` can hand it out."""
+        self._bytes = [v.reshape(v.shape[0], -1).view(torch.uint8).numpy() for v in self.views] \
+            if self.direct else []  # per layer: [blocks, bytes] over vLLM's own memory
 
     def cuts(self, pieces: int) -> tuple[list[int], list[int]]:
         """The row cut into at most ``pieces`` runs of whole layers: the first layer alone (the
@@ -67,11 +69,8 @@ class KVBlocks:
         """Byte views of vLLM block ``block_id``'s own memory holding row bytes ``[start,
         end)`` (layer boundaries; only where :attr:`direct`): bytes written there are the
         block's KV, with no copy."""
-        out = []
-        for view, (a, b) in zip(self.views, self.offsets):
-            if a >= start and b <= end:
-                out.append(view[block_id].reshape(-1).view(torch.uint8).numpy().data)
-        return out
+        return [layer[block_id].data for layer, (a, b) in zip(self._bytes, self.offsets)
+                if a >= start and b <= end]
 
     def read(self, block_id: int, row: torch.Tensor) -> None:
         """Copy vLLM block ``block_id`` into ``row`` (``[nbytes]`` uint8)."""
