@@ -11,7 +11,10 @@ import pytest
 from fastapi.routing import APIRoute
 from server_live import LiveServer
 
-from prefixkv.server.json_body import FastJSONRoute, decode
+from prefixkv.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS
+from prefixkv.server.errors import APIError
+from prefixkv.server.json_body import (MAX_LOGIT_BIAS_JSON_BYTES, FastJSONRoute,
+                                       check_logit_bias_bytes, decode)
 
 BODIES = [
     b'{"prompt": "caf\\u00e9 \\ud83d\\ude00", "max_tokens": 1, "temperature": 0.1}',
@@ -69,3 +72,40 @@ def test_requests_and_bad_bodies_answer_as_before(http: httpx.Client) -> None:
     gen = http.post("/generate", json={"text": "caf\u00e9", "sampling_params": {
         "max_new_tokens": 2, "temperature": 0}})
     assert gen.status_code == 200 and gen.json()["meta_info"]["completion_tokens"] == 2
+
+
+BIG_BIAS = {str(i): 1.0 for i in range(100_000)}  # 1.4 MB of JSON
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "hi", "logit_bias": BIG_BIAS}, "logit_bias"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 1, "logit_bias": BIG_BIAS}},
+     "sampling_params.logit_bias"),
+])
+def test_an_oversized_logit_bias_is_refused_from_its_raw_json(body: dict[str, Any], param: str) -> None:
+    """Refused before decoding builds its 100k entries (13 ms on the event loop)."""
+    with pytest.raises(APIError, match=f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} entries") as err:
+        check_logit_bias_bytes(json.dumps(body).encode())
+    assert err.value.param == param and err.value.status == 400
+
+
+@pytest.mark.parametrize("body", [
+    # the most a valid one holds, its ids and values at their longest, pretty-printed
+    json.dumps({"prompt": "x" * 300_000, "logit_bias": {
+        str(151_000 + i): -1.2345678901234567e-05 for i in range(MAX_LOGIT_BIAS_TOKENS)}},
+        indent=8).encode(),
+    json.dumps({"prompt": "word " * 200_000}).encode(),  # big, no bias
+    json.dumps([{"logit_bias": BIG_BIAS}]).encode(),  # not an object: the route answers
+    b'{"logit_bias": NaN, "prompt": "' + b"x" * 300_000 + b'"}',  # only json reads it
+])
+def test_what_could_be_valid_is_left_to_the_route(body: bytes) -> None:
+    assert len(body) > MAX_LOGIT_BIAS_JSON_BYTES
+    check_logit_bias_bytes(body)
+
+
+def test_the_generate_route_refuses_a_big_nested_bias_naming_it(http: httpx.Client) -> None:
+    r = http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1,
+                                                                       "logit_bias": BIG_BIAS}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "sampling_params.logit_bias" and "not read" in err["message"]
