@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="run the reader rows (every tier and ExampleConnector) this many times, "
                          "interleaved, so the machine's load falls on each row alike; a row's "
                          "median is over all its rounds")
+    ap.add_argument("--only", nargs="+", metavar="TEXT",
+                    help="run only the reader rows whose name contains one of these (the "
+                         "recomputing baseline and the writer always run)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -146,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
                 ("vLLM ExampleConnector", {"connector": "example", "kv": str(Path(tmp, "ex")),
                                            "prime": True}),
             ]
+            if args.only:
+                runs = runs[:1] + [r for r in runs[1:] if r[1].get("rounds") == 1
+                                   or any(t in r[0] for t in args.only)]
             results = _run_rows(args.python, base, runs, args.threads, args.repeat, tmp)
         finally:
             server.stop()
