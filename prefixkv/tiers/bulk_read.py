@@ -1,18 +1,19 @@
-"""BulkReader: the remote tier's ``MGET`` of megabyte blocks, read straight off sockets.
+"""BulkReader: megabyte values read straight off a few dedicated sockets.
 
 redis-py parses a reply by reading the socket into its own buffer and slicing values out of it
-(hiredis too: one more copy, in C). A :class:`BulkReader` sends ``MGET`` itself and reads each
-value with ``recv_into`` into a buffer of the value's size: the kernel's copy is the only one the
-reply costs. A batch of keys is split over a few connections read in parallel (``recv_into``
-releases the GIL). ``MGET`` of 15 blocks of 5.9 MB (SmolLM2's ~2,000-token prefix under vLLM), a
-local valkey-server, quiet 2-core machine (``python -m prefixkv.tiers.bulk_read``, medians of
-two runs): redis-py 188 ms, one raw connection 75 ms, three 64 ms (at load ~1: 121-131 ms with
-one, 66-75 ms with three).
+(hiredis too: one more copy, in C). A :class:`BulkReader` sends its commands itself and reads
+each value with ``recv_into`` straight into the caller's buffer: the kernel's copy is the only
+one the reply costs, and a batch split over a few connections is read in parallel
+(``recv_into`` releases the GIL). The remote tier reads through :meth:`BulkReader.getranges`
+(pipelined ``GETRANGE`` batches, :mod:`~prefixkv.tiers.range_read`); :meth:`BulkReader.mget` is
+the earlier whole-``MGET`` read, kept as the baseline of ``python -m prefixkv.tiers.bulk_read``:
+15 blocks of 5.9 MB, a local valkey-server, quiet 2-core machine: redis-py 188 ms, one raw
+connection 75 ms, three 64 ms.
 
 The connections are redis-py's own (``make_connection`` on the client's pool, so AUTH, TLS,
-``SELECT`` and the client's timeouts are exactly the tier's), kept by the reader for itself; it
-reads ``MGET``'s reply in either protocol the handshake chose (RESP2's nil ``$-1`` and RESP3's
-null ``_`` are both a miss). Any failure (a timeout, a reset, an error reply, a reply it cannot
+``SELECT`` and the client's timeouts are exactly the tier's), kept by the reader for itself;
+replies are read in either protocol the handshake chose (RESP2's nil ``$-1`` and RESP3's null
+``_`` are both a miss). Any failure (a timeout, a reset, an error reply, a reply it cannot
 parse) closes that connection and raises; the next call connects again. Thread safe.
 """
 

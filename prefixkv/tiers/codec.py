@@ -71,7 +71,7 @@ def encode(key: bytes, layout: str, payload: Payload, secret: bytes | None = Non
 
 Payload = bytes | bytearray
 """One block's KV bytes as a tier hands them out: a ``bytearray`` is the reader's own buffer
-(the remote tier's, trimmed to the payload in place), the caller's to keep or drop."""
+(the remote tier's, read straight into a payload-sized buffer), the caller's to keep or drop."""
 
 
 @overload
