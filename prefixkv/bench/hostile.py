@@ -91,6 +91,11 @@ def default_cases(big_mb: float = 10.0) -> list[Case]:
                 {"prompt": "hi", "n": 4, "max_tokens": 64, "ignore_eos": True,
                  "allowed_token_ids": [ord("a")],
                  "stop_regex": [f"^(a|aa)+{c}" for c in "0123456789bcdefghijklmnopqrstuvw"]}),
+        # the same with a lookahead: RE2 cannot run it, so the backtracking engine's budget does
+        Case.of("32 slow lookahead stop_regex, n=4", "/v1/completions",
+                {"prompt": "hi", "n": 4, "max_tokens": 64, "ignore_eos": True,
+                 "allowed_token_ids": [ord("a")],
+                 "stop_regex": [f"^(a|aa)+(?={c})" for c in "0123456789bcdefghijklmnopqrstuvw"]}),
         Case("tokenize, lone surrogate", "/tokenize", b'{"prompt": "\\ud800x"}'),
     ]
 

@@ -20,7 +20,7 @@ from prefixkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, R
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.sequence import Request
 from prefixkv.engine.sequence import Sequence as Seq
-from prefixkv.engine.stop_regex import StepBudget
+from prefixkv.engine.stop_regex import StepBudget, first_match
 
 
 class TextStream(Protocol):
@@ -122,10 +122,10 @@ class OutputProcessor:
                 if budget is None:  # the request's first sample this step: a fresh budget
                     budget = StepBudget.for_samples(len(seq.request.seqs))
                     self._regex_budgets[rid] = budget
-                for rx in params.stop_regexes:  # in order; the text is kept (SGLang's rule)
-                    if rx.found(out.text, out.stop_check_from, old_len, budget):
-                        seq.finish_reason, out.stop_reason = "stop", rx.pattern
-                        break
+                hit = first_match(params.stop_regexes, out.text, out.stop_check_from, old_len,
+                                  budget)  # in order; the text is kept (SGLang's rule)
+                if hit is not None:
+                    seq.finish_reason, out.stop_reason = "stop", hit.pattern
         if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_done():
             seq.finish_reason = "stop"  # complete (only a stop token could follow) or failed
         if seq.finish_reason is None and (

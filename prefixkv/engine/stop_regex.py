@@ -1,7 +1,11 @@
 """Stop regexes (SGLang's ``stop_regex``): compiled once per request, searched in new output.
 
-A pattern is Python ``re`` syntax, compiled by the ``regex`` package (``re``-compatible): its
-searches take a timeout. One request's searches in one engine step, over all its patterns and
+A pattern is Python ``re`` syntax. One RE2 can run with the same matches (most: literals,
+classes, ``\\d \\w \\s``, groups, alternation, repeats, ``^``, a final ``$``) is searched by RE2
+in time linear in the text (:mod:`prefixkv.engine.linear_regex`), so a pattern that would
+backtrack catastrophically (``^(a|aa)+b``) costs what a plain one does. The rest (``\\b``,
+lookarounds, back-references, flags) is compiled by the ``regex`` package (``re``-compatible),
+whose searches take a timeout. One request's searches in one engine step, over all its patterns and
 samples together, may take :func:`step_budget` of CPU time (2 ms, plus 0.1 ms a sample: 2.4 ms at
 ``n=4``, 8.4 ms at ``n=64``); a request past it fails alone (the engine's failure isolation)
 instead of stalling the one engine thread every other request waits on, whether one pattern
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import regex
+
+from prefixkv.engine.linear_regex import LinearRegex, compile_linear
 
 MAX_STOP_REGEX = 32
 """Most patterns one request may give (SGLang's limit)."""
@@ -64,13 +70,21 @@ class StopRegex:
     width: int | None
     reach: int = 0
     """Characters past the match its assertions look at (1 for ``\\b``, ``^``, ``$`` ...)."""
+    linear: LinearRegex | None = None
+    """The same pattern in RE2 (linear time), searched instead of ``compiled`` when there."""
 
     def found(self, text: str, check_from: int, new_from: int, budget: StepBudget) -> bool:
         """Whether ``text`` holds a match that was not there before its characters from
-        ``new_from`` on arrived, looking no earlier than ``check_from``; the search's time is
-        taken from ``budget`` (``ValueError`` once it is spent)."""
+        ``new_from`` on arrived, looking no earlier than ``check_from``; ``ValueError`` once
+        ``budget`` is spent. A backtracking search's time is taken from ``budget`` here, an RE2
+        search's by the caller (:func:`first_match`)."""
         start = (check_from if self.width is None else
                  max(check_from, new_from - self.width + 1 - self.reach))
+        if self.linear is not None and budget.left > 0:
+            try:
+                return self.linear.found(text, start)
+            except UnicodeEncodeError:
+                pass  # a lone surrogate (never from the detokenizer): the regex package reads it
         for _ in range(_PREEMPTED_RETRIES + 1):
             left = budget.left
             if left <= 0:
@@ -84,6 +98,22 @@ class StopRegex:
             finally:
                 budget.used += time.thread_time() - t0
         raise budget.spent_error(self.pattern)
+
+
+def first_match(patterns: Sequence[StopRegex], text: str, check_from: int, new_from: int,
+                budget: StepBudget) -> StopRegex | None:
+    """The first of ``patterns`` (in order) with a new match in ``text`` (see
+    :meth:`StopRegex.found`), or ``None``; their searches' CPU time is taken from ``budget``
+    (``ValueError`` once it is spent). One clock read pair covers them all: reading the thread's
+    CPU clock is a system call (~0.8 us), more than an RE2 search of a step's new text."""
+    before, t0 = budget.used, time.thread_time()
+    try:
+        for rx in patterns:
+            if rx.found(text, check_from, new_from, budget):
+                return rx
+        return None
+    finally:  # the backtracking searches timed themselves: the total replaces their sum
+        budget.used = before + (time.thread_time() - t0)
 
 
 @dataclass(slots=True)
@@ -142,7 +172,7 @@ def compile_stop_regex(value: str | Sequence[str] | None) -> tuple[StopRegex, ..
         least, most, reach = _widths(p)
         if least == 0 or compiled.fullmatch("") is not None:
             raise ValueError(f"stop_regex {p!r} matches the empty string (it would stop at once)")
-        out.append(StopRegex(p, compiled, most, reach))
+        out.append(StopRegex(p, compiled, most, reach, compile_linear(p)))
     return tuple(out)
 
 
