@@ -20,7 +20,7 @@ from prefixkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, R
 from prefixkv.engine.sampling_params import SamplingParams
 from prefixkv.engine.sequence import Request
 from prefixkv.engine.sequence import Sequence as Seq
-from prefixkv.engine.stop_regex import StepBudget, first_match
+from prefixkv.engine.stop_regex import StepBudget, first_match, needs_backtracking
 
 
 class TextStream(Protocol):
@@ -120,7 +120,8 @@ class OutputProcessor:
                 rid = seq.request.request_id
                 budget = self._regex_budgets.get(rid)
                 if budget is None:  # the request's first sample this step: a fresh budget
-                    budget = StepBudget.for_samples(len(seq.request.seqs))
+                    budget = StepBudget.for_samples(
+                        len(seq.request.seqs), backtracking=needs_backtracking(params.stop_regexes))
                     self._regex_budgets[rid] = budget
                 hit = first_match(params.stop_regexes, out.text, out.stop_check_from, old_len,
                                   budget)  # in order; the text is kept (SGLang's rule)

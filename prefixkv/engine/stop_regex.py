@@ -5,13 +5,16 @@ classes, ``\\d \\w \\s``, groups, alternation, repeats, ``^``, a final ``$``) is
 in time linear in the text (:mod:`prefixkv.engine.linear_regex`), so a pattern that would
 backtrack catastrophically (``^(a|aa)+b``) costs what a plain one does. The rest (``\\b``,
 lookarounds, back-references, flags) is compiled by the ``regex`` package (``re``-compatible),
-whose searches take a timeout. One request's searches in one engine step, over all its patterns and
-samples together, may take :func:`step_budget` of CPU time (2 ms, plus 0.1 ms a sample: 2.4 ms at
-``n=4``, 8.4 ms at ``n=64``); a request past it fails alone (the engine's failure isolation)
-instead of stalling the one engine thread every other request waits on, whether one pattern
-backtracks catastrophically or many are each merely slow. The budget is small because every
-other request's step waits for it: at 20 ms a step, 32 slow patterns held another client's
-8-token request 4-5x its usual latency (``prefixkv bench hostile``); at 2.4 ms, within 2x.
+whose searches take a timeout.
+
+One request's searches in one engine step, over all its patterns and samples together, may take
+:func:`step_budget` of CPU time (2 ms, plus 0.1 ms a sample: 2.4 ms at ``n=4``, 8.4 ms at
+``n=64``; 1.5 ms less when one of its patterns needs the backtracking engine); a request past it
+fails alone (the engine's failure isolation) instead of stalling the one engine thread every
+other request waits on, whether one pattern backtracks catastrophically or many are each merely
+slow. The budget is small because every other request's step waits for it: at 20 ms a step, 32
+slow patterns held another client's 8-token request 4-5x its usual latency (``prefixkv bench
+hostile``); at 2.4 ms, 2.2-2.7x; on RE2 the same patterns run the request to its end at 1.3-1.9x.
 
 Each step searches only where a *new* match can be: a match of at most ``width`` characters
 that takes in some of the new token's text starts no earlier than ``width - 1`` characters
@@ -26,7 +29,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +51,17 @@ sample (:func:`step_budget`)."""
 
 STOP_REGEX_SAMPLE_BUDGET_S = 0.0001
 """Added to the step budget for each sample (``n``) of the request: 32 bounded patterns cost
-about 2-3 us a search, so 64 samples need ~5 ms a step."""
+about 1-3 us a search, so 64 samples need 2-6 ms a step."""
 
-_PREEMPTION_SLACK_S = 0.001
+BACKTRACKING_STEP_BUDGET_S = 0.0005
+"""The fixed part of the step budget (instead of :data:`STOP_REGEX_STEP_BUDGET_S`) of a request
+with a pattern RE2 cannot run (searched by the backtracking ``regex`` package): such a pattern
+can backtrack catastrophically, and a search whose cost grows step by step spends ~2.6 step
+budgets before the step that fails the request, which every other request's steps wait out
+(``prefixkv bench hostile``'s lookahead case). 32 bounded patterns take ~2.5 us a search on the
+backtracking engine, so even 64 samples fit."""
+
+_PREEMPTION_SLACK_S = 0.0005
 """Added to a search's wall-clock timeout (the ``regex`` package times wall-clock, the budget
 counts the engine thread's CPU time): a search that ran out of wall-clock time with CPU budget
 left was paused by the OS and is tried again (:data:`_PREEMPTED_RETRIES` times at most)."""
@@ -75,28 +87,30 @@ class StopRegex:
 
     def found(self, text: str, check_from: int, new_from: int, budget: StepBudget) -> bool:
         """Whether ``text`` holds a match that was not there before its characters from
-        ``new_from`` on arrived, looking no earlier than ``check_from``; ``ValueError`` once
-        ``budget`` is spent. A backtracking search's time is taken from ``budget`` here, an RE2
-        search's by the caller (:func:`first_match`)."""
+        ``new_from`` on arrived, looking no earlier than ``check_from``; the search's CPU time
+        is taken from ``budget`` (``ValueError`` once it is spent)."""
+        with budget.timing():
+            return self._found(text, check_from, new_from, budget)
+
+    def _found(self, text: str, check_from: int, new_from: int, budget: StepBudget) -> bool:
         start = (check_from if self.width is None else
                  max(check_from, new_from - self.width + 1 - self.reach))
-        if self.linear is not None and budget.left > 0:
+        left = budget.left
+        if left <= 0 and budget.spent():
+            raise budget.spent_error(self.pattern)
+        if self.linear is not None:
             try:
                 return self.linear.found(text, start)
             except UnicodeEncodeError:
                 pass  # a lone surrogate (never from the detokenizer): the regex package reads it
         for _ in range(_PREEMPTED_RETRIES + 1):
-            left = budget.left
-            if left <= 0:
-                break
-            t0 = time.thread_time()
             try:
                 return self.compiled.search(text, start,
-                                            timeout=left + _PREEMPTION_SLACK_S) is not None
+                                            timeout=max(left, 0.0) + _PREEMPTION_SLACK_S) is not None
             except TimeoutError:
-                pass  # out of CPU budget, or paused by the OS: the loop's check tells which
-            finally:
-                budget.used += time.thread_time() - t0
+                if budget.spent():  # or paused by the OS: spent() reads the CPU clock
+                    break
+                left = budget.left
         raise budget.spent_error(self.pattern)
 
 
@@ -104,35 +118,70 @@ def first_match(patterns: Sequence[StopRegex], text: str, check_from: int, new_f
                 budget: StepBudget) -> StopRegex | None:
     """The first of ``patterns`` (in order) with a new match in ``text`` (see
     :meth:`StopRegex.found`), or ``None``; their searches' CPU time is taken from ``budget``
-    (``ValueError`` once it is spent). One clock read pair covers them all: reading the thread's
-    CPU clock is a system call (~0.8 us), more than an RE2 search of a step's new text."""
-    before, t0 = budget.used, time.thread_time()
-    try:
+    (``ValueError`` once it is spent)."""
+    with budget.timing():
         for rx in patterns:
-            if rx.found(text, check_from, new_from, budget):
+            if rx._found(text, check_from, new_from, budget):
                 return rx
         return None
-    finally:  # the backtracking searches timed themselves: the total replaces their sum
-        budget.used = before + (time.thread_time() - t0)
 
 
 @dataclass(slots=True)
 class StepBudget:
     """The search time (the engine thread's CPU time) one request may still spend on stop
-    regexes in the current step."""
+    regexes in the current step.
+
+    The thread's CPU clock is read once when a sample's searches begin and once when they end
+    (:meth:`timing`): reading it is a system call (~0.6 us), more than an RE2 search of a step's
+    new text. In between, :attr:`left` counts wall-clock time since the start (never less than
+    the CPU time), and a search that times out reads the CPU clock (:meth:`settle`) to tell a
+    spent budget from a pause by the OS."""
 
     used: float = 0.0
     limit: float = STOP_REGEX_STEP_BUDGET_S
+    _cpu0: float | None = None  # CPU clock at the last settle while timing, else None
+    _wall0: float = 0.0
 
     @property
     def left(self) -> float:
-        """Seconds left in this step."""
-        return self.limit - self.used
+        """Seconds left in this step (while timing, wall-clock time since the last settle is
+        counted as used)."""
+        if self._cpu0 is None:
+            return self.limit - self.used
+        return self.limit - self.used - (time.perf_counter() - self._wall0)
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        """Take the CPU time of the ``with`` body from the budget (nested: the outer one)."""
+        if self._cpu0 is not None:
+            yield
+            return
+        self._cpu0, self._wall0 = time.thread_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.settle()
+            self._cpu0 = None
+
+    def spent(self) -> bool:
+        """Whether no time is left, by the CPU clock (read only when :attr:`left`'s wall-clock
+        count says so: a pause by the OS is not search time)."""
+        if self.left > 0:
+            return False
+        self.settle()
+        return self.left <= 0
+
+    def settle(self) -> None:
+        """Count the CPU time since the timing began (or last settled) as used."""
+        if self._cpu0 is not None:
+            now = time.thread_time()
+            self.used += now - self._cpu0
+            self._cpu0, self._wall0 = now, time.perf_counter()
 
     @classmethod
-    def for_samples(cls, samples: int) -> StepBudget:
+    def for_samples(cls, samples: int, *, backtracking: bool = False) -> StepBudget:
         """A fresh step's budget for a request of ``samples`` samples (:func:`step_budget`)."""
-        return cls(limit=step_budget(samples))
+        return cls(limit=step_budget(samples, backtracking=backtracking))
 
     def spent_error(self, pattern: str) -> ValueError:
         """The error that fails the request (names the pattern being searched)."""
@@ -143,9 +192,16 @@ class StepBudget:
         )
 
 
-def step_budget(samples: int) -> float:
-    """CPU seconds one request of ``samples`` samples may search in one step."""
-    return STOP_REGEX_STEP_BUDGET_S + STOP_REGEX_SAMPLE_BUDGET_S * max(samples, 1)
+def step_budget(samples: int, *, backtracking: bool = False) -> float:
+    """CPU seconds one request of ``samples`` samples may search in one step; ``backtracking``:
+    one of its patterns is searched by the ``regex`` package (:data:`BACKTRACKING_STEP_BUDGET_S`)."""
+    fixed = BACKTRACKING_STEP_BUDGET_S if backtracking else STOP_REGEX_STEP_BUDGET_S
+    return fixed + STOP_REGEX_SAMPLE_BUDGET_S * max(samples, 1)
+
+
+def needs_backtracking(patterns: Sequence[StopRegex]) -> bool:
+    """Whether one of ``patterns`` is searched by the backtracking ``regex`` package."""
+    return any(rx.linear is None for rx in patterns)
 
 
 def compile_stop_regex(value: str | Sequence[str] | None) -> tuple[StopRegex, ...]:
