@@ -91,6 +91,10 @@ def default_cases(big_mb: float = 10.0) -> list[Case]:
                 {"prompt": "hi", "n": 4, "max_tokens": 64, "ignore_eos": True,
                  "allowed_token_ids": [ord("a")],
                  "stop_regex": [f"^(a|aa)+{c}" for c in "0123456789bcdefghijklmnopqrstuvw"]}),
+        # not hostile: the same request without stop regexes, what any batch-mate costs the victim
+        Case.of("n=4, 64 tokens, no stop_regex (reference)", "/v1/completions",
+                {"prompt": "hi", "n": 4, "max_tokens": 64, "ignore_eos": True,
+                 "allowed_token_ids": [ord("a")]}),
         # the same with a lookahead: RE2 cannot run it, so the backtracking engine's budget does
         Case.of("32 slow lookahead stop_regex, n=4", "/v1/completions",
                 {"prompt": "hi", "n": 4, "max_tokens": 64, "ignore_eos": True,
