@@ -37,12 +37,18 @@ try:  # the low-level matcher skips the wrapper's str bookkeeping (0.7 us a sear
 except ImportError:  # pragma: no cover - a dependency; without it every pattern backtracks
     re2 = None
 
-__all__ = ["LinearRegex", "compile_linear", "to_re2"]
+__all__ = ["LinearRegex", "compile_linear", "linear_cost", "to_re2", "translate"]
 
 MAX_MEM = 1 << 20
 """RE2's memory budget per pattern (program and DFA cache); past it RE2 falls back to its
 slower linear NFA, and a pattern whose program alone does not fit is not compiled (the
 backtracking search takes it). 32 patterns a request: 32 MiB at most."""
+
+MAX_LINEAR_COST = 64 * 1024
+"""The most :func:`linear_cost` one request's patterns may have together on RE2 (the rest go to
+the backtracking engine): RE2 compiles ~40-50 ns a unit, and the compile runs where the request
+is validated, on the server's event loop, so one request holds it ~3 ms at most (``\\w{200}``
+alone would take RE2 6 ms only to give up)."""
 
 _MAX_COUNT = 1000  # RE2 refuses repeat counts above this
 _UNICODE = 32  # re.UNICODE: the default for str patterns
@@ -88,7 +94,8 @@ def compile_linear(pattern: str) -> LinearRegex | None:
     client sends the same patterns with every request, and a class such as ``\\w`` takes RE2
     ~0.6 ms to compile)."""
     translated = to_re2(pattern)
-    if translated is None or re2 is None:
+    cost = linear_cost(pattern)
+    if translated is None or cost is None or cost > MAX_LINEAR_COST or re2 is None:
         return None
     options = re2.Options()
     options.log_errors = False
@@ -103,6 +110,21 @@ def compile_linear(pattern: str) -> LinearRegex | None:
 
 def to_re2(pattern: str) -> str | None:
     """The RE2 pattern matching what ``pattern`` matches, or ``None`` (see the module)."""
+    found = translate(pattern)
+    return None if found is None else found[0]
+
+
+def linear_cost(pattern: str) -> int | None:
+    """What compiling ``pattern`` on RE2 costs, as the length of its RE2 text with every
+    counted repeat written out (RE2 copies ``x{3}`` into ``xxx``; a class such as ``\\w`` is
+    ~12,000 characters and takes RE2 ~0.6 ms to compile); ``None`` when it does not translate."""
+    found = translate(pattern)
+    return None if found is None else found[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def translate(pattern: str) -> tuple[str, int] | None:
+    """:func:`to_re2` and :func:`linear_cost` together (cached)."""
     parser: Any = getattr(re, "_parser", None)
     if parser is None:  # pragma: no cover - CPython 3.11+ has it
         return None
@@ -123,48 +145,61 @@ class _Unsupported(Exception):
     """A construct RE2 would match differently."""
 
 
-def _seq(items: list[Any], *, dotall: bool, last: bool) -> str:
+_Piece = tuple[str, int]  # RE2 text, its length with counted repeats written out
+
+
+def _seq(items: list[Any], *, dotall: bool, last: bool) -> _Piece:
     """A sequence of nodes; ``last``: it ends the pattern (``$`` may close it)."""
     out = []
     for i, (op, av) in enumerate(items):
         name = str(op)
         if name == "AT" and str(av) == "AT_END" and last and i == len(items) - 1:
-            out.append(r"(?:\n?\z)")  # end, or before a final newline: nothing follows it
+            text = r"(?:\n?\z)"  # end, or before a final newline: nothing follows it
+            out.append((text, len(text)))
         else:
             out.append(_node(name, av, dotall=dotall))
-    return "".join(out)
+    return "".join(t for t, _ in out), sum(n for _, n in out)
 
 
-def _node(name: str, av: Any, *, dotall: bool) -> str:
+def _leaf(text: str) -> _Piece:
+    return text, len(text)
+
+
+def _node(name: str, av: Any, *, dotall: bool) -> _Piece:
     if name == "LITERAL":
-        return _char(av)
+        return _leaf(_char(av))
     if name == "NOT_LITERAL":
-        return _ranges(_complement([(av, av)]))
+        return _leaf(_ranges(_complement([(av, av)])))
     if name == "ANY":
-        return "(?s:.)" if dotall else "."
+        return _leaf("(?s:.)" if dotall else ".")
     if name == "IN":
-        return _ranges(_class(av))
+        return _leaf(_class_text(tuple(av)))
     if name == "BRANCH":
-        return "(?:" + "|".join(_seq(list(b), dotall=dotall, last=False) for b in av[1]) + ")"
+        alts = [_seq(list(b), dotall=dotall, last=False) for b in av[1]]
+        return "(?:" + "|".join(t for t, _ in alts) + ")", 4 + sum(n + 1 for _, n in alts)
     if name == "SUBPATTERN":
         _group, add, remove, sub = av
         if add or remove:
             raise _Unsupported(name)
-        return "(?:" + _seq(list(sub), dotall=dotall, last=False) + ")"
+        text, size = _seq(list(sub), dotall=dotall, last=False)
+        return "(?:" + text + ")", size + 4
     if name in ("MAX_REPEAT", "MIN_REPEAT"):
         low, high, sub = av
         unbounded = str(high) == "MAXREPEAT"
         if low > _MAX_COUNT or (not unbounded and high > _MAX_COUNT):
             raise _Unsupported("count")
-        count = f"{{{low},}}" if unbounded else f"{{{low},{high}}}"
+        count = ({0: "*", 1: "+"}.get(low, f"{{{low},}}") if unbounded else
+                 "?" if (low, high) == (0, 1) else f"{{{low},{high}}}")
         lazy = "?" if name == "MIN_REPEAT" else ""
-        return "(?:" + _seq(list(sub), dotall=dotall, last=False) + ")" + count + lazy
+        text, size = _seq(list(sub), dotall=dotall, last=False)
+        copies = max(1, low if unbounded else high)  # RE2 writes x{2,} as xx+, x{1,3} as x(x(x)?)?
+        return "(?:" + text + ")" + count + lazy, (size + 4) * copies
     if name == "AT":
         at = str(av)
         if at in ("AT_BEGINNING", "AT_BEGINNING_STRING"):  # no (?m): both are the text's start
-            return r"\A"
+            return _leaf(r"\A")
         if at == "AT_END_STRING":
-            return r"\z"
+            return _leaf(r"\z")
     raise _Unsupported(name)  # \b, \B, $ inside, lookarounds, back-references, possessive ...
 
 
@@ -175,13 +210,15 @@ def _char(code: int) -> str:
 Ranges = list[tuple[int, int]]
 
 
-def _class(items: list[tuple[Any, Any]]) -> Ranges:
-    """The code points a ``[...]`` (or ``\\d``-like) item list matches."""
-    return list(_class_spans(tuple(items)))
-
-
 @functools.lru_cache(maxsize=256)
+def _class_text(items: tuple[tuple[Any, Any], ...]) -> str:
+    """The RE2 class of a ``[...]`` (or ``\\d``-like) item list (cached: ``\\w`` is ~12,000
+    characters to write)."""
+    return _ranges(list(_class_spans(items)))
+
+
 def _class_spans(items: tuple[tuple[Any, Any], ...]) -> tuple[tuple[int, int], ...]:
+    """The code points a ``[...]`` item list matches."""
     negate, spans = False, []
     for op, av in items:
         name = str(op)

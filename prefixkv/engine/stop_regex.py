@@ -36,7 +36,7 @@ from typing import Any
 
 import regex
 
-from prefixkv.engine.linear_regex import LinearRegex, compile_linear
+from prefixkv.engine.linear_regex import MAX_LINEAR_COST, LinearRegex, compile_linear, linear_cost
 
 MAX_STOP_REGEX = 32
 """Most patterns one request may give (SGLang's limit)."""
@@ -214,7 +214,7 @@ def compile_stop_regex(value: str | Sequence[str] | None) -> tuple[StopRegex, ..
         raise ValueError(f"stop_regex must be a str, a list of str or None, got {value!r}")
     if len(patterns) > MAX_STOP_REGEX:
         raise ValueError(f"stop_regex holds at most {MAX_STOP_REGEX} patterns, got {len(patterns)}")
-    out = []
+    out, linear_left = [], MAX_LINEAR_COST  # RE2 compile time, the request's patterns together
     for p in patterns:
         if not isinstance(p, str) or not p:
             raise ValueError(f"stop_regex must hold non-empty strings, got {p!r}")
@@ -228,7 +228,12 @@ def compile_stop_regex(value: str | Sequence[str] | None) -> tuple[StopRegex, ..
         least, most, reach = _widths(p)
         if least == 0 or compiled.fullmatch("") is not None:
             raise ValueError(f"stop_regex {p!r} matches the empty string (it would stop at once)")
-        out.append(StopRegex(p, compiled, most, reach, compile_linear(p)))
+        cost = linear_cost(p)
+        linear = None
+        if cost is not None and cost <= linear_left:
+            linear = compile_linear(p)
+            linear_left -= cost
+        out.append(StopRegex(p, compiled, most, reach, linear))
     return tuple(out)
 
 

@@ -123,3 +123,22 @@ def test_32_slow_patterns_no_longer_fail_a_request_or_change_its_tokens(make_llm
     assert [o.token_ids for o in outs[1].outputs] == [o.token_ids for o in reference[1].outputs]
     assert outs[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
     helpers.assert_no_leak(llm)
+
+
+def test_what_rE2_compiles_for_one_request_is_bounded_and_the_rest_backtracks() -> None:
+    """RE2 compiles on the server's event loop (a class such as ``\\w`` ~0.6 ms, ``\\w{200}``
+    6 ms only to give up): one request's patterns may cost MAX_LINEAR_COST together; past it
+    a pattern is searched by the regex package (same matches, the backtracking budget)."""
+    from prefixkv.engine.linear_regex import MAX_LINEAR_COST, linear_cost
+
+    assert linear_cost(r"\w") == len(to_re2(r"\w") or "") > 10_000  # Python's Unicode \w, written out
+    assert linear_cost(r"\w{200}") > MAX_LINEAR_COST and compile_linear(r"\w{200}") is None
+    assert compile_stop_regex(r"\w{200}")[0].linear is None
+    many = compile_stop_regex([rf"\w+x{i}" for i in range(32)])
+    on_re2 = [rx.linear is not None for rx in many]
+    assert on_re2[0] and not on_re2[-1] and on_re2 == sorted(on_re2, reverse=True)
+    assert sum(linear_cost(rx.pattern) or 0 for rx in many if rx.linear) <= MAX_LINEAR_COST
+    cheap = compile_stop_regex([rf"^(a|aa)+{c}" for c in "0123456789bcdefghijklmnopqrstuvw"])
+    assert all(rx.linear is not None for rx in cheap)
+    assert first_match(many, "hello ax9", 0, 0, StepBudget()) is many[9]  # backtracking
+    assert first_match(many, "hello ax0", 0, 0, StepBudget()) is many[0]  # RE2
