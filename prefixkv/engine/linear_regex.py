@@ -87,7 +87,7 @@ def _encoded(text: str) -> tuple[bytes, int]:
     return _cached_encoding(text), len(text)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=64)  # 64 programs of at most MAX_MEM
 def compile_linear(pattern: str) -> LinearRegex | None:
     """``pattern`` (Python syntax) compiled by RE2 with the same matches, or ``None`` when it
     uses a construct the two engines read differently or RE2 cannot compile it (cached: a
@@ -117,12 +117,13 @@ def to_re2(pattern: str) -> str | None:
 def linear_cost(pattern: str) -> int | None:
     """What compiling ``pattern`` on RE2 costs, as the length of its RE2 text with every
     counted repeat written out (RE2 copies ``x{3}`` into ``xxx``; a class such as ``\\w`` is
-    ~12,000 characters and takes RE2 ~0.6 ms to compile); ``None`` when it does not translate."""
+    ~12,000 characters and takes RE2 ~0.6 ms to compile); ``None`` when it does not translate
+    or costs more than :data:`MAX_LINEAR_COST`."""
     found = translate(pattern)
     return None if found is None else found[1]
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # texts of at most MAX_LINEAR_COST
 def translate(pattern: str) -> tuple[str, int] | None:
     """:func:`to_re2` and :func:`linear_cost` together (cached)."""
     parser: Any = getattr(re, "_parser", None)
@@ -158,7 +159,10 @@ def _seq(items: list[Any], *, dotall: bool, last: bool) -> _Piece:
             out.append((text, len(text)))
         else:
             out.append(_node(name, av, dotall=dotall))
-    return "".join(t for t, _ in out), sum(n for _, n in out)
+    size = sum(n for _, n in out)
+    if size > MAX_LINEAR_COST:  # never compiled: stop writing it
+        raise _Unsupported("size")
+    return "".join(t for t, _ in out), size
 
 
 def _leaf(text: str) -> _Piece:
@@ -193,6 +197,8 @@ def _node(name: str, av: Any, *, dotall: bool) -> _Piece:
         lazy = "?" if name == "MIN_REPEAT" else ""
         text, size = _seq(list(sub), dotall=dotall, last=False)
         copies = max(1, low if unbounded else high)  # RE2 writes x{2,} as xx+, x{1,3} as x(x(x)?)?
+        if (size + 4) * copies > MAX_LINEAR_COST:
+            raise _Unsupported("size")
         return "(?:" + text + ")" + count + lazy, (size + 4) * copies
     if name == "AT":
         at = str(av)

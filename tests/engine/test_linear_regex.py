@@ -132,7 +132,10 @@ def test_what_rE2_compiles_for_one_request_is_bounded_and_the_rest_backtracks() 
     from prefixkv.engine.linear_regex import MAX_LINEAR_COST, linear_cost
 
     assert linear_cost(r"\w") == len(to_re2(r"\w") or "") > 10_000  # Python's Unicode \w, written out
-    assert linear_cost(r"\w{200}") > MAX_LINEAR_COST and compile_linear(r"\w{200}") is None
+    assert linear_cost(r"\w{4}") == 4 * (linear_cost(r"\w") + 4) <= MAX_LINEAR_COST  # type: ignore[operator]
+    assert linear_cost(r"\w{5}") is None  # over MAX_LINEAR_COST
+    assert linear_cost(r"\w{200}") is None and compile_linear(r"\w{200}") is None
+    assert to_re2(r"\w" * 100) is None  # 1.2 MB of RE2 text: not even written
     assert compile_stop_regex(r"\w{200}")[0].linear is None
     many = compile_stop_regex([rf"\w+x{i}" for i in range(32)])
     on_re2 = [rx.linear is not None for rx in many]
