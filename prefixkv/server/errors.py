@@ -187,7 +187,8 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
             message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"method {request.method} not allowed on {request.url.path}"
-        return respond(APIError(message, status=exc.status_code))
+        code = "request_too_large" if exc.status_code == 413 else None  # as every 413's
+        return respond(APIError(message, status=exc.status_code, code=code))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, RecursionError):  # only a request's own nesting recurses that deep

@@ -1,5 +1,5 @@
 """Owns: the per-route body cap of the routes that take one prompt (413 before any parsing).
-Imports: limits.py (``PROMPT_CHARS_PER_TOKEN``), errors.py.
+Imports: limits.py (``PROMPT_CHARS_PER_TOKEN``), string_guard.py, errors.py.
 
 A route whose body holds one prompt (chat, ``/v1/messages``, ``count_tokens``, ``/v1/responses``,
 ``/tokenize``, the chat render) can never need more bytes than that prompt's text at its most
@@ -16,7 +16,9 @@ stalls the event loop and the engine thread as long (measured: a 1 ms ticker's w
 same either way, docs/reliability.md). Not reading it is what frees the others.
 
 ``/v1/completions`` and ``/generate`` take batches of prompts (``--max-prompts-per-request``),
-so their bound is ``--max-request-body-bytes`` alone (``limits.BodySizeLimit``).
+so their total bound is ``--max-request-body-bytes`` alone (``limits.BodySizeLimit``); their
+body is cut (413) as soon as it provably holds one string longer than any field could be
+(``string_guard.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ from starlette.exceptions import HTTPException
 
 from prefixkv.server.errors import error_body
 from prefixkv.server.limits import PROMPT_CHARS_PER_TOKEN, capped_receive, declared_length
+from prefixkv.server.string_guard import (
+    BATCH_ROUTES,
+    LongString,
+    LongStringTooLarge,
+    StringScan,
+    guarded_receive,
+    string_char_limit,
+)
 
 ONE_PROMPT_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                      "/v1/responses", "/tokenize", "/v1/chat/completions/render")
@@ -59,14 +69,19 @@ class PromptBodyTooLarge(HTTPException):
 
 class PromptBodyLimit:
     """ASGI middleware: 413 with an OpenAI-style body for a one-prompt route's body over its
-    cap (:func:`prompt_body_cap`), decided from ``Content-Length`` before the body is read."""
+    cap (:func:`prompt_body_cap`), decided from ``Content-Length`` before the body is read; and
+    for a batch route's body as soon as it holds a string over
+    :func:`~prefixkv.server.string_guard.string_char_limit` (``string_guard.py``)."""
 
     def __init__(self, app: Any, max_model_len: int, max_body_bytes: int,
-                 routes: Iterable[str] = ONE_PROMPT_ROUTES) -> None:
+                 routes: Iterable[str] = ONE_PROMPT_ROUTES,
+                 batch_routes: Iterable[str] = BATCH_ROUTES) -> None:
         self.app = app
         self.cap = prompt_body_cap(max_model_len, max_body_bytes)
         self.max_model_len = max_model_len
         self.routes = frozenset(routes)
+        self.batch_routes = frozenset(batch_routes)
+        self.string_limit = string_char_limit(max_model_len)
 
     def message(self, path: str, size: int | None) -> str:
         """Why a body is refused: its size, the cap and where the cap comes from."""
@@ -76,9 +91,26 @@ class PromptBodyLimit:
                 f"characters (the model's {self.max_model_len:,}-token context), so it was not "
                 f"read")
 
+    def long_string_message(self, path: str, found: LongString) -> str:
+        """Why a batch route's body is cut: the string, the limit and where it comes from."""
+        return (f"request body of POST {path} holds a JSON string of at least {found.chars:,} "
+                f"characters (seen by byte {found.at:,}), over the {self.string_limit:,}-"
+                f"character limit of any one string: a prompt can hold at most "
+                f"{self.max_model_len * PROMPT_CHARS_PER_TOKEN:,} characters (the model's "
+                f"{self.max_model_len:,}-token context) and no other field comes near, so the "
+                f"rest of the body was not read")
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or scope.get("method") != "POST" or path not in self.routes:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        if path in self.batch_routes:
+            await self.app(scope, guarded_receive(
+                receive, StringScan(self.string_limit),
+                lambda found: LongStringTooLarge(self.long_string_message(path, found))), send)
+            return
+        if path not in self.routes:
             await self.app(scope, receive, send)
             return
         declared = declared_length(scope)
