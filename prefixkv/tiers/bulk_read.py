@@ -106,7 +106,8 @@ class BulkReader:
         except BaseException as exc:  # noqa: BLE001 - raised once every part has stopped
             first = exc
         for f in futures:
-            first = first or f.exception()
+            failed = f.exception()  # waits: no part writes into the caller's buffers after this
+            first = first or failed
         if first is not None:
             raise first
 
