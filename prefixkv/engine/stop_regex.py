@@ -14,7 +14,8 @@ fails alone (the engine's failure isolation) instead of stalling the one engine 
 other request waits on, whether one pattern backtracks catastrophically or many are each merely
 slow. The budget is small because every other request's step waits for it: at 20 ms a step, 32
 slow patterns held another client's 8-token request 4-5x its usual latency (``prefixkv bench
-hostile``); at 2.4 ms, 2.2-2.7x; on RE2 the same patterns run the request to its end at 1.3-1.9x.
+hostile``); at 2.4 ms, 2.2-2.7x; on RE2 the same patterns cost what the request without them
+does (1.9-2.2x against 1.6-2.3x, the benchmark's sender on its own CPU).
 
 Each step searches only where a *new* match can be: a match of at most ``width`` characters
 that takes in some of the new token's text starts no earlier than ``width - 1`` characters
@@ -58,8 +59,8 @@ BACKTRACKING_STEP_BUDGET_S = 0.0005
 with a pattern RE2 cannot run (searched by the backtracking ``regex`` package): such a pattern
 can backtrack catastrophically, and a search whose cost grows step by step spends ~2.6 step
 budgets before the step that fails the request, which every other request's steps wait out
-(``prefixkv bench hostile``'s lookahead case). 32 bounded patterns take ~2.5 us a search on the
-backtracking engine, so even 64 samples fit."""
+(``prefixkv bench hostile``'s lookahead case). 32 bounded patterns take ~3 us a search on the
+backtracking engine: 64 samples of them fit, barely (~6 ms of the 6.9 measured)."""
 
 _PREEMPTION_SLACK_S = 0.0005
 """Added to a search's wall-clock timeout (the ``regex`` package times wall-clock, the budget
