@@ -2,19 +2,22 @@
 
 redis-py parses a reply by reading the socket into its own buffer and slicing values out of it
 (hiredis too: one more copy, in C). A :class:`BulkReader` sends its commands itself and reads
-each value with ``recv_into`` straight into the caller's buffer: the kernel's copy is the only
+each value with ``recv_into`` straight into the caller's buffers: the kernel's copy is the only
 one the reply costs, and a batch split over a few connections is read in parallel
 (``recv_into`` releases the GIL). The remote tier reads through :meth:`BulkReader.getranges`
-(pipelined ``GETRANGE`` batches, :mod:`~prefixkv.tiers.range_read`); :meth:`BulkReader.mget` is
-the earlier whole-``MGET`` read, kept as the baseline of ``python -m prefixkv.tiers.bulk_read``:
-15 blocks of 5.9 MB, a local valkey-server, quiet 2-core machine: redis-py 188 ms, one raw
-connection 75 ms, three 64 ms.
+(:mod:`~prefixkv.tiers.range_read`): pipelined ``GETRANGE`` batches, the next sent while the
+one before is read (a server writes nothing of a pipelined batch, or of an ``MGET``, before it
+has run all of it). ``python -m prefixkv.tiers.bulk_read`` times it against redis-py's
+``MGET``: 15 blocks of 5.9 MB, medians of three runs on the shared 2-core machine (load 0.7):
+redis-py 116-175 ms, one connection 29-64 ms, three 33-56 ms (no faster than one here:
+valkey-server and the reader threads share the two cores).
 
 The connections are redis-py's own (``make_connection`` on the client's pool, so AUTH, TLS,
 ``SELECT`` and the client's timeouts are exactly the tier's), kept by the reader for itself;
-replies are read in either protocol the handshake chose (RESP2's nil ``$-1`` and RESP3's null
-``_`` are both a miss). Any failure (a timeout, a reset, an error reply, a reply it cannot
-parse) closes that connection and raises; the next call connects again. Thread safe.
+replies are read in either protocol the handshake chose (a ``GETRANGE`` reply is the same in
+both: a missing key is an empty string, a key holding no string a ``WRONGTYPE`` error read as no
+bytes). Any other failure (a timeout, a reset, an error reply, a reply it cannot parse) closes
+that connection and raises; the next call connects again. Thread safe.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ _CHUNK = 1 << 16
 
 
 class BulkReader:
-    """``MGET`` of ``keys`` split over ``connections`` dedicated connections of ``client`` (a
-    ``redis.Redis``), read in parallel: each reader thread waits in ``recv_into`` without the
-    GIL, so their copies overlap (figures above). ``ValueError`` unless ``connections >= 1``."""
+    """Ranges of values read over ``connections`` dedicated connections of ``client`` (a
+    ``redis.Redis``), a part per connection, in parallel: each reader thread waits in
+    ``recv_into`` without the GIL, so their copies overlap (figures above). ``ValueError``
+    unless ``connections >= 1``."""
 
     def __init__(self, client: Any, connections: int = 3) -> None:
         if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
@@ -54,31 +58,6 @@ class BulkReader:
     def connections(self) -> int:
         """Connections the reader reads over at once."""
         return len(self._conns)
-
-    def mget(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        """The values of ``keys`` (``None`` where the server has none), in order. Raises what
-        a connection raised (a refused login, a TLS error, a timeout) or ``ConnectionError``
-        for a reply it cannot read; a connection that failed is closed (reopened next time)."""
-        n = min(len(self._conns), len(keys))
-        if n <= 1:
-            return self._conns[0].mget(keys)
-        with self._lock:
-            if self._threads is None:
-                self._threads = ThreadPoolExecutor(len(self._conns) - 1,
-                                                   thread_name_prefix="prefixkv-bulk-read")
-            step = -(-len(keys) // n)  # contiguous parts: one MGET each
-            parts = [keys[i:i + step] for i in range(0, len(keys), step)]
-            futures = [self._threads.submit(c.mget, part)
-                       for c, part in zip(self._conns[1:], parts[1:])]
-            try:
-                out = self._conns[0].mget(parts[0])  # the caller's thread reads one part
-            finally:
-                done = [f.exception() or f.result() for f in futures]  # all finish first
-            for got in done:
-                if isinstance(got, BaseException):
-                    raise got
-                out.extend(got)
-            return out
 
     def getranges(self, parts: Sequence[Sequence[Sequence[Range]]], into: Into,
                   done: Done) -> None:
@@ -112,7 +91,7 @@ class BulkReader:
             raise first
 
     def close(self) -> None:
-        """Drop the connections and the reader threads (the next :meth:`mget` opens again)."""
+        """Drop the connections and the reader threads (the next :meth:`getranges` opens again)."""
         with self._lock:
             for c in self._conns:
                 c.close()
@@ -122,7 +101,7 @@ class BulkReader:
 
 
 class _Connection:
-    """``MGET`` over one dedicated connection of ``client``; one call at a time."""
+    """``GETRANGE`` batches over one dedicated connection of ``client``; one call at a time."""
 
     def __init__(self, client: Any) -> None:
         self._pool = client.connection_pool
@@ -133,34 +112,15 @@ class _Connection:
         self._view = memoryview(self._buf)
         self._start = self._end = 0
 
-    def mget(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        """The values of ``keys`` (``None`` where the server has none). Raises what the client
-        or the socket raised (a refused login, a TLS error, a timeout), or ``ConnectionError``
-        for a reply it cannot read; the connection is closed first."""
-        if not keys:
-            return []
-        with self._lock:
-            try:
-                sock = self._sock if self._sock is not None else self._connect()
-                parts = [b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1)]
-                for k in keys:
-                    parts.append(b"$%d\r\n%s\r\n" % (len(k), k))
-                sock.sendall(b"".join(parts))
-                head = self._line()
-                if head[:1] != b"*" or int(head[1:]) != len(keys):
-                    raise ConnectionError(f"unexpected MGET reply {bytes(head[:80])!r}")
-                return [self._value() for _ in keys]
-            except BaseException:  # the connection's state is unknown: a new one next time
-                self._close()
-                raise
-
     def getrange(self, part: int, batches: Sequence[Sequence[Range]], into: Into,
                  done: Done) -> None:
         """``GETRANGE`` each range of ``batches``, a batch pipelined at once and sent while
         the batch before it is read (a server writes nothing before it has run every command it
         was sent: one batch in flight behind the one being read keeps it busy and the first
         replies early); reply ``i`` (counted over all batches) is read into ``into(part, i,
-        size)``'s buffers, then ``done(part, i)``. Raises as :meth:`mget` does."""
+        size)``'s buffers, then ``done(part, i)``. Raises what the client or the socket raised (a
+        refused login, a TLS error, a timeout), or ``ConnectionError`` for an error reply or a
+        reply it cannot read; the connection is closed first."""
         if not any(batches):
             return
         with self._lock:
@@ -173,7 +133,7 @@ class _Connection:
                         sock.sendall(_getranges(batches[k + 1]))
                     for _ in batch:
                         head = self._line()
-                        if head.startswith(b"-WRONGTYPE"):  # not a string: no bytes (as MGET's nil)
+                        if head.startswith(b"-WRONGTYPE"):  # not a string: no bytes, as a missing key
                             into(part, i, 0)
                             done(part, i)
                             i += 1
@@ -192,7 +152,7 @@ class _Connection:
                 raise
 
     def close(self) -> None:
-        """Drop the connection (the next :meth:`mget` opens another)."""
+        """Drop the connection (the next :meth:`getrange` opens another)."""
         with self._lock:
             self._close()
 
@@ -245,23 +205,6 @@ class _Connection:
                 return line
             self._fill()
 
-    def _value(self) -> bytearray | None:
-        """One bulk string of the array (``None`` for a nil)."""
-        head = self._line()
-        if head == b"_":  # RESP3's null
-            return None
-        if head[:1] in (b"-", b"!"):
-            raise ConnectionError(f"error reply: {head[1:200].decode(errors='replace')}")
-        if head[:1] != b"$":
-            raise ConnectionError(f"unexpected reply {head[:80]!r}")
-        size = int(head[1:])
-        if size < 0:
-            return None
-        out = bytearray(size)
-        with memoryview(out) as view:  # released before the caller trims ``out``
-            self._bulk_into([view], size)
-        return out
-
     def _bulk_into(self, targets: Sequence[memoryview], size: int) -> None:
         """Read a bulk string's ``size`` bytes (its header line read) into ``targets``, one
         after another (1-D views of format ``B`` summing to ``size``), and its closing CRLF."""
@@ -295,8 +238,9 @@ def _getranges(ranges: Sequence[Range]) -> bytes:
 
 
 def main() -> None:
-    """Time ``MGET`` of 15 blocks of 5.9 MB: redis-py vs :class:`BulkReader` with one and three
-    connections (a local valkey-server)."""
+    """Time reading 15 blocks of 5.9 MB from a local valkey-server: redis-py's ``MGET`` (the
+    baseline) vs :meth:`BulkReader.getranges` over one and three connections, each value into a
+    buffer of its own (as the remote tier reads: contiguous parts, one ``GETRANGE`` a batch)."""
     import os
     import statistics
     import time
@@ -312,18 +256,31 @@ def main() -> None:
     try:
         client = redis.Redis(host="127.0.0.1", port=port, socket_read_size=4 << 20)
         keys = [b"k%d" % i for i in range(15)]
+        size = 5_898_240
         for k in keys:
-            client.set(k, os.urandom(5_898_240))
+            client.set(k, os.urandom(size))
+        want = client.mget(keys)
+
+        def ranges(reader: BulkReader) -> list[bytearray]:
+            step = -(-len(keys) // reader.connections)
+            parts = [[[(k, 0, size)] for k in keys[a:a + step]]
+                     for a in range(0, len(keys), step)]
+            out = {(j, i): bytearray(size) for j, p in enumerate(parts) for i in range(len(p))}
+            reader.getranges(parts, lambda j, i, n: [memoryview(out[j, i])[:n]],
+                             lambda j, i: None)
+            return list(out.values())
+
         one, three = BulkReader(client, 1), BulkReader(client, 3)
-        for name, fn in (("redis-py", lambda: client.mget(keys)),
-                         ("BulkReader(1)", lambda: one.mget(keys)),
-                         ("BulkReader(3)", lambda: three.mget(keys))):
+        for name, fn in (("redis-py MGET", lambda: client.mget(keys)),
+                         ("getranges(1)", lambda: ranges(one)),
+                         ("getranges(3)", lambda: ranges(three))):
             times = []
             for _ in range(10):
                 t = time.perf_counter()
-                fn()
+                got = fn()
                 times.append(time.perf_counter() - t)
-            print(f"{name:13s} MGET 15 x 5.9 MB: median {statistics.median(times) * 1e3:.1f} ms, "
+            assert got == want, f"{name} read other bytes"
+            print(f"{name:13s} 15 x 5.9 MB: median {statistics.median(times) * 1e3:.1f} ms, "
                   f"min {min(times) * 1e3:.1f} ms (load {os.getloadavg()[0]:.1f})")
         one.close()
         three.close()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import overload
 
 import xxhash
 
@@ -74,22 +73,13 @@ Payload = bytes | bytearray
 (the remote tier's, read straight into a payload-sized buffer), the caller's to keep or drop."""
 
 
-@overload
 def decode(record: bytes, key: bytes, layout: str, nbytes: int,
-           secret: bytes | None = None) -> bytes: ...
-@overload
-def decode(record: bytearray, key: bytes, layout: str, nbytes: int,
-           secret: bytes | None = None) -> bytearray: ...
-def decode(
-    record: bytes | bytearray, key: bytes, layout: str, nbytes: int,
-    secret: bytes | None = None,
-) -> Payload:
+           secret: bytes | None = None) -> bytes:
     """The payload of ``record`` if it is intact and holds ``key`` in ``layout`` with
     ``nbytes`` bytes (and, with ``secret``, its MAC holds); else :class:`CorruptBlockError`
     (:class:`UnauthenticatedBlockError` for a MAC that fails or is missing) saying what is wrong.
-    A ``bytearray`` record is trimmed to its payload in place and returned (a block is megabytes:
-    copying 88 MB out of a read's buffers took 39 ms, most of it page faults); ``bytes`` are
-    sliced (one copy)."""
+    The disk tier's whole-record check (the remote tier checks its records as they arrive:
+    :class:`RecordCheck`)."""
     if len(record) < _FIXED.size:
         raise CorruptBlockError(f"truncated header ({len(record)} bytes)")
     magic, version, head_len, length, checksum, stored_key = _FIXED.unpack_from(record)
@@ -115,10 +105,6 @@ def decode(
     with memoryview(record) as view:
         if xxhash.xxh64_intdigest(view[head_len:end]) != checksum:
             raise CorruptBlockError("checksum mismatch")
-    if isinstance(record, bytearray):
-        del record[end:]  # the MAC, if any
-        del record[:head_len]  # CPython moves a bytearray's start: no copy
-        return record
     return record[head_len:end]
 
 
