@@ -82,25 +82,16 @@ def decode(record: bytes, key: bytes, layout: str, nbytes: int,
     :class:`RecordCheck`)."""
     if len(record) < _FIXED.size:
         raise CorruptBlockError(f"truncated header ({len(record)} bytes)")
-    magic, version, head_len, length, checksum, stored_key = _FIXED.unpack_from(record)
-    if magic != MAGIC or version not in (VERSION, VERSION_MAC):
-        raise CorruptBlockError(f"bad magic/version {magic!r}/{version}")
+    _check_version(record, secret)
     end = len(record)
-    if secret is not None:
-        if version != VERSION_MAC:
-            raise UnauthenticatedBlockError("record carries no MAC")
+    if secret is not None:  # the MAC before the fields it covers: a forged field is unauthenticated
         end -= TAG_BYTES
         want = hmac.new(secret, memoryview(record)[: max(end, 0)], hashlib.sha256).digest()
         if end < _FIXED.size or not hmac.compare_digest(want, record[end:]):
             raise UnauthenticatedBlockError(
                 "MAC mismatch (tampered, or written under another secret)")
-    elif version != VERSION:
-        raise CorruptBlockError("record carries a MAC and this reader has no secret")
-    if stored_key != key:
-        raise CorruptBlockError("record holds another key")
-    if not _layout_ok(record, head_len, layout.encode()):
-        raise CorruptBlockError("layout differs")
-    if length != nbytes or end != head_len + length:
+    head_len, checksum = _check_fields(record, key, layout.encode(), nbytes, TENANT_BYTES)
+    if end != head_len + nbytes:
         raise CorruptBlockError(f"payload is {end - head_len} bytes, expected {nbytes}")
     with memoryview(record) as view:
         if xxhash.xxh64_intdigest(view[head_len:end]) != checksum:
@@ -113,7 +104,10 @@ class RecordCheck:
     :func:`header_size` bytes: a record without a tenant label, as the remote tier writes),
     then its payload's pieces, then (with ``secret``) its MAC tag. Each step raises
     :class:`CorruptBlockError` (:class:`UnauthenticatedBlockError` for the MAC) as
-    :func:`decode` would; the payload is the reader's to drop if any step fails."""
+    :func:`decode` would, but for one case: with a secret, what it sees before the MAC (a
+    truncated record; an altered key, layout or length field) is corrupt here, where
+    :func:`decode` (the MAC first) calls it unauthenticated. The payload is the reader's to drop
+    if any step fails."""
 
     def __init__(self, key: bytes, layout: str, nbytes: int, secret: bytes | None = None) -> None:
         self.key, self.layout, self.nbytes, self.secret = key, layout, nbytes, secret
@@ -128,17 +122,8 @@ class RecordCheck:
         head = bytes(head)
         if len(head) != _FIXED.size + len(self._lay):
             raise CorruptBlockError(f"truncated header ({len(head)} bytes)")
-        magic, version, head_len, length, self._checksum, stored_key = _FIXED.unpack_from(head)
-        if magic != MAGIC or version != (VERSION if self.secret is None else VERSION_MAC):
-            if magic == MAGIC and version in (VERSION, VERSION_MAC) and self.secret is not None:
-                raise UnauthenticatedBlockError("record carries no MAC")
-            raise CorruptBlockError(f"bad magic/version {magic!r}/{version}")
-        if stored_key != self.key:
-            raise CorruptBlockError("record holds another key")
-        if head_len != len(head) or head[_FIXED.size:] != self._lay:
-            raise CorruptBlockError("layout differs")
-        if length != self.nbytes:
-            raise CorruptBlockError(f"payload is {length} bytes, expected {self.nbytes}")
+        _check_version(head, self.secret)
+        _, self._checksum = _check_fields(head, self.key, self._lay, self.nbytes, 0)
         if self.secret is not None:
             self._mac = hmac.new(self.secret, head, hashlib.sha256)
 
@@ -160,10 +145,39 @@ class RecordCheck:
             raise CorruptBlockError("checksum mismatch")
 
 
-def _layout_ok(head: bytes | bytearray, head_len: int, lay: bytes) -> bool:
-    """Whether ``head``'s layout field is ``lay``, followed by at most a tenant label."""
+def _check_version(head: bytes | bytearray, secret: bytes | None) -> None:
+    """The first of :func:`decode`'s header checks (``head``: at least ``_FIXED.size`` bytes):
+    the magic, and the version this reader takes (with ``secret`` only MAC records)."""
+    magic, version = _FIXED.unpack_from(head)[:2]
+    if magic != MAGIC or version not in (VERSION, VERSION_MAC):
+        raise CorruptBlockError(f"bad magic/version {magic!r}/{version}")
+    if secret is not None and version != VERSION_MAC:
+        raise UnauthenticatedBlockError("record carries no MAC")
+    if secret is None and version != VERSION:
+        raise CorruptBlockError("record carries a MAC and this reader has no secret")
+
+
+def _check_fields(head: bytes | bytearray, key: bytes, lay: bytes, nbytes: int,
+                  label: int) -> tuple[int, int]:
+    """The rest of the header checks (after the MAC, where there is one): ``head`` holds
+    ``key`` in layout ``lay`` (then a tenant label of at most ``label`` bytes) with an
+    ``nbytes`` payload. Its header length and checksum."""
+    _, _, head_len, length, checksum, stored_key = _FIXED.unpack_from(head)
+    if stored_key != key:
+        raise CorruptBlockError("record holds another key")
+    if not _layout_ok(head, head_len, lay, label):
+        raise CorruptBlockError("layout differs")
+    if length != nbytes:
+        raise CorruptBlockError(f"payload is {length} bytes, expected {nbytes}")
+    return head_len, checksum
+
+
+def _layout_ok(head: bytes | bytearray, head_len: int, lay: bytes,
+               label: int = TENANT_BYTES) -> bool:
+    """Whether ``head``'s layout field is ``lay``, followed by a tenant label of at most
+    ``label`` bytes."""
     end = _FIXED.size + len(lay)
-    return end <= head_len <= end + TENANT_BYTES and head[_FIXED.size : end] == lay
+    return end <= head_len <= end + label and head[_FIXED.size : end] == lay
 
 
 def header_size(layout: str) -> int:
