@@ -3,8 +3,8 @@
 For a reader that can use the first part of every block before the rest has arrived: a vLLM
 forward pass needs every loaded block's first layer before its second. Each record's payload is
 cut at the same offsets ``cuts`` (``0 = c0 < c1 < ... < cn = nbytes``); piece ``g`` is its bytes
-``[c_g, c_g+1)``. The blocks are split over the reader's connections (contiguous runs, as
-``MGET`` splits them); each connection asks, in one pipelined batch of ``GETRANGE``, for piece 0
+``[c_g, c_g+1)``. The blocks are split over the reader's connections (a contiguous run on
+each); each connection asks, in one pipelined batch of ``GETRANGE``, for piece 0
 of each of its blocks (with the record's header in front), then piece 1 of each, and so on, and
 with a secret each record's MAC tag last; one piece's batch is sent while the one before it is
 read. Piece ``g`` is *ready* once every connection has
