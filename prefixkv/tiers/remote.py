@@ -129,7 +129,7 @@ class RemoteTier:
                 url, socket_timeout=timeout, socket_connect_timeout=timeout)
         except ValueError as exc:
             raise ValueError(f"kv_remote {self.url!r} is not a valid redis URL: {exc}") from None
-        self._bulk = BulkReader(self._client)  # MGET straight off the socket (bulk_read.py)
+        self._bulk = BulkReader(self._client)  # GETRANGE pieces straight off the socket (bulk_read.py)
         self._secret = secret
         self.layout = layout
         self.nbytes = nbytes
