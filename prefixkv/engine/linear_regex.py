@@ -71,20 +71,13 @@ class LinearRegex:
         """Whether ``text`` holds a match starting at character ``start`` or later (the text
         before ``start`` is context for ``^``, as ``regex.search(text, start)`` takes it);
         ``UnicodeEncodeError`` for a text holding a lone surrogate (not UTF-8)."""
-        data, chars = _encoded(text)
-        pos = start if len(data) == chars else len(data) - len(text[start:].encode())
+        data = text.encode()
+        pos = start if len(data) == len(text) else len(data) - len(text[start:].encode())
+        return self.search(data, pos)
+
+    def search(self, data: bytes, pos: int) -> bool:
+        """:meth:`found` on the text's UTF-8 ``data`` from byte ``pos`` (a character's start)."""
         return bool(self._program.Match(self._anchor, data, pos, len(data))[0][0] >= 0)
-
-
-@functools.lru_cache(maxsize=1)
-def _cached_encoding(text: str) -> bytes:
-    return text.encode()
-
-
-def _encoded(text: str) -> tuple[bytes, int]:
-    """``text`` as UTF-8 and its length in characters: one encoding serves every pattern and
-    the patterns of one sample are searched one after another."""
-    return _cached_encoding(text), len(text)
 
 
 @functools.lru_cache(maxsize=64)  # 64 programs of at most MAX_MEM

@@ -93,9 +93,14 @@ class StopRegex:
         with budget.timing():
             return self._found(text, check_from, new_from, budget)
 
+    def start(self, check_from: int, new_from: int) -> int:
+        """Where a search for a new match starts (the module's window)."""
+        if self.width is None:
+            return check_from
+        return max(check_from, new_from - self.width + 1 - self.reach)
+
     def _found(self, text: str, check_from: int, new_from: int, budget: StepBudget) -> bool:
-        start = (check_from if self.width is None else
-                 max(check_from, new_from - self.width + 1 - self.reach))
+        start = self.start(check_from, new_from)
         left = budget.left
         if left <= 0 and budget.spent():
             raise budget.spent_error(self.pattern)
@@ -121,8 +126,20 @@ def first_match(patterns: Sequence[StopRegex], text: str, check_from: int, new_f
     :meth:`StopRegex.found`), or ``None``; their searches' CPU time is taken from ``budget``
     (``ValueError`` once it is spent)."""
     with budget.timing():
-        for rx in patterns:
-            if rx._found(text, check_from, new_from, budget):
+        if budget.left <= 0 and budget.spent():
+            raise budget.spent_error(patterns[-1].pattern)
+        try:
+            data: bytes | None = text.encode()  # once for every RE2 pattern of the sample
+        except UnicodeEncodeError:  # a lone surrogate (never from the detokenizer)
+            data = None
+        ascii_only = data is not None and len(data) == len(text)
+        for rx in patterns:  # an RE2 search is bounded (linear): the budget is checked per sample
+            if rx.linear is not None and data is not None:
+                start = rx.start(check_from, new_from)
+                pos = start if ascii_only else len(data) - len(text[start:].encode())
+                if rx.linear.search(data, pos):
+                    return rx
+            elif rx._found(text, check_from, new_from, budget):
                 return rx
         return None
 
